@@ -1,0 +1,208 @@
+"""AdapterCache: where each adapter lives — disk, host memory, or a device slot. Policy only, no torch.
+
+Tiers (each an LRU, oldest first):
+  known  every adapter registered by name; its path stays even when its weights leave memory (disk tier)
+  host   adapters whose weights are in host memory, at most max_cpu_loras
+  slots  adapters copied into a device slot, at most max_loras; always a subset of host
+An adapter is never evicted while pinned or while in-flight requests hold a reference on it; when
+nothing can be evicted the caller gets CacheFullError, never a silent eviction. Mutators return a
+Changes record; the LoRAManager carries it out (copy into / clear slots, free host tensors).
+Semantics follow vLLM's LRUCacheLoRAModelManager: adding a known adapter touches it, activating into
+full slots evicts the least recently used unpinned one, pinning an unknown adapter is an error.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+
+class CacheFullError(RuntimeError):
+    """Every adapter that could make room is pinned or in use."""
+
+
+class AdapterInUseError(RuntimeError):
+    """The adapter is referenced by in-flight requests."""
+
+
+@dataclass(frozen=True)
+class SlotUpdate:
+    slot: int
+    adapter: str | None  # None: clear the slot
+
+
+@dataclass
+class Changes:
+    slots: list[SlotUpdate] = field(default_factory=list)  # apply in order
+    dropped: list[str] = field(default_factory=list)  # free these host copies; reload from disk on use
+
+
+class AdapterCache:
+    def __init__(self, max_loras: int, max_cpu_loras: int):
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu_loras
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self._host: OrderedDict[str, None] = OrderedDict()
+        self._slots: OrderedDict[str, int] = OrderedDict()
+        self._free_slots = list(range(max_loras))
+        self._pinned: set[str] = set()
+        self._refs: Counter[str] = Counter()
+        self._memory_only: set[str] = set()  # no disk copy: never dropped from host
+
+    # ---- queries -------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self._known
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._known)
+
+    @property
+    def active(self) -> dict[str, int]:
+        return dict(self._slots)
+
+    def in_host(self, name: str) -> bool:
+        return name in self._host
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slots.get(name)
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self._pinned
+
+    def refs(self, name: str) -> int:
+        return self._refs[name]
+
+    def can_activate(self, name: str) -> bool:
+        """Whether `activate(name)` would succeed now (check/act pair for the scheduler)."""
+        return name in self._slots or bool(self._free_slots) or self._slot_victim() is not None
+
+    # ---- host tier -----------------------------------------------------------------------
+    def add(self, name: str, on_disk: bool = True) -> Changes:
+        """Register `name` (or touch it) and mark its weights host-resident; evict the LRU to fit.
+
+        An adapter with no disk copy (`on_disk=False`) cannot be reloaded, so it is never dropped."""
+        changes = Changes()
+        if name not in self._host and len(self._host) >= self.max_cpu_loras:
+            victim = self._host_victim()
+            if victim is None:
+                raise CacheFullError(
+                    f"cannot keep adapter {name!r} in host memory: all max_cpu_loras={self.max_cpu_loras} "
+                    f"adapters there are pinned, in use or have no disk copy ({', '.join(self._host)})"
+                )
+            self._drop_from_host(victim, changes)
+        self._touch(name, self._known)
+        self._touch(name, self._host)
+        if not on_disk:
+            self._memory_only.add(name)
+        return changes
+
+    def remove(self, name: str) -> Changes:
+        """Forget `name` entirely (unload). Refused while requests use it."""
+        self._require_known(name)
+        if self._refs[name]:
+            raise AdapterInUseError(f"adapter {name!r} is used by {self._refs[name]} running request(s)")
+        changes = Changes()
+        if name in self._host:
+            self._drop_from_host(name, changes)
+        self._pinned.discard(name)
+        self._memory_only.discard(name)
+        del self._known[name]
+        return changes
+
+    # ---- slot tier -----------------------------------------------------------------------
+    def activate(self, name: str) -> tuple[int, Changes]:
+        """Give `name` a device slot (touching it if it has one). Its weights must be host-resident."""
+        self._require_known(name)
+        if name not in self._host:
+            raise KeyError(f"adapter {name!r} is not in host memory; load it before activating")
+        self._touch(name, self._known)
+        self._touch(name, self._host)
+        if name in self._slots:
+            self._slots.move_to_end(name)
+            return self._slots[name], Changes()
+        changes = Changes()
+        if not self._free_slots:
+            victim = self._slot_victim()
+            if victim is None:
+                raise CacheFullError(
+                    f"cannot activate adapter {name!r}: all max_loras={self.max_loras} slots hold pinned or "
+                    f"in-use adapters ({', '.join(self._slots)})"
+                )
+            changes.slots.append(self._free_slot_of(victim))
+        slot = self._free_slots.pop(0)
+        self._slots[name] = slot
+        changes.slots.append(SlotUpdate(slot, name))
+        return slot, changes
+
+    def deactivate(self, name: str) -> Changes:
+        """Take `name` out of its slot (it stays in host memory). Refused while requests use it."""
+        self._require_known(name)
+        if self._refs[name]:
+            raise AdapterInUseError(f"adapter {name!r} is used by {self._refs[name]} running request(s)")
+        if name not in self._slots:
+            return Changes()
+        self._pinned.discard(name)
+        return Changes(slots=[self._free_slot_of(name)])
+
+    # ---- pins and references ---------------------------------------------------------------
+    def pin(self, name: str) -> Changes:
+        """Keep `name` in host memory and in a slot until unpinned or unloaded (activates it)."""
+        if name not in self._known:
+            raise KeyError(f"cannot pin adapter {name!r}: it is not loaded")
+        if name not in self._slots and sum(n in self._pinned for n in self._slots) >= self.max_loras:
+            raise CacheFullError(f"cannot pin adapter {name!r}: all max_loras={self.max_loras} slots are pinned")
+        _, changes = self.activate(name)
+        self._pinned.add(name)
+        return changes
+
+    def unpin(self, name: str) -> None:
+        self._require_known(name)
+        self._pinned.discard(name)
+
+    def acquire(self, name: str) -> None:
+        """A request starts using `name`: it is not evicted until the matching release."""
+        self._require_known(name)
+        self._refs[name] += 1
+
+    def release(self, name: str) -> None:
+        if self._refs[name] <= 0:
+            raise RuntimeError(f"adapter {name!r} released more often than acquired")
+        self._refs[name] -= 1
+        if not self._refs[name]:
+            del self._refs[name]
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _evictable(self, name: str) -> bool:
+        return name not in self._pinned and not self._refs[name]
+
+    def _slot_victim(self) -> str | None:
+        return next((n for n in self._slots if self._evictable(n)), None)
+
+    def _host_victim(self) -> str | None:
+        # Prefer adapters without a slot: dropping one with a slot also empties the slot.
+        candidates = [n for n in self._host if self._evictable(n) and n not in self._memory_only]
+        unslotted = [n for n in candidates if n not in self._slots]
+        return (unslotted or candidates or [None])[0]
+
+    def _drop_from_host(self, name: str, changes: Changes) -> None:
+        if name in self._slots:
+            changes.slots.append(self._free_slot_of(name))
+        del self._host[name]
+        changes.dropped.append(name)
+
+    def _free_slot_of(self, name: str) -> SlotUpdate:
+        slot = self._slots.pop(name)
+        self._free_slots.append(slot)
+        self._free_slots.sort()
+        return SlotUpdate(slot, None)
+
+    def _require_known(self, name: str) -> None:
+        if name not in self._known:
+            raise KeyError(f"adapter {name!r} is not loaded")
+
+    @staticmethod
+    def _touch(name: str, lru: OrderedDict[str, None]) -> None:
+        lru[name] = None
+        lru.move_to_end(name)

@@ -1,0 +1,318 @@
+"""LoRAManager: the public adapter API over one model.
+
+It wraps the model's target Linear modules in LoRALinear layers, keeps adapters' host copies, asks the
+AdapterCache where each adapter should live and carries out its answers (copying weights into device
+slots, clearing slots, dropping host copies). Every load/unload/pin reports a LoRAResult whose status
+is a LoRAStatus and whose message says why, for users (the HTTP server shows it as is).
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loramux.adapters.cache import AdapterCache, AdapterInUseError, CacheFullError, Changes
+from loramux.adapters.checkpoint import (
+    AdapterPathError,
+    AdapterWeights,
+    build_adapter,
+    parse_adapter_arg,
+    read_adapter_dir,
+)
+from loramux.adapters.peft_config import InvalidAdapterError
+from loramux.config import LoRAConfig
+from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
+from loramux.ops import RowSlots, UniformSlot, select_backend
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAStatus(enum.Enum):
+    SUCCESS = "success"
+    LOAD_NAME_EXISTS = "load_name_exists"
+    LOAD_INVALID_PATH = "load_invalid_path"
+    LOAD_INVALID_ADAPTER = "load_invalid_adapter"
+    LOAD_ERROR = "load_error"
+    UNLOAD_NAME_NONEXISTENT = "unload_name_nonexistent"
+    UNLOAD_IN_USE = "unload_in_use"
+    PIN_NAME_NONEXISTENT = "pin_name_nonexistent"
+    PIN_ERROR = "pin_error"
+
+
+@dataclass(frozen=True)
+class LoRAResult:
+    """A LoRAStatus with its human reason. Compares equal to its status: `result == LoRAStatus.SUCCESS`."""
+
+    status: LoRAStatus
+    message: str = ""
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LoRAStatus):
+            return self.status is other
+        return isinstance(other, LoRAResult) and (self.status, self.message) == (other.status, other.message)
+
+    def __hash__(self) -> int:
+        return hash(self.status)
+
+    def __bool__(self) -> bool:
+        return self.status is LoRAStatus.SUCCESS
+
+    def __str__(self) -> str:
+        return f"{self.status.name}: {self.message}" if self.message else self.status.name
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """Where one adapter module (e.g. model.layers.0.self_attn.q_proj) lands: a layer and its slice."""
+
+    layer: LoRALinear
+    slice_index: int
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig | None = None, backend: str = "auto"):
+        self.model = model
+        self.config = config or LoRAConfig()
+        self.context = LoRAContext()
+        self.cache = AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
+        self._add_lora = select_backend(backend)
+        self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
+        self._bindings: dict[str, _Binding] = {}
+        self._wrap_targets()
+        self._weights: dict[str, AdapterWeights] = {}  # host tier
+        self._paths: dict[str, str] = {}  # disk tier: name -> adapter directory
+        self._uniform: dict[int, UniformSlot] = {}
+        self.active_adapter_name: str | None = None
+
+    # ---- wrapping --------------------------------------------------------------------------------
+    def _wrap_targets(self) -> None:
+        packed = getattr(self.model, "packed_modules_mapping", {})
+        targets = set(self.config.targets)
+        found = []
+        for name, module in self.model.named_modules():
+            attr = name.rsplit(".", 1)[-1]
+            if type(module) is not nn.Linear and not hasattr(module, "output_sizes"):
+                continue  # plain or packed Linear only; never wrap a LoRALinear twice
+            if attr in targets or targets & set(packed.get(attr, ())):
+                found.append((name, module, packed.get(attr)))
+        if not found:
+            raise ValueError(f"no Linear module of the model matches target_modules {sorted(targets)}")
+        for name, module, sub_names in found:
+            self._wrap(name, module, sub_names)
+
+    def _wrap(self, name: str, base: nn.Linear, sub_names: Sequence[str] | None) -> None:
+        prefix, _, attr = name.rpartition(".")
+        kw = dict(max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank, context=self.context,
+                  add_lora=self._add_lora)
+        if sub_names:
+            sizes = getattr(base, "output_sizes", None)
+            if sizes is None or len(sizes) != len(sub_names):
+                raise ValueError(f"packed module {name!r} needs output_sizes for {list(sub_names)}")
+            layer = PackedLoRALinear(base, output_slices=sizes, **kw)
+            modules = tuple(f"{prefix}.{s}" if prefix else s for s in sub_names)
+        else:
+            layer = LoRALinear(base, **kw)
+            modules = (name,)
+        parent = self.model.get_submodule(prefix) if prefix else self.model
+        parent.register_module(attr, layer)
+        self._layers[name] = (layer, modules)
+        for i, module in enumerate(modules):
+            self._bindings[module] = _Binding(layer, i)
+
+    def _module_shapes(self) -> dict[str, tuple[int, int]]:
+        return {m: (b.layer.in_features, b.layer.output_slices[b.slice_index]) for m, b in self._bindings.items()}
+
+    # ---- loading ---------------------------------------------------------------------------------
+    def load_adapter(self, spec: str, allow_pickle: bool | None = None) -> LoRAResult:
+        """Load a PEFT adapter directory given as "name=path" or a bare path (named after itself)."""
+        try:
+            name, path = parse_adapter_arg(spec)
+        except ValueError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
+        if name in self.cache:
+            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
+        allow = self.config.allow_pickle if allow_pickle is None else allow_pickle
+        return self._guarded_load(name, lambda: self._read(name, path, allow), path)
+
+    def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
+        """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
+        if name in self.cache:
+            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
+        return self._guarded_load(name, lambda: self._build(name, peft_config, tensors, None), None)
+
+    def _guarded_load(self, name: str, read, path: str | None) -> LoRAResult:
+        try:
+            weights = read()
+            self._apply(self.cache.add(name, on_disk=path is not None))
+        except AdapterPathError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
+        except InvalidAdapterError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_ADAPTER, str(e))
+        except CacheFullError as e:
+            return LoRAResult(LoRAStatus.LOAD_ERROR, str(e))
+        except Exception as e:  # a broken adapter must never take the caller down
+            logger.exception("loading adapter %r failed", name)
+            return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
+        self._weights[name] = weights
+        if path is not None:
+            self._paths[name] = path
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} loaded")
+
+    def _read(self, name: str, path: str, allow_pickle: bool) -> AdapterWeights:
+        config, tensors = read_adapter_dir(path, allow_pickle)
+        return self._build(name, config, tensors, path)
+
+    def _build(self, name, config, tensors, path) -> AdapterWeights:
+        layer = next(iter(self._layers.values()))[0]
+        return build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
+                             dtype=layer.lora_a.dtype, path=path)
+
+    def unload_adapter(self, name: str) -> LoRAResult:
+        """Forget the adapter: frees its host copy and its slot. Refused while requests use it."""
+        if name not in self.cache:
+            return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
+        if name == self.active_adapter_name:
+            self.reset()
+        try:
+            self._apply(self.cache.remove(name))
+        except AdapterInUseError as e:
+            return LoRAResult(LoRAStatus.UNLOAD_IN_USE, str(e))
+        self._weights.pop(name, None)
+        self._paths.pop(name, None)
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
+
+    # ---- tiers -----------------------------------------------------------------------------------
+    def activate_adapter(self, name: str) -> int:
+        """Put the adapter in a device slot (reloading it from disk if it left host memory); its slot."""
+        self._ensure_in_host(name)
+        slot, changes = self.cache.activate(name)
+        self._apply(changes)
+        return slot
+
+    def deactivate_adapter(self, name: str) -> None:
+        self._apply(self.cache.deactivate(name))
+
+    def pin_adapter(self, name: str) -> LoRAResult:
+        """Keep the adapter in host memory and in a device slot until it is unloaded."""
+        if name not in self.cache:
+            return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot pin adapter {name!r}: it is not loaded")
+        try:
+            self._ensure_in_host(name)
+            self._apply(self.cache.pin(name))
+        except (CacheFullError, InvalidAdapterError, AdapterPathError) as e:
+            return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
+
+    def _ensure_in_host(self, name: str) -> None:
+        if name not in self.cache:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        if not self.cache.in_host(name):
+            weights = self._read(name, self._paths[name], self.config.allow_pickle)  # the disk tier
+            self._apply(self.cache.add(name))
+            self._weights[name] = weights
+
+    def _apply(self, changes: Changes) -> None:
+        for name in changes.dropped:
+            del self._weights[name]
+        for update in changes.slots:
+            if update.adapter is None:
+                for layer, _ in self._layers.values():
+                    layer.clear_slot(update.slot)
+            else:
+                self._write_slot(update.slot, self._weights[update.adapter])
+
+    def _write_slot(self, slot: int, weights: AdapterWeights) -> None:
+        for layer, modules in self._layers.values():
+            parts = [weights.modules.get(m) for m in modules]
+            layer.write_slot(slot, [None if p is None else (p.a, p.b) for p in parts])
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def is_lora(self, name: str) -> bool:
+        return name in self.cache
+
+    def is_active_lora(self, name: str) -> bool:
+        return self.cache.slot_of(name) is not None
+
+    @property
+    def loras(self) -> list[str]:
+        return self.cache.names
+
+    @property
+    def active_loras(self) -> dict[str, int]:
+        return self.cache.active
+
+    def binding_names(self) -> list[str]:
+        """The module names an adapter can carry weights for (PEFT naming, sub-modules of packed layers)."""
+        return list(self._bindings)
+
+    def has_weight_for(self, binding: str) -> bool:
+        """Whether the adapter selected with switch() has weights for `binding`."""
+        if self.active_adapter_name is None:
+            return False
+        self._ensure_in_host(self.active_adapter_name)
+        return binding in self._weights[self.active_adapter_name].modules
+
+    # ---- forward-pass mappings ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def batch(self, adapters: Sequence[str | None]) -> Iterator[None]:
+        """Within the block, row i of the model's input uses adapters[i] (None = base model)."""
+        distinct = [a for a in dict.fromkeys(adapters) if a is not None]
+        if len(distinct) > self.config.max_loras:
+            raise CacheFullError(f"a batch names {len(distinct)} adapters, above max_loras={self.config.max_loras}")
+        with self.using(distinct):
+            slots = {name: self.activate_adapter(name) for name in distinct}
+            with self.mapping(RowSlots([slots[a] if a is not None else -1 for a in adapters], self._device)):
+                yield
+
+    @contextlib.contextmanager
+    def using(self, names: Sequence[str]) -> Iterator[None]:
+        """Hold in-flight references: none of `names` is evicted or unloaded inside the block."""
+        held = []
+        try:
+            for name in names:
+                self.cache.acquire(name)
+                held.append(name)
+            yield
+        finally:
+            for name in held:
+                self.cache.release(name)
+
+    @contextlib.contextmanager
+    def mapping(self, mapping) -> Iterator[None]:
+        """Set the LoRA mapping every layer reads (an ops.LoRAMapping, RowSlots or UniformSlot)."""
+        previous, self.context.mapping = self.context.mapping, mapping
+        try:
+            yield
+        finally:
+            self.context.mapping = previous
+
+    def switch(self, name: str | None) -> None:
+        """Single-adapter mode: every row uses `name` until reset(). O(1) when it already has a slot."""
+        if name is None:
+            return self.reset()
+        if name != self.active_adapter_name:
+            self.cache.acquire(name)  # held while selected, so its slot is never reused under it
+            self.reset()
+            self.active_adapter_name = name
+        try:
+            slot = self.activate_adapter(name)
+        except Exception:
+            self.reset()
+            raise
+        self.context.mapping = self._uniform.setdefault(slot, UniformSlot(slot, self._device))
+
+    def reset(self) -> None:
+        """Back to the base model for every row."""
+        if self.active_adapter_name is not None:
+            self.cache.release(self.active_adapter_name)
+            self.active_adapter_name = None
+        self.context.mapping = None
+
+    @property
+    def _device(self) -> torch.device:
+        return next(iter(self._layers.values()))[0].lora_a.device

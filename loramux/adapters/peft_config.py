@@ -1,0 +1,163 @@
+"""adapter_config.json -> AdapterSpec: which modules an adapter touches, with what rank and scaling.
+
+Stdlib only (the cache imports this module, and the cache has no torch). Matching follows PEFT's
+`check_target_module_exists` and `get_pattern_key`, so a module gets LoRA here exactly when PEFT
+would give it LoRA.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+
+class InvalidAdapterError(ValueError):
+    """The adapter's files are readable but describe something we cannot (or will not) run."""
+
+
+# (field, test that says the value asks for something we cannot run, what to call it in the error)
+_UNSUPPORTED_FIELDS = (
+    ("use_dora", bool, "DoRA (use_dora=true)"),
+    ("bias", lambda v: v not in (None, "none"), "trained biases (bias={!r})"),
+    ("modules_to_save", bool, "modules_to_save={!r}"),
+    ("lora_bias", bool, "LoRA bias (lora_bias=true)"),
+    ("use_qalora", bool, "QALoRA (use_qalora=true)"),
+    ("layer_replication", bool, "layer_replication={!r}"),
+    ("trainable_token_indices", bool, "trainable_token_indices"),
+    ("target_parameters", bool, "target_parameters={!r}"),
+    ("alora_invocation_tokens", bool, "aLoRA (alora_invocation_tokens)"),
+    ("megatron_config", bool, "megatron_config"),
+    ("use_bdlora", bool, "block-diagonal LoRA (use_bdlora)"),
+)
+_EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
+
+
+def unsupported_features(config: dict) -> list[str]:
+    """Every PEFT feature in `config` that changes the math in a way we do not implement."""
+    found = []
+    peft_type = str(config.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        found.append(f"peft_type={peft_type!r} (only LORA)")
+    for name, is_set, label in _UNSUPPORTED_FIELDS:
+        value = config.get(name)
+        if value is not None and is_set(value):
+            found.append(label.format(value))
+    targets = config.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        found += [f"embedding/lm_head LoRA ({t})" for t in targets if t in _EMBEDDING_MODULES]
+    return found
+
+
+def _as_tuple(value) -> tuple | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int):
+        return (value,)
+    return tuple(value)
+
+
+def _matches_list(names: tuple[str, ...], key: str) -> bool:
+    return key in names or any(key.endswith(f".{n}") for n in names)
+
+
+def _layer_index(key: str, layers_pattern: tuple[str, ...] | None) -> int | None:
+    # The first numbered segment, as PEFT does (a greedy match would pick up MoE expert indices).
+    if not layers_pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    else:
+        match = None
+        for pattern in layers_pattern:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", key)
+            if match:
+                break
+    return int(match.group("idx")) if match else None
+
+
+def _pattern_key(pattern_keys, key: str) -> str:
+    """PEFT's get_pattern_key: the first pattern that matches a dotted suffix of `key`."""
+    for pattern in pattern_keys:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return pattern
+    return key
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """The parts of a PEFT LoraConfig that decide which modules get LoRA and how it is scaled."""
+
+    r: int
+    lora_alpha: float
+    target_modules: tuple[str, ...] | str
+    use_rslora: bool = False
+    rank_pattern: dict = field(default_factory=dict)
+    alpha_pattern: dict = field(default_factory=dict)
+    exclude_modules: tuple[str, ...] | str | None = None
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] | None = None
+    # Only the base layer's weight layout (GPT-2 Conv1D) depends on this; lora_A is [r, in] and
+    # lora_B is [out, r] either way, so the LoRA delta is computed the same.
+    fan_in_fan_out: bool = False
+
+    @classmethod
+    def from_dict(cls, config: dict) -> AdapterSpec:
+        problems = unsupported_features(config)
+        if problems:
+            raise InvalidAdapterError("unsupported PEFT features: " + "; ".join(problems))
+        try:
+            return cls._parse(config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidAdapterError(f"malformed adapter_config.json: {e}") from e
+
+    @classmethod
+    def _parse(cls, config: dict) -> AdapterSpec:
+        targets = config.get("target_modules")
+        if not targets:
+            raise ValueError("target_modules is missing or empty")
+        layers_pattern = config.get("layers_pattern")
+        return cls(
+            r=int(config["r"]),
+            lora_alpha=float(config.get("lora_alpha", 8)),
+            target_modules=_as_tuple(targets),
+            use_rslora=bool(config.get("use_rslora", False)),
+            rank_pattern=dict(config.get("rank_pattern") or {}),
+            alpha_pattern=dict(config.get("alpha_pattern") or {}),
+            exclude_modules=_as_tuple(config.get("exclude_modules")) or None,
+            layers_to_transform=_as_tuple(config.get("layers_to_transform")) or None,
+            layers_pattern=((layers_pattern,) if isinstance(layers_pattern, str) else tuple(layers_pattern))
+            if layers_pattern else None,
+            fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+        )
+
+    def targets(self, module: str, all_linear: tuple[str, ...] = ()) -> bool:
+        """Whether PEFT gives `module` (full dotted name in the base model) a LoRA layer.
+
+        `all_linear` lists the modules that the "all-linear" shorthand stands for in this model."""
+        if self._excluded(module):
+            return False
+        if isinstance(self.target_modules, str):
+            if self.target_modules.lower() == "all-linear":
+                return _matches_list(all_linear, module)
+            return re.fullmatch(self.target_modules, module) is not None
+        if module in self.target_modules:
+            return True
+        if not _matches_list(self.target_modules, module):
+            return False
+        if self.layers_to_transform is None:
+            return True
+        return _layer_index(module, self.layers_pattern) in self.layers_to_transform
+
+    def _excluded(self, module: str) -> bool:
+        if not self.exclude_modules:
+            return False
+        if isinstance(self.exclude_modules, str):
+            return re.fullmatch(self.exclude_modules, module) is not None
+        return _matches_list(self.exclude_modules, module)
+
+    def rank(self, module: str) -> int:
+        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r))
+
+    def scaling(self, module: str) -> float:
+        """alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023), per-module patterns applied."""
+        alpha = float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha))
+        r = self.rank(module)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r

@@ -1,0 +1,112 @@
+"""LoRALinear: a base nn.Linear plus stacked per-slot LoRA buffers, for batches that mix adapters.
+
+Buffers are allocated once and are zero where no adapter is loaded:
+    lora_a[max_loras, num_slices * max_rank, in]
+    lora_b[max_loras, out, num_slices * max_rank]
+A packed layer (one Linear computing q|k|v or gate|up) has one slice per sub-module: slice i uses
+rank columns [i*max_rank, (i+1)*max_rank) and writes output rows output_slices[i]; lora_b is block
+diagonal, so one shrink and one expand serve all slices. A missing sub-module stays zero.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+class LoRAContext:
+    """The mapping every LoRA layer of one model reads in a forward pass; None = base model only.
+
+    `mapping` has `for_tokens(num_tokens) -> LoRAMapping` (see ops.mapping)."""
+
+    def __init__(self):
+        self.mapping = None
+
+
+class LoRALinear(nn.Module):
+    def __init__(
+        self,
+        base: nn.Linear,
+        max_loras: int,
+        max_rank: int,
+        context: LoRAContext,
+        add_lora: Callable[..., None],
+        output_slices: Sequence[int] | None = None,
+    ):
+        super().__init__()
+        self.base = base
+        self.context = context
+        self.add_lora = add_lora  # backend op, chosen once (ops.select_backend)
+        self.max_rank = max_rank
+        self.output_slices = tuple(output_slices or (base.out_features,))
+        if sum(self.output_slices) != base.out_features:
+            raise ValueError(f"output slices {self.output_slices} do not add up to {base.out_features}")
+        rank = len(self.output_slices) * max_rank
+        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        self.register_buffer("lora_a", torch.zeros(max_loras, rank, base.in_features, **kw), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, rank, **kw), persistent=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.context.mapping is None:
+            return y
+        flat_x = x.reshape(-1, self.in_features)
+        mapping = self.context.mapping.for_tokens(flat_x.shape[0])
+        self.add_lora(y.view(-1, self.out_features), flat_x, self.lora_a, self.lora_b, mapping)
+        return y
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Fill `slot` with one (a [r, in], b [out_i, r]) pair per output slice; None leaves a slice zero.
+
+        Scaling must already be folded into b. Ranks below max_rank are zero-padded."""
+        if len(parts) != len(self.output_slices):
+            raise ValueError(f"expected {len(self.output_slices)} parts, got {len(parts)}")
+        self.clear_slot(slot)
+        row = 0
+        for i, (out_i, part) in enumerate(zip(self.output_slices, parts)):
+            if part is not None:
+                a, b = part
+                self._check_part(a, b, out_i)
+                col = i * self.max_rank
+                self.lora_a[slot, col : col + a.shape[0]].copy_(a)
+                self.lora_b[slot, row : row + out_i, col : col + a.shape[0]].copy_(b)
+            row += out_i
+
+    def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
+        """Load one adapter's A [r, in] and B [out, r] into `slot`, folding `scaling` into B."""
+        self.write_slot(slot, [(a, b * scaling)])
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def _check_part(self, a: torch.Tensor, b: torch.Tensor, out_features: int) -> None:
+        rank = a.shape[0]
+        if rank > self.max_rank:
+            raise ValueError(f"rank {rank} is above max_lora_rank={self.max_rank}")
+        if a.shape != (rank, self.in_features) or b.shape != (out_features, rank):
+            raise ValueError(
+                f"LoRA shapes A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+                f"A [r, {self.in_features}] / B [{out_features}, r]"
+            )
+
+
+class PackedLoRALinear(LoRALinear):
+    """LoRA over a fused Linear (q|k|v or gate|up): each sub-adapter lands in its output slice."""
+
+    def set_slot(self, slot, a: Sequence, b: Sequence, scaling: Sequence[float] | None = None) -> None:
+        """One (A, B) per slice; None for a sub-module the adapter does not touch."""
+        scaling = scaling or [1.0] * len(a)
+        parts = [None if ai is None else (ai, bi * si) for ai, bi, si in zip(a, b, scaling)]
+        self.write_slot(slot, parts)

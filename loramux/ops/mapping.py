@@ -1,0 +1,80 @@
+"""LoRAMapping: which device slot each token of one forward pass uses. Slot -1 = the base model.
+
+The LoRA layers of a model share one mapping per forward pass; they only read it. Two builders
+cover the cases where the token count is only known inside the forward (HF models, `switch()`):
+`RowSlots` (one slot per batch row) and `UniformSlot` (one slot for every token). Each caches the
+LoRAMapping per token count, so the first layer builds it and the others reuse it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def segments_of(token_slots: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """Maximal runs of equal slot as (slot, start, end), base (-1) runs left out (as LoRAX's segments)."""
+    runs = []
+    start = 0
+    for i in range(1, len(token_slots) + 1):
+        if i == len(token_slots) or token_slots[i] != token_slots[start]:
+            if token_slots[start] >= 0:
+                runs.append((int(token_slots[start]), start, i))
+            start = i
+    return tuple(runs)
+
+
+@dataclass(frozen=True)
+class LoRAMapping:
+    token_slots: torch.Tensor  # [num_tokens] int64, -1 = base
+    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) runs with slot >= 0
+
+    @classmethod
+    def from_slots(cls, token_slots: Sequence[int], device: torch.device | str = "cpu") -> LoRAMapping:
+        slots = [int(s) for s in token_slots]
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), segments_of(slots))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    def for_tokens(self, num_tokens: int) -> LoRAMapping:
+        if num_tokens != self.num_tokens:
+            raise ValueError(f"LoRA mapping covers {self.num_tokens} tokens, the forward pass has {num_tokens}")
+        return self
+
+
+class RowSlots:
+    """One slot per batch row; rows are padded to one length (HF models: x is [rows, seq, hidden])."""
+
+    def __init__(self, row_slots: Sequence[int], device: torch.device | str = "cpu"):
+        self.row_slots = [int(s) for s in row_slots]
+        self.device = device
+        self._by_count: dict[int, LoRAMapping] = {}
+
+    def for_tokens(self, num_tokens: int) -> LoRAMapping:
+        if num_tokens not in self._by_count:
+            rows = len(self.row_slots)
+            if num_tokens % rows:
+                raise ValueError(f"{num_tokens} tokens cannot be split into {rows} equal rows")
+            per_row = num_tokens // rows
+            slots = [s for s in self.row_slots for _ in range(per_row)]
+            self._by_count[num_tokens] = LoRAMapping.from_slots(slots, self.device)
+        return self._by_count[num_tokens]
+
+
+class UniformSlot:
+    """Every token uses one slot: single-adapter mode. No per-token gather is ever needed."""
+
+    def __init__(self, slot: int, device: torch.device | str = "cpu"):
+        self.slot = slot
+        self.device = device
+        self._by_count: dict[int, LoRAMapping] = {}
+
+    def for_tokens(self, num_tokens: int) -> LoRAMapping:
+        if num_tokens not in self._by_count:
+            slots = torch.full((num_tokens,), self.slot, dtype=torch.long, device=self.device)
+            segments = ((self.slot, 0, num_tokens),) if self.slot >= 0 and num_tokens else ()
+            self._by_count[num_tokens] = LoRAMapping(slots, segments)
+        return self._by_count[num_tokens]

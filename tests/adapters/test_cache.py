@@ -1,0 +1,98 @@
+"""AdapterCache semantics as tables: steps in, the tiers' contents out. No torch here."""
+import pytest
+
+from loramux.adapters.cache import AdapterCache, AdapterInUseError, CacheFullError, SlotUpdate
+
+
+def run(cache: AdapterCache, steps: str):
+    """Steps like "add a, activate b, pin c"; returns the last step's result."""
+    result = None
+    for step in filter(None, (s.strip() for s in steps.split(","))):
+        verb, name = step.split()
+        result = getattr(cache, verb)(name)
+    return result
+
+
+def host(cache):
+    return [n for n in cache.names if cache.in_host(n)]
+
+
+@pytest.mark.parametrize(
+    "max_loras, max_cpu, steps, active, in_host",
+    [
+        # slot tier: LRU eviction of the least recently used unpinned slot
+        (2, 4, "add a, add b, add c, activate a, activate b, activate c", {"b", "c"}, "abc"),
+        (2, 4, "add a, add b, add c, activate a, activate b, activate a, activate c", {"a", "c"}, "abc"),
+        (2, 4, "add a, add b, add c, pin a, activate b, activate c", {"a", "c"}, "abc"),
+        (2, 4, "add a, add b, add c, acquire a, activate a, activate b, activate c", {"a", "c"}, "abc"),
+        (2, 4, "add a, add b, activate a, deactivate a", set(), "ab"),
+        # host tier: LRU; adding a known adapter touches it
+        (1, 2, "add a, add b, add c", set(), "bc"),
+        (1, 2, "add a, add b, add a, add c", set(), "ac"),
+        (1, 2, "add a, add b, pin a, add c", {"a"}, "ac"),
+        (1, 2, "add a, add b, acquire a, add c", set(), "ac"),
+        # host eviction prefers adapters without a slot; slot ⊆ host always
+        (1, 2, "add a, add b, activate a, add c", {"a"}, "ac"),
+        (2, 2, "add a, add b, activate a, activate b, add c", {"b"}, "bc"),
+        # the disk tier: a dropped adapter stays known and can come back
+        (1, 2, "add a, add b, add c, add a", set(), "ca"),
+        (2, 4, "add a, add b, remove a", set(), "b"),
+    ],
+)
+def test_tiers(max_loras, max_cpu, steps, active, in_host):
+    cache = AdapterCache(max_loras, max_cpu)
+    run(cache, steps)
+    assert set(cache.active) == active
+    assert sorted(host(cache)) == sorted(in_host)
+    assert set(cache.active) <= set(host(cache))
+
+
+@pytest.mark.parametrize(
+    "max_loras, max_cpu, steps, error, words",
+    [
+        (2, 4, "add a, add b, add c, pin a, pin b, activate c", CacheFullError, ["'c'", "max_loras=2", "pinned"]),
+        (1, 4, "add a, add b, acquire a, activate a, activate b", CacheFullError, ["'b'", "in-use"]),
+        (2, 4, "pin ghost", KeyError, ["ghost", "not loaded"]),
+        (2, 4, "activate ghost", KeyError, ["ghost"]),
+        (1, 1, "add a, pin a, add b", CacheFullError, ["'b'", "max_cpu_loras=1"]),
+        (2, 4, "add a, acquire a, remove a", AdapterInUseError, ["'a'", "1 running"]),
+        (2, 4, "add a, acquire a, deactivate a", AdapterInUseError, ["'a'"]),
+        (1, 2, "add a, add b, add c, activate a", KeyError, ["'a'", "not in host memory"]),
+        (1, 4, "add a, add b, pin a, pin b", CacheFullError, ["'b'", "pinned"]),
+        (2, 4, "add a, release a", RuntimeError, ["'a'", "released"]),
+    ],
+)
+def test_refusals_name_their_cause(max_loras, max_cpu, steps, error, words):
+    cache = AdapterCache(max_loras, max_cpu)
+    with pytest.raises(error) as err:
+        run(cache, steps)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_activation_returns_slot_updates():
+    cache = AdapterCache(1, 2)
+    run(cache, "add a, add b")
+    slot, changes = cache.activate("a")
+    assert (slot, changes.slots) == (0, [SlotUpdate(0, "a")])
+    assert cache.activate("a")[1].slots == []  # already resident: a touch, no copy
+    slot, changes = cache.activate("b")
+    assert changes.slots == [SlotUpdate(0, None), SlotUpdate(0, "b")]
+
+
+def test_dropped_adapters_are_reported_and_memory_only_ones_are_kept():
+    cache = AdapterCache(1, 2)
+    cache.add("mem", on_disk=False)
+    cache.add("a")
+    changes = cache.add("b")
+    assert changes.dropped == ["a"] and "a" in cache and not cache.in_host("a")
+    cache.pin("b")
+    with pytest.raises(CacheFullError, match="no disk copy"):
+        cache.add("c")
+
+
+def test_unload_of_a_slotted_adapter_clears_its_slot():
+    cache = AdapterCache(2, 2)
+    run(cache, "add a, activate a")
+    changes = cache.remove("a")
+    assert changes.slots == [SlotUpdate(0, None)] and "a" not in cache and cache.active == {}

@@ -1,0 +1,185 @@
+"""LoRAManager on HF models, against HF transformers + PEFT running each adapter alone."""
+import copy
+import gc
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import ADAPTER_KINDS, MODEL_FACTORIES, peft_logits, save_peft_adapter
+from loramux import LoRAConfig, LoRAManager, LoRAStatus
+
+ATOL = 2e-5
+
+
+def manager_for(base, **config):
+    model = copy.deepcopy(base)
+    return model, LoRAManager(model, LoRAConfig(**{"max_loras": 8, "max_lora_rank": 64, **config}))
+
+
+@pytest.mark.parametrize("model_kind", list(MODEL_FACTORIES))
+def test_mixed_batch_equals_peft_alone_row_by_row(model_kind, adapter_dirs):
+    base = MODEL_FACTORIES[model_kind]()
+    model, manager = manager_for(base)
+    for kind in ADAPTER_KINDS:
+        assert manager.load_adapter(f"{kind}={adapter_dirs[model_kind, kind]}") == LoRAStatus.SUCCESS
+    rows = [None, *ADAPTER_KINDS, "r4", None, "r64_qv"]
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, 128, (len(rows), 9))
+    with torch.no_grad(), manager.batch(rows):
+        ours = model(input_ids).logits
+    for kind in dict.fromkeys(rows):
+        expected = peft_logits(base, adapter_dirs[model_kind, kind] if kind else None, input_ids)
+        for i, row_kind in enumerate(rows):
+            if row_kind == kind:
+                torch.testing.assert_close(ours[i], expected[i], atol=ATOL, rtol=1e-4, msg=f"row {i} ({kind})")
+    base_logits = peft_logits(base, None, input_ids)
+    assert all((ours[i] - base_logits[i]).abs().max() > 1e-3 for i, k in enumerate(rows) if k)
+
+
+def test_switch_equals_mixed_path_and_reset_gives_base(adapter_dirs):
+    base = MODEL_FACTORIES["llama"]()
+    model, manager = manager_for(base)
+    for kind in ("r4", "r16_patterns"):
+        manager.load_adapter(f"{kind}={adapter_dirs['llama', kind]}")
+    input_ids = torch.randint(0, 128, (2, 6))
+    with torch.no_grad():
+        with manager.batch(["r16_patterns", "r16_patterns"]):
+            mixed = model(input_ids).logits
+        manager.switch("r16_patterns")
+        assert manager.active_adapter_name == "r16_patterns"
+        torch.testing.assert_close(model(input_ids).logits, mixed)
+        slot = manager.active_loras["r16_patterns"]
+        manager.switch("r4")
+        manager.switch("r16_patterns")
+        assert manager.active_loras["r16_patterns"] == slot  # no copy: it kept its slot
+        torch.testing.assert_close(model(input_ids).logits, mixed)
+        manager.reset()
+        torch.testing.assert_close(model(input_ids).logits, peft_logits(base, None, input_ids))
+
+
+def test_rows_of_different_lengths_with_padding(adapter_dirs):
+    base = MODEL_FACTORIES["llama"]()
+    model, manager = manager_for(base)
+    manager.load_adapter(f"a={adapter_dirs['llama', 'r8_rslora']}")
+    long, short = torch.randint(0, 128, (1, 8)), torch.randint(0, 128, (1, 5))
+    padded = torch.cat([long, torch.cat([short, torch.zeros(1, 3, dtype=torch.long)], 1)])
+    mask = torch.tensor([[1] * 8, [1] * 5 + [0] * 3])
+    with torch.no_grad(), manager.batch(["a", None]):
+        out = model(padded, attention_mask=mask).logits
+    torch.testing.assert_close(out[0], peft_logits(base, adapter_dirs["llama", "r8_rslora"], long)[0], atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(out[1, :5], peft_logits(base, None, short)[0], atol=ATOL, rtol=1e-4)
+
+
+def test_bindings_and_has_weight_for(adapter_dirs):
+    model, manager = manager_for(MODEL_FACTORIES["llama"]())
+    manager.load_adapter(f"qv={adapter_dirs['llama', 'r64_qv']}")
+    assert len(manager.binding_names()) == 2 * 7
+    assert not manager.has_weight_for("model.layers.0.self_attn.q_proj")  # nothing selected yet
+    manager.switch("qv")
+    assert manager.has_weight_for("model.layers.0.self_attn.q_proj")
+    assert not manager.has_weight_for("model.layers.0.self_attn.k_proj")
+
+
+def test_api_names_and_statuses(adapter_dirs, tmp_path):
+    model, manager = manager_for(MODEL_FACTORIES["llama"](), max_loras=2, max_cpu_loras=2)
+    path = adapter_dirs["llama", "r4"]
+    assert manager.load_adapter(f"a={path}") == LoRAStatus.SUCCESS
+    result = manager.load_adapter(f"a={path}")
+    assert result == LoRAStatus.LOAD_NAME_EXISTS and "'a'" in result.message
+    assert manager.load_adapter(path) == LoRAStatus.SUCCESS and manager.is_lora(path)  # bare path names itself
+    assert manager.loras == ["a", path] and not manager.is_active_lora("a")
+    assert manager.activate_adapter("a") == 0 and manager.is_active_lora("a")
+    with pytest.raises(KeyError, match="'ghost'"):
+        manager.activate_adapter("ghost")
+    pinned = manager.pin_adapter("ghost")
+    assert pinned == LoRAStatus.PIN_NAME_NONEXISTENT and "ghost" in pinned.message
+    assert manager.unload_adapter("ghost") == LoRAStatus.UNLOAD_NAME_NONEXISTENT
+    bad = manager.load_adapter(f"b={tmp_path}/missing")
+    assert bad == LoRAStatus.LOAD_INVALID_PATH and "missing" in bad.message and not manager.is_lora("b")
+    big = manager.load_adapter(f"big={adapter_dirs['llama', 'r64_qv']}")
+    assert big == LoRAStatus.SUCCESS  # max_cpu_loras=2: the LRU without a slot leaves host memory
+    assert manager.is_lora(path) and not manager.cache.in_host(path) and manager.cache.in_host("a")
+    assert manager.unload_adapter("a") == LoRAStatus.SUCCESS and not manager.is_lora("a")
+
+
+def test_refused_adapters_report_why_and_change_nothing(adapter_dirs, tmp_path):
+    base = MODEL_FACTORIES["llama"]()
+    model, manager = manager_for(base, max_lora_rank=16)
+    manager.load_adapter(f"ok={adapter_dirs['llama', 'r4']}")
+    input_ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad(), manager.batch(["ok"]):
+        before = model(input_ids).logits
+    result = manager.load_adapter(f"big={adapter_dirs['llama', 'r64_qv']}")
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "rank 64" in result.message and "max_lora_rank=16" in result.message
+    dora = save_peft_adapter(base, tmp_path / "dora", use_dora=True)
+    result = manager.load_adapter(f"dora={dora}")
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "DoRA" in result.message
+    assert manager.loras == ["ok"]
+    with torch.no_grad(), manager.batch(["ok"]):
+        torch.testing.assert_close(model(input_ids).logits, before)
+
+
+def test_evicted_adapter_reloads_from_disk_with_same_results(adapter_dirs):
+    base = MODEL_FACTORIES["llama"]()
+    model, manager = manager_for(base, max_loras=1, max_cpu_loras=1)
+    manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
+    manager.load_adapter(f"b={adapter_dirs['llama', 'r8_rslora']}")
+    assert not manager.cache.in_host("a")
+    input_ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad(), manager.batch(["a"]):
+        out = model(input_ids).logits
+    torch.testing.assert_close(out, peft_logits(base, adapter_dirs["llama", "r4"], input_ids), atol=ATOL, rtol=1e-4)
+
+
+def test_adapter_in_use_cannot_be_unloaded_or_evicted(adapter_dirs):
+    model, manager = manager_for(MODEL_FACTORIES["llama"](), max_loras=1, max_cpu_loras=2)
+    manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
+    manager.load_adapter(f"b={adapter_dirs['llama', 'r8_rslora']}")
+    with manager.batch(["a"]):
+        result = manager.unload_adapter("a")
+        assert result == LoRAStatus.UNLOAD_IN_USE and "running" in result.message
+        with pytest.raises(RuntimeError, match="max_loras=1"):
+            manager.activate_adapter("b")
+    assert manager.unload_adapter("a") == LoRAStatus.SUCCESS
+
+
+def test_add_adapter_from_tensors(adapter_dirs):
+    from loramux.adapters.checkpoint import read_adapter_dir
+
+    base = MODEL_FACTORIES["qwen2"]()
+    model, manager = manager_for(base)
+    config, tensors = read_adapter_dir(adapter_dirs["qwen2", "r8_layers"])
+    assert manager.add_adapter("mem", tensors, config) == LoRAStatus.SUCCESS
+    input_ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad(), manager.batch(["mem"]):
+        out = model(input_ids).logits
+    torch.testing.assert_close(out, peft_logits(base, adapter_dirs["qwen2", "r8_layers"], input_ids), atol=ATOL, rtol=1e-4)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_unload_then_load_200_adapters_keeps_host_memory_flat(tmp_path):
+    # Big enough (~2 MB each) that a leak of 200 copies (~400 MB) cannot hide in allocator noise.
+    base = MODEL_FACTORIES["llama"](hidden_size=256, intermediate_size=512)
+    path = save_peft_adapter(base, tmp_path / "a", r=64)
+    model, manager = manager_for(base, max_loras=2, max_cpu_loras=4)
+
+    def cycle(i):
+        assert manager.load_adapter(f"a{i}={path}") == LoRAStatus.SUCCESS
+        manager.activate_adapter(f"a{i}")
+        assert manager.unload_adapter(f"a{i}") == LoRAStatus.SUCCESS
+
+    for i in range(20):  # warm up allocator pools
+        cycle(i)
+    gc.collect()
+    start = _rss_bytes()
+    for i in range(20, 220):
+        cycle(i)
+    gc.collect()
+    assert manager.loras == [] and manager._weights == {}
+    assert _rss_bytes() - start < 40 * 2**20

@@ -1,0 +1,76 @@
+"""Tiny random models and PEFT adapters, built here: nothing is downloaded."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**TINY, **overrides})).eval()
+
+
+def tiny_qwen2(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**{**TINY, **overrides})).eval()
+
+
+MODEL_FACTORIES = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+
+
+def save_peft_adapter(base, path, seed: int = 0, **lora_kwargs) -> str:
+    """Train-free PEFT adapter: random A and B (init_lora_weights=False), saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    kwargs = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"], init_lora_weights=False)
+    kwargs.update(lora_kwargs)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(**kwargs))
+    with torch.no_grad():  # PEFT's random B is small; make the deltas clearly visible in logits
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    peft_model.save_pretrained(str(path))
+    return str(path)
+
+
+def peft_logits(base, adapter_dir, input_ids):
+    """The oracle: HF transformers + PEFT running one adapter alone (None = the base model)."""
+    from peft import PeftModel
+
+    model = copy.deepcopy(base)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+# Adapters that exercise every PEFT field that changes the math, with different ranks.
+ADAPTER_KINDS = {
+    "r4": dict(r=4, lora_alpha=8),
+    "r8_rslora": dict(r=8, lora_alpha=16, use_rslora=True),
+    "r16_patterns": dict(r=16, lora_alpha=32, rank_pattern={"v_proj": 4, "down_proj": 12},
+                         alpha_pattern={"q_proj": 8, "up_proj": 64}),
+    "r64_qv": dict(r=64, lora_alpha=32, target_modules=["q_proj", "v_proj"]),
+    "r8_regex_layer1": dict(r=8, lora_alpha=8, target_modules=r".*\.1\.mlp\.(gate|up)_proj"),
+    "r8_layers": dict(r=8, lora_alpha=12, layers_to_transform=[0]),
+}
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(tmp_path_factory):
+    """{(model kind, adapter kind): directory} for every tiny model and adapter kind."""
+    dirs = {}
+    for model_kind, factory in MODEL_FACTORIES.items():
+        base = factory()
+        for i, (kind, kwargs) in enumerate(ADAPTER_KINDS.items()):
+            path = tmp_path_factory.mktemp(f"{model_kind}-{kind}")
+            dirs[model_kind, kind] = save_peft_adapter(base, path, seed=100 + i, **kwargs)
+    return dirs

@@ -1,0 +1,61 @@
+"""LoRALinear against the merged weight W + s·B@A, and the packed layer against separate layers."""
+import pytest
+import torch
+from torch import nn
+
+from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
+from loramux.ops import LoRAMapping, select_backend
+
+
+def make(base, max_loras=3, max_rank=8, cls=LoRALinear, **kw):
+    return cls(base, max_loras=max_loras, max_rank=max_rank, context=LoRAContext(), add_lora=select_backend(), **kw)
+
+
+def test_matches_merged_weight_per_slot_and_base_rows_untouched():
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12, bias=True)
+    layer = make(base)
+    a, b = torch.randn(4, 16), torch.randn(12, 4)
+    layer.set_slot(2, a, b, scaling=0.5)
+    x = torch.randn(2, 3, 16)
+    layer.context.mapping = LoRAMapping.from_slots([2, 2, 2, -1, -1, -1])
+    y = layer(x)
+    merged = base.weight + 0.5 * b @ a
+    torch.testing.assert_close(y[0], x[0] @ merged.t() + base.bias)
+    torch.testing.assert_close(y[1], base(x[1]))
+    layer.clear_slot(2)
+    assert layer.lora_a.abs().sum() == 0 and layer.lora_b.abs().sum() == 0
+
+
+def test_no_mapping_is_the_base_layer():
+    base = nn.Linear(8, 8)
+    x = torch.randn(5, 8)
+    assert torch.equal(make(base)(x), base(x))
+
+
+def test_packed_layer_equals_separate_layers_and_missing_parts_stay_zero():
+    torch.manual_seed(0)
+    sizes = (8, 4, 4)
+    fused = nn.Linear(16, sum(sizes), bias=False)
+    packed = make(fused, cls=PackedLoRALinear, output_slices=sizes)
+    parts = [(torch.randn(r, 16), torch.randn(n, r)) for r, n in zip((2, 8, 5), sizes)]
+    packed.set_slot(1, [parts[0][0], None, parts[2][0]], [parts[0][1], None, parts[2][1]], [2.0, 1.0, 0.25])
+    x = torch.randn(4, 16)
+    packed.context.mapping = LoRAMapping.from_slots([1] * 4)
+    y = packed(x)
+    q, k, v = fused(x).split(sizes, dim=1)
+    torch.testing.assert_close(y[:, :8], q + 2.0 * x @ parts[0][0].t() @ parts[0][1].t())
+    torch.testing.assert_close(y[:, 8:12], k)
+    torch.testing.assert_close(y[:, 12:], v + 0.25 * x @ parts[2][0].t() @ parts[2][1].t())
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape, words",
+    [((9, 16), (12, 9), ["rank 9", "max_lora_rank=8"]), ((4, 15), (12, 4), ["(4, 15)", "[r, 16]"]),
+     ((4, 16), (11, 4), ["(11, 4)", "[12, r]"])],
+)
+def test_set_slot_refuses_bad_shapes(a_shape, b_shape, words):
+    layer = make(nn.Linear(16, 12))
+    with pytest.raises(ValueError) as err:
+        layer.set_slot(0, torch.zeros(a_shape), torch.zeros(b_shape))
+    assert all(w in str(err.value) for w in words)
