@@ -1,5 +1,28 @@
-"""loramux: one base LLM, many LoRA adapters, one batch."""
-from loramux.adapters.manager import LoRAManager, LoRAResult, LoRAStatus
-from loramux.config import LoRAConfig
+"""loramux: one base LLM, many LoRA adapters, one batch.
 
-__all__ = ["LoRAConfig", "LoRAManager", "LoRAResult", "LoRAStatus"]
+Public names are imported on first use, so `import loramux.adapters.cache` (or the HTTP server) does
+not pull in torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "LLM": "loramux.llm",
+    "SamplingParams": "loramux.sampling_params",
+    "EngineConfig": "loramux.config",
+    "LoRAConfig": "loramux.config",
+    "LoRAManager": "loramux.adapters.manager",
+    "LoRAResult": "loramux.adapters.manager",
+    "LoRAStatus": "loramux.adapters.manager",
+    "RequestOutput": "loramux.engine.output",
+}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'loramux' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

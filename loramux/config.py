@@ -44,3 +44,54 @@ class LoRAConfig:
     @property
     def targets(self) -> tuple[str, ...]:
         return self.target_modules or DEFAULT_TARGET_MODULES
+
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine: model, memory and batching limits. Fields are validated at construction."""
+
+    model: str | None = None
+    """An HF model directory (config.json + safetensors), a .gguf file, or None for the embedded default."""
+    dtype: str = "auto"
+    """"auto" = the checkpoint's dtype (float32 for GGUF); or float32 / bfloat16 / float16."""
+    device: str = "auto"
+    """"auto" = cuda when available, else cpu."""
+    lora: LoRAConfig | None = LoRAConfig()
+    """Adapter limits; None serves the base model only."""
+    lora_backend: str = "auto"
+    """LoRA op backend (loramux.ops.BACKENDS); "auto" picks the fastest for the device."""
+    max_num_seqs: int = 64
+    """Requests in one decode step at most."""
+    max_model_len: int | None = None
+    """Prompt + generated tokens per request at most; None = the model's limit, capped at 4096."""
+    max_num_batched_tokens: int = 4096
+    """Prompt tokens in one prefill step at most (raised to max_model_len if lower)."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    kv_cache_memory: int | None = None
+    """KV-cache bytes; None = kv_cache_fraction of the memory available at start-up."""
+    kv_cache_fraction: float = 0.2
+    max_wait_steps: int = 64
+    """Age bound: a request skipped this many scheduler steps (its adapter had no slot) is admitted
+    next, before anything else."""
+    seed: int = 0
+    """Seed for requests that bring none."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_wait_steps"):
+            _check_positive(name, getattr(self, name))
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+        if self.kv_cache_memory is not None:
+            _check_positive("kv_cache_memory", self.kv_cache_memory)
+        if not 0 < self.kv_cache_fraction <= 0.9:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction!r}")
+
+    @property
+    def max_loras(self) -> int:
+        return self.lora.max_loras if self.lora else 0

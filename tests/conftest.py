@@ -74,3 +74,39 @@ def adapter_dirs(tmp_path_factory):
             path = tmp_path_factory.mktemp(f"{model_kind}-{kind}")
             dirs[model_kind, kind] = save_peft_adapter(base, path, seed=100 + i, **kwargs)
     return dirs
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (ids < 128), made here: nothing is downloaded."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def save_checkpoint(model, path) -> str:
+    """An HF checkpoint directory (config.json + safetensors + tokenizer), as users have them."""
+    model.config.eos_token_id = 2
+    model.config.bos_token_id = 1
+    model.save_pretrained(str(path))
+    char_tokenizer().save_pretrained(str(path))
+    return str(path)
+
+
+def hf_greedy(base, adapter_dir, prompt_ids, max_new_tokens):
+    """The oracle for generation: HF (+ PEFT) greedy decoding, one request alone, no KV-cache tricks."""
+    from peft import PeftModel
+
+    model = copy.deepcopy(base)
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt_ids):].tolist()

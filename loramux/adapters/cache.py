@@ -62,6 +62,10 @@ class AdapterCache:
     def active(self) -> dict[str, int]:
         return dict(self._slots)
 
+    @property
+    def pinned(self) -> set[str]:
+        return set(self._pinned)
+
     def in_host(self, name: str) -> bool:
         return name in self._host
 

@@ -1,0 +1,143 @@
+"""ModelRunner: one scheduled batch -> tensors -> forward pass -> one sampled token per sequence.
+
+It owns the model, the paged KV cache and the LoRAManager. Within a step, sequences are ordered by
+adapter slot, so every adapter's tokens are one contiguous segment for the LoRA ops.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from loramux.adapters.manager import LoRAManager
+from loramux.config import EngineConfig
+from loramux.engine.sequence import Sequence
+from loramux.layers.attention import AttentionMetadata
+from loramux.layers.sampler import SamplingRow, sample
+from loramux.models.loader import LoadedModel
+from loramux.models.llama import head_dim_of
+from loramux.ops import LoRAMapping
+
+
+def available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    if "MemAvailable" in fields:
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device):
+        self.model, self.config, self.device = loaded.model, config, device
+        self.max_model_len = loaded.max_model_len
+        self.block_size = config.block_size
+        self.manager = LoRAManager(self.model, config.lora, config.lora_backend) if config.lora else None
+        self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
+        self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._generators: dict[int, torch.Generator] = {}
+
+    # ---- KV cache ------------------------------------------------------------------------------
+    def _allocate_kv_cache(self, hf_config) -> int:
+        layers = self.model.attention_layers()
+        kv_heads, head_dim = layers[0].num_kv_heads, head_dim_of(hf_config)
+        dtype = self.model.lm_head.weight.dtype
+        block_bytes = 2 * len(layers) * self.block_size * kv_heads * head_dim * dtype.itemsize
+        budget = self.config.kv_cache_memory or int(available_memory(self.device) * self.config.kv_cache_fraction)
+        blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
+        num_blocks = min(budget // block_bytes, self.config.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {self.block_size} "
+                             f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
+        cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+        self.kv_cache = cache
+        return num_blocks
+
+    # ---- one step --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """Run one step over `seqs` (adapters activated first); returns their next tokens in order."""
+        slots = {s.adapter: self.manager.cache.slot_of(s.adapter) for s in seqs if s.adapter is not None}
+        slots[None] = -1
+        order = sorted(range(len(seqs)), key=lambda i: slots[seqs[i].adapter])
+        ordered = [seqs[i] for i in order]
+        prepare = self._prepare_prefill if is_prefill else self._prepare_decode
+        input_ids, positions, meta, token_counts, last_indices = prepare(ordered)
+        hidden = self._forward(input_ids, positions, meta, ordered, slots, token_counts)
+        logits = self.model.compute_logits(hidden[last_indices])
+        tokens = sample(logits, [self._sampling_row(s) for s in ordered])
+        result = [0] * len(seqs)
+        for i, token in zip(order, tokens):
+            result[i] = token
+        return result
+
+    def activate_adapters(self, seqs: list[Sequence]) -> dict[str, str]:
+        """Give every adapter of the step a slot; {adapter: error} for those that could not get one."""
+        errors = {}
+        for adapter in {s.adapter for s in seqs} - {None}:
+            try:
+                self.manager.activate_adapter(adapter)
+            except Exception as e:  # a broken adapter fails its own requests, nobody else's
+                errors[adapter] = f"adapter {adapter!r} could not be activated: {e}"
+        return errors
+
+    def _forward(self, input_ids, positions, meta, seqs, slots, token_counts):
+        if self.manager is None or all(s.adapter is None for s in seqs):
+            return self.model(input_ids, positions, meta)
+        token_slots = [slots[s.adapter] for s, n in zip(seqs, token_counts) for _ in range(n)]
+        with self.manager.mapping(LoRAMapping.from_slots(token_slots, self.device)):
+            return self.model(input_ids, positions, meta)
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _cache_index(self, seq: Sequence, positions: range) -> list[int]:
+        table, size = seq.block_table, self.block_size
+        return [table[p // size] * size + p % size for p in positions]
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        lengths = [len(s) for s in seqs]
+        max_len, offsets = max(lengths), [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        input_ids = self._tensor([t for s in seqs for t in s.token_ids])
+        positions = self._tensor([p for n in lengths for p in range(n)])
+        slot_mapping = self._tensor([i for s, n in zip(seqs, lengths) for i in self._cache_index(s, range(n))])
+        # Padded positions repeat the sequence's last token: causal attention never lets a real query see them.
+        pad = [[o + min(p, n - 1) for p in range(max_len)] for o, n in zip(offsets, lengths)]
+        unpad = [b * max_len + p for b, n in enumerate(lengths) for p in range(n)]
+        meta = AttentionMetadata(True, slot_mapping, pad_index=self._tensor(pad), unpad_index=self._tensor(unpad))
+        return input_ids, positions, meta, lengths, self._tensor([o - 1 for o in offsets[1:]])
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        lengths = [len(s) for s in seqs]
+        max_len = max(lengths)
+        input_ids = self._tensor([s.last_token_id for s in seqs])
+        positions = self._tensor([n - 1 for n in lengths])
+        slot_mapping = self._tensor([self._cache_index(s, range(n - 1, n))[0] for s, n in zip(seqs, lengths)])
+        gather = self._tensor([self._cache_index(s, range(n)) + [0] * (max_len - n) for s, n in zip(seqs, lengths)])
+        key_mask = torch.arange(max_len, device=self.device)[None] < positions[:, None] + 1  # [batch, max_len]
+        meta = AttentionMetadata(False, slot_mapping, gather_index=gather, key_mask=key_mask[:, None, None, :])
+        return input_ids, positions, meta, [1] * len(seqs), torch.arange(len(seqs), device=self.device)
+
+    # ---- sampling state ------------------------------------------------------------------------------
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        params = seq.params
+        if params.greedy:
+            generator = None
+        elif params.seed is None:
+            generator = self._shared_generator
+        else:
+            generator = self._generators.get(seq.seq_id)
+            if generator is None:
+                generator = self._generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+        return SamplingRow(params, seq.output_token_ids, generator)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished: drop its sampling state."""
+        self._generators.pop(seq.seq_id, None)

@@ -1,0 +1,257 @@
+"""Scheduler: continuous batching that keeps every step within the device's adapter slots. No torch.
+
+Each step is all-prefill or all-decode, as in nano-vllm: admit waiting requests if any fit, else decode
+every running one. On top of that, the adapter rule: the adapters of running requests plus the pinned
+ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
+each adapter there needs its own device slot. A request whose adapter has no slot is skipped, not
+blocking, until it has been passed over max_wait_steps times; then it goes first (age bound).
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from loramux.adapters.cache import AdapterCache
+from loramux.config import EngineConfig
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.sequence import Sequence, SequenceStatus
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work. Plain Python data: the model runner builds the tensors."""
+
+    seqs: list[Sequence]
+    """To run this step, in any order (the runner groups them by adapter itself)."""
+    is_prefill: bool
+    preempted: list[Sequence]
+    """Moved back to the waiting queue during this schedule() call; their K/V is recomputed later."""
+    failed: list[Sequence]
+    """Finished with finish_reason "abort": their adapter was unloaded while they waited."""
+
+
+class _Verdict(enum.Enum):
+    ADMITTED = "admitted"
+    NO_ROOM = "no room"  # max_num_seqs, token budget or KV blocks: stop scanning (FIFO for memory)
+    NO_SLOT = "no slot"  # only the adapter rule: skip, later requests may fit
+
+
+@dataclass
+class _Pass:
+    """What one admission pass has committed to so far."""
+
+    needed: set[str]  # adapters that must hold a slot: running (incl. admitted this pass) and pinned
+    num_tokens: int = 0
+    admitted: list[Sequence] = field(default_factory=list)
+    skipped: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    """Decides which sequences run each step; owns the waiting queue and the running list.
+
+    Invariants: a RUNNING sequence holds its KV blocks and one reference on its adapter (taken at
+    admission, dropped at finish, abort or preemption); a WAITING one holds neither. `running` is in
+    admission order, so its last element is the preemption victim.
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None):
+        if adapters is not None and adapters.max_loras != config.max_loras:
+            raise ValueError(f"AdapterCache has max_loras={adapters.max_loras} but the engine config has "
+                             f"max_loras={config.max_loras}; build the cache from config.lora")
+        self.block_manager = block_manager
+        self.adapters = adapters
+        self.max_num_seqs = config.max_num_seqs
+        # A prompt of max_model_len tokens must fit one prefill step, or it could never run.
+        self.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len or 0)
+        self.max_model_len = config.max_model_len
+        self.max_loras = config.max_loras
+        self.max_wait_steps = config.max_wait_steps
+        self.waiting: deque[Sequence] = deque()  # FIFO by arrival; preempted ones go to the front
+        self.running: list[Sequence] = []
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def waiting_adapters(self) -> set[str]:
+        return {s.adapter for s in self.waiting if s.adapter is not None}
+
+    def running_adapters(self) -> set[str]:
+        return {s.adapter for s in self.running if s.adapter is not None}
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request. Refuses one that could never run, rather than letting it wait forever."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table:
+            raise ValueError(f"request {seq.request_id!r} is {seq.status.value}; only new requests can be added")
+        self._check_adapter(seq)
+        self._check_fits(seq)
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish the request with "abort" wherever it is; None if it is not here (already finished)."""
+        seq = next((s for s in (*self.waiting, *self.running) if s.request_id == request_id), None)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq`: free its blocks and adapter reference, and drop it from the queues."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {', '.join(FINISH_REASONS)}, got {reason!r}")
+        if seq.is_finished:
+            raise RuntimeError(f"request {seq.request_id!r} already finished ({seq.finish_reason})")
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        if seq not in queue:
+            raise ValueError(f"request {seq.request_id!r} ({seq.status.value}) was never added to this scheduler")
+        queue.remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self._free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        """The next step: a prefill of newly admitted requests if any fit, else a decode of all running."""
+        failed = self._fail_unloaded()
+        admitted = self._admit()
+        if admitted:
+            return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=[], failed=failed)
+        seqs, preempted = self._schedule_decode()
+        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed)
+
+    def _admit(self) -> list[Sequence]:
+        """Scan the waiting queue in FIFO order; starving requests, if any, must go first."""
+        step = _Pass(needed=self.running_adapters() | self._pinned())
+        while (head := self._head_of_line()) is not None:
+            if self._try_admit(head, step) is not _Verdict.ADMITTED:
+                # Hold everything else back so running requests drain and free a slot for its adapter.
+                return step.admitted
+        for seq in list(self.waiting):
+            verdict = self._try_admit(seq, step)
+            if verdict is _Verdict.NO_ROOM:
+                break
+            if verdict is _Verdict.NO_SLOT:
+                step.skipped.append(seq)
+        if step.admitted:
+            for seq in step.skipped:
+                seq.waited_steps += 1
+        return step.admitted
+
+    def _try_admit(self, seq: Sequence, step: _Pass) -> _Verdict:
+        # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).
+        if not self._has_room(seq, step):
+            return _Verdict.NO_ROOM
+        if seq.adapter is not None and not self._slot_fits(seq.adapter, step.needed):
+            return _Verdict.NO_SLOT
+        self.waiting.remove(seq)
+        self.block_manager.allocate(seq)
+        if seq.adapter is not None:
+            self.adapters.acquire(seq.adapter)
+            step.needed.add(seq.adapter)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        step.num_tokens += len(seq)
+        step.admitted.append(seq)
+        return _Verdict.ADMITTED
+
+    def _has_room(self, seq: Sequence, step: _Pass) -> bool:
+        return (len(self.running) < self.max_num_seqs
+                and step.num_tokens + len(seq) <= self.max_num_batched_tokens
+                and self.block_manager.can_allocate(seq))
+
+    def _slot_fits(self, adapter: str, needed: set[str]) -> bool:
+        return adapter in needed or len(needed) + 1 <= self.max_loras
+
+    def _head_of_line(self) -> Sequence | None:
+        """The oldest request that has waited max_wait_steps, if its adapter could get a slot at all.
+
+        One whose adapter cannot fit even beside the pinned ones alone would block everyone forever;
+        it waits for an unpin instead."""
+        pinned = self._pinned()
+        return next((s for s in self.waiting
+                     if s.waited_steps >= self.max_wait_steps
+                     and (s.adapter is None or self._slot_fits(s.adapter, pinned))), None)
+
+    def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Every running request decodes one token; the newest give up their blocks when memory runs out."""
+        scheduled: list[Sequence] = []
+        preempted: list[Sequence] = []
+        queue = deque(self.running)  # admission order: oldest first, so victims come off the back
+        while queue:
+            seq = queue.popleft()
+            while not self.block_manager.can_append(seq):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                scheduled.append(seq)
+        return scheduled, preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the K/V and re-prefill later, ahead of newer arrivals."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway
+        self.waiting.appendleft(seq)
+
+    def _fail_unloaded(self) -> list[Sequence]:
+        """Finish waiting requests whose adapter was unloaded (running ones hold a ref, so cannot lose it)."""
+        if self.adapters is None:
+            return []
+        failed = [s for s in self.waiting if s.adapter is not None and s.adapter not in self.adapters]
+        for seq in failed:
+            self.finish(seq, "abort")
+        return failed
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        if seq.adapter is not None:
+            self.adapters.release(seq.adapter)
+
+    def _pinned(self) -> set[str]:
+        return self.adapters.pinned if self.adapters is not None else set()
+
+    def _check_adapter(self, seq: Sequence) -> None:
+        if seq.adapter is None:
+            return
+        if self.adapters is None:
+            raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
+                             "serves the base model only (EngineConfig.lora is None)")
+        if seq.adapter not in self.adapters:
+            known = ", ".join(self.adapters.names) or "none"
+            raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r}, which is not "
+                             f"loaded (loaded: {known})")
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """A request's longest prefill (a preempted one re-prefills its output too) and its K/V must fit
+        an otherwise empty engine, or it would wait forever."""
+        # The engine ends a request at max_model_len tokens, and the last generated token is never fed
+        # back, so the longest sequence a step sees is one short of the final length.
+        final_len = seq.num_prompt_tokens + seq.params.max_tokens
+        max_len = min(final_len, self.max_model_len or final_len) - 1
+        max_blocks = -(-max_len // self.block_manager.block_size)
+        if max_len > self.max_num_batched_tokens or max_blocks > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {seq.request_id!r} needs room for {max_len} tokens ({len(seq)} prompt + max_tokens "
+                f"{seq.params.max_tokens} - 1); limits: {self.max_num_batched_tokens} tokens per prefill, "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size} KV-cache token positions"
+            )

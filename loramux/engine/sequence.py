@@ -1,0 +1,61 @@
+"""Sequence: one request's tokens and state as it moves through the engine. No torch."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from loramux.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                 request_id: str | None = None):
+        if not prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.adapter = adapter
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0  # tokens whose K/V are in the cache (set by the model runner's step)
+        self.finish_reason: str | None = None
+        self.arrival_time = time.monotonic()
+        self.waited_steps = 0  # scheduler steps spent waiting while others were admitted (age bound)
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_needed(self, block_size: int) -> int:
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

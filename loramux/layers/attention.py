@@ -1,0 +1,67 @@
+"""Attention over a paged KV cache, in pure torch (SDPA).
+
+The cache of one layer is flat: k_cache / v_cache [num_blocks * block_size, kv_heads, head_dim]; a
+token's K/V live at index block_table[pos // block_size] * block_size + pos % block_size.
+Prefill steps hold only new sequences (recompute preemption, no prefix cache), so they attend within
+their own tokens: padded to [batch, max_len] and run causally. Decode steps gather each sequence's
+keys through `gather_index` and mask the padding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] cache index where each new token's K/V is written
+    pad_index: torch.Tensor | None = None  # prefill: [batch, max_len] token index per padded position
+    unpad_index: torch.Tensor | None = None  # prefill: [num_tokens] position in the flattened padding
+    gather_index: torch.Tensor | None = None  # decode: [batch, max_context] cache index per key
+    key_mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_context] True = a real key
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None  # assigned by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] -> [num_tokens, heads * head_dim]."""
+        if self.k_cache is not None:
+            self.k_cache.index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        if meta.is_prefill:
+            return self._prefill(q, k, v, meta)
+        return self._decode(q, meta)
+
+    def _prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        # [batch, heads, max_len, head_dim]; padded query rows are computed and then dropped.
+        q, k, v = (t[meta.pad_index].transpose(1, 2) for t in (q, k, v))
+        if _HAS_GQA:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
+        return out[meta.unpad_index]
+
+    def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
+        batch = q.shape[0]
+        k = self.k_cache[meta.gather_index].transpose(1, 2)  # [batch, kv_heads, max_context, head_dim]
+        v = self.v_cache[meta.gather_index].transpose(1, 2)
+        # One query per sequence: each kv head's query group becomes the query-length axis, so GQA
+        # needs no repeated K/V and any torch >= 2.4 runs it.
+        q = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.key_mask, scale=self.scale)
+        return out.reshape(batch, self.num_heads * self.head_dim)

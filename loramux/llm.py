@@ -1,0 +1,87 @@
+"""LLM: the offline API. `LLM(model=path).generate(prompts, SamplingParams(...), adapters=[...])`."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from loramux.adapters.manager import LoRAResult
+from loramux.config import EngineConfig, LoRAConfig
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.output import RequestOutput
+from loramux.sampling_params import SamplingParams
+
+
+def _per_request(value, count: int, what: str) -> list:
+    """One value for every request: a single value is repeated, a list must have one per request."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"got {len(value)} {what} for {count} prompts")
+        return list(value)
+    return [value] * count
+
+
+class LLM:
+    def __init__(self, model: str | None = None, lora: LoRAConfig | None = LoRAConfig(), dtype: str = "auto",
+                 max_num_seqs: int = 64, **engine_kwargs):
+        """model: an HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+        engine_kwargs: any other EngineConfig field (max_model_len, kv_cache_memory, device, ...)."""
+        config = EngineConfig(model=model, lora=lora, dtype=dtype, max_num_seqs=max_num_seqs, **engine_kwargs)
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence | None = None,
+                 adapters: str | Sequence | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, or a list of token-id lists. adapters: one name (or
+        None) for all, or one per prompt. Returns the finished outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_request(sampling_params or SamplingParams(), len(prompts), "sampling params")
+        names = _per_request(adapters, len(prompts), "adapters")
+        ids = [self.engine.add_request(p, sp, a) for p, sp, a in zip(prompts, params, names)]
+        finished: dict[str, RequestOutput] = {}
+        show = len(ids) >= 8 if use_tqdm is None else use_tqdm
+        with tqdm(total=len(ids), desc="generate", disable=not show) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[i] for i in ids]
+
+    def chat(self, messages: Sequence, sampling_params=None, adapters=None, use_tqdm=None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, adapters, use_tqdm)
+
+    def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=True, return_dict=False)
+        return list(ids)
+
+    # ---- the adapter API -------------------------------------------------------------------------
+    def load_adapter(self, spec: str) -> LoRAResult:
+        return self.engine.load_adapter(spec)
+
+    def unload_adapter(self, name: str) -> LoRAResult:
+        return self.engine.unload_adapter(name)
+
+    def pin_adapter(self, name: str) -> LoRAResult:
+        return self.engine.pin_adapter(name)
+
+    def activate_adapter(self, name: str) -> int:
+        return self.engine.lora_manager.activate_adapter(name)
+
+    def is_lora(self, name: str) -> bool:
+        return self.engine.manager is not None and self.engine.manager.is_lora(name)
+
+    def is_active_lora(self, name: str) -> bool:
+        return self.engine.manager is not None and self.engine.manager.is_active_lora(name)
+
+    @property
+    def loras(self) -> list[str]:
+        return self.engine.manager.loras if self.engine.manager else []

@@ -1,0 +1,136 @@
+"""The Llama family in one file: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2,
+TinyLlama. GQA, RoPE, RMSNorm, SwiGLU, tied embeddings.
+
+Module names follow HF transformers, except that q/k/v and gate/up are fused (`packed_modules_mapping`
+says which HF projections each fused Linear holds), so PEFT adapter keys map onto this model directly.
+The forward pass takes flat tokens: input_ids and positions are [num_tokens] for the whole batch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loramux.layers.attention import Attention, AttentionMetadata
+from loramux.layers.linear import PackedLinear
+from loramux.layers.norm import RMSNorm
+from loramux.layers.rotary import RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        self.qkv_sizes = (q_size, kv_size, kv_size)  # kept here: a LoRA layer may wrap qkv_proj
+        self.qkv_proj = PackedLinear(config.hidden_size, self.qkv_sizes, bias=bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary  # one table shared by all layers (plain tensors, no parameters)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = PackedLinear(config.hidden_size, (inter, inter), bias=bool(getattr(config, "mlp_bias", False)))
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bool(getattr(config, "mlp_bias", False)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        for layer in self.layers:
+            hidden = layer(positions, hidden, meta)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, config):
+        super().__init__()
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        self.config = config
+        self.rotary = RotaryEmbedding()
+        self.model = LlamaModel(config, self.rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> hidden states [num_tokens, hidden]."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [n, hidden] (only the rows that sample) -> float32 logits [n, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    """HF names (q_proj, k_proj, ...) -> this model's names (qkv_proj, gate_up_proj)."""
+    fused, parts = {}, {}
+    for name, tensor in state_dict.items():
+        if "rotary_emb" in name:
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        module_prefix, _, module = prefix.rpartition(".")
+        packed = next((p for p, subs in LlamaForCausalLM.packed_modules_mapping.items() if module in subs), None)
+        if packed is None:
+            fused[name] = tensor
+        else:
+            index = LlamaForCausalLM.packed_modules_mapping[packed].index(module)
+            parts.setdefault(f"{module_prefix}.{packed}.{leaf}", {})[index] = tensor
+    for name, pieces in parts.items():
+        fused[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+    if tie_word_embeddings or "lm_head.weight" not in fused:
+        fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
+    return fused

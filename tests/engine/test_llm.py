@@ -1,0 +1,170 @@
+"""The offline LLM against HF transformers + PEFT: same greedy tokens for every row of a mixed batch."""
+import pytest
+import torch
+
+from conftest import MODEL_FACTORIES, hf_greedy, save_checkpoint, save_peft_adapter
+from loramux import LoRAConfig
+from loramux.llm import LLM
+from loramux.sampling_params import SamplingParams
+
+ADAPTERS = ("r4", "r8_rslora", "r16_patterns", "r64_qv")
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def qwen3(seed=0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from conftest import TINY
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=32)).eval()
+
+
+FACTORIES = {**MODEL_FACTORIES, "qwen3": qwen3}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{kind: (base model, checkpoint dir, {adapter kind: adapter dir})}."""
+    from conftest import ADAPTER_KINDS
+
+    out = {}
+    for kind, factory in FACTORIES.items():
+        base, root = factory(), tmp_path_factory.mktemp(kind)
+        adapters = {a: save_peft_adapter(base, root / a, seed=200 + i, **ADAPTER_KINDS[a]) for i, a in enumerate(ADAPTERS)}
+        out[kind] = (base, save_checkpoint(base, root / "model"), adapters)
+    return out
+
+
+def prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (int(torch.randint(2, 14, (1,), generator=gen)),), generator=gen).tolist() for _ in range(n)]
+
+
+def make_llm(path, adapters=None, **kw):
+    llm = LLM(model=path, lora=kw.pop("lora", LoRAConfig(max_loras=4, max_lora_rank=64)), dtype="float32",
+              kv_cache_memory=kw.pop("kv_cache_memory", 2**23), **kw)
+    for name, adapter_dir in (adapters or {}).items():
+        assert llm.load_adapter(f"{name}={adapter_dir}")
+    return llm
+
+
+@pytest.mark.parametrize("kind", list(FACTORIES))
+def test_mixed_batch_greedy_equals_hf_peft_alone(kind, checkpoints):
+    base, path, adapters = checkpoints[kind]
+    llm = make_llm(path, adapters)
+    rows = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv", "r16_patterns", "r8_rslora"]
+    batch = prompts(len(rows))
+    outputs = llm.generate(batch, GREEDY, adapters=rows)
+    for prompt, adapter, out in zip(batch, rows, outputs):
+        expected = hf_greedy(base, adapters.get(adapter), prompt, GREEDY.max_tokens)
+        assert out.token_ids == expected, f"{adapter}: {out.token_ids} != {expected}"
+        assert out.finish_reason == "length" and out.adapter == adapter
+    assert len({tuple(o.token_ids) for o in outputs}) > 5  # adapters really changed the outputs
+
+
+def test_base_model_without_lora_equals_hf(checkpoints):
+    base, path, _ = checkpoints["llama"]
+    llm = make_llm(path, lora=None)
+    batch = prompts(4, seed=1)
+    for prompt, out in zip(batch, llm.generate(batch, GREEDY)):
+        assert out.token_ids == hf_greedy(base, None, prompt, GREEDY.max_tokens)
+    with pytest.raises(ValueError, match="LoRA is off"):
+        llm.generate(batch[0], GREEDY, adapters="r4")
+
+
+def test_outputs_do_not_depend_on_batch_mates(checkpoints):
+    _, path, adapters = checkpoints["qwen2"]
+    llm = make_llm(path, adapters)
+    seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    target = prompts(1, seed=3)[0]
+    alone = [llm.generate(target, p, adapters="r16_patterns")[0].token_ids for p in (GREEDY, seeded)]
+    mates = prompts(6, seed=4)
+    for params, expected in zip((GREEDY, seeded), alone):
+        batch = mates[:3] + [target] + mates[3:]
+        names = ["r4", None, "r64_qv", "r16_patterns", "r8_rslora", "r4", None]
+        mate_params = [SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)] * 7
+        mate_params[3] = params
+        assert llm.generate(batch, mate_params, adapters=names)[3].token_ids == expected
+
+
+def test_preemption_and_slot_pressure_keep_outputs_exact(checkpoints):
+    base, path, adapters = checkpoints["llama"]
+    # 2 slots for 4 adapters, and a KV cache of a few blocks: requests wait for slots and get preempted.
+    llm = make_llm(path, adapters, lora=LoRAConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=64),
+                   kv_cache_memory=6 * 2 * 2 * 16 * 2 * 16 * 4, max_model_len=64, block_size=16)
+    assert llm.engine.runner.num_blocks == 6
+    rows = ["r4", "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv", None]
+    batch = prompts(len(rows), seed=5)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    preemptions = []
+    original = llm.engine.scheduler.schedule
+
+    def spy():
+        scheduled = original()
+        preemptions.extend(scheduled.preempted)
+        return scheduled
+
+    llm.engine.scheduler.schedule = spy
+    outputs = llm.generate(batch, params, adapters=rows)
+    assert preemptions, "the tiny KV cache should have forced a preemption"
+    for prompt, adapter, out in zip(batch, rows, outputs):
+        assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, 20)
+
+
+def test_stops_lengths_and_streaming(checkpoints):
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, adapters)
+    prompt = prompts(1, seed=6)[0]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), adapters="r4")[0]
+    text, ids = free.text, free.token_ids
+    stop_word = text[4:6]
+    cut = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, stop=[stop_word], ignore_eos=True),
+                       adapters="r4")[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop_word)]
+    by_id = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[ids[3]],
+                                                ignore_eos=True), adapters="r4")[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == ids[: ids.index(ids[3]) + 1]
+    pieces = list(llm.engine.stream([prompt], [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)], ["r4"]))
+    assert "".join(p.delta_text for p in pieces) == text and pieces[-1].finished
+    assert sum(len(p.delta_token_ids) for p in pieces) == 12
+
+
+def test_eos_stops_unless_ignored(checkpoints):
+    _, path, _ = checkpoints["qwen2"]
+    llm = make_llm(path)
+    free = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    llm.engine.eos_token_ids = {free[2]}  # pretend the third greedy token is the model's eos
+    stopped = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free[: free.index(free[2]) + 1]
+    forced = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+    assert forced.finish_reason == "length" and forced.token_ids == free
+
+
+def test_bad_requests_are_refused_with_the_cause(checkpoints):
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, {"r4": adapters["r4"]}, max_model_len=32)
+    with pytest.raises(ValueError, match="unknown adapter 'ghost'; loaded adapters: r4"):
+        llm.generate("hi", GREEDY, adapters="ghost")
+    with pytest.raises(ValueError, match="40 tokens; max_model_len=32"):
+        llm.generate([5] * 40, GREEDY)
+    with pytest.raises(ValueError, match="2 adapters for 3 prompts"):
+        llm.generate(["a", "b", "c"], GREEDY, adapters=["r4", None])
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])
+    out = llm.generate("x" * 28, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 32 - 28
+
+
+def test_chat_uses_the_template(checkpoints):
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, {"r4": adapters["r4"]})
+    llm.tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>"
+    out = llm.chat([{"role": "user", "content": "hello"}], GREEDY, adapters="r4")[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("<user>hello>") and len(out.token_ids) == 8
+
+
+def test_kv_budget_too_small_is_refused(checkpoints):
+    _, path, _ = checkpoints["llama"]
+    with pytest.raises(ValueError, match="fewer than one max_model_len=64 sequence needs"):
+        make_llm(path, kv_cache_memory=1024, max_model_len=64)
