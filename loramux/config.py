@@ -95,3 +95,28 @@ class EngineConfig:
     @property
     def max_loras(self) -> int:
         return self.lora.max_loras if self.lora else 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front end. The engine's own limits live in EngineConfig."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    """The name clients use for the base model; None = the model path's last component."""
+    api_key: str | None = None
+    """When set, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
+    allowed_adapter_dirs: tuple[str, ...] = ()
+    """Runtime loads (/v1/load_lora_adapter) only from under these directories; none = runtime loads off."""
+    max_body_bytes: int = 1 << 20
+    max_n: int = 8
+    max_stop: int = 4
+    engine_start_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allowed_adapter_dirs", tuple(self.allowed_adapter_dirs))
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("max_body_bytes", "max_n", "max_stop"):
+            _check_positive(name, getattr(self, name))

@@ -88,6 +88,8 @@ class LoRAManager:
         self._paths: dict[str, str] = {}  # disk tier: name -> adapter directory
         self._uniform: dict[int, UniformSlot] = {}
         self.active_adapter_name: str | None = None
+        # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
+        self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
 
     # ---- wrapping --------------------------------------------------------------------------------
     def _wrap_targets(self) -> None:
@@ -159,6 +161,7 @@ class LoRAManager:
             logger.exception("loading adapter %r failed", name)
             return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
         self._weights[name] = weights
+        self.stats["loads"] += 1
         if path is not None:
             self._paths[name] = path
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} loaded")
@@ -215,8 +218,12 @@ class LoRAManager:
             weights = self._read(name, self._paths[name], self.config.allow_pickle)  # the disk tier
             self._apply(self.cache.add(name))
             self._weights[name] = weights
+            self.stats["loads"] += 1
 
     def _apply(self, changes: Changes) -> None:
+        refilled = {u.slot for u in changes.slots if u.adapter is not None}
+        self.stats["slot_evictions"] += sum(u.adapter is None and u.slot in refilled for u in changes.slots)
+        self.stats["host_evictions"] += len(changes.dropped)
         for name in changes.dropped:
             del self._weights[name]
         for update in changes.slots:
@@ -245,6 +252,11 @@ class LoRAManager:
     @property
     def active_loras(self) -> dict[str, int]:
         return self.cache.active
+
+    @property
+    def paths(self) -> dict[str, str | None]:
+        """Every loaded adapter's directory (None for adapters added from tensors)."""
+        return {name: self._paths.get(name) for name in self.cache.names}
 
     def binding_names(self) -> list[str]:
         """The module names an adapter can carry weights for (PEFT naming, sub-modules of packed layers)."""

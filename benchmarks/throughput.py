@@ -1,0 +1,173 @@
+"""Throughput of loramux against its peers, in one run, on SmolLM2-135M-Instruct (the embedded default).
+
+Workload (issue 3): 32 requests x (64 prompt + 64 new tokens), greedy, ignore_eos; 8 random adapters
+of ranks 8/16 on all 7 projections. Rows:
+  loramux base / single adapter / 8 mixed adapters / 32 distinct adapters (max_loras=32)
+  HF base (transformers generate) / HF PEFT mixed (generate(adapter_names=...))
+Prints tokens/s, the ratios (ours / peer) and one JSON line. The machine's load is recorded: on 2 cores,
+any other busy process distorts every number.
+
+  .venv/bin/python benchmarks/throughput.py [--dtypes float32 bfloat16] [--skip-hf]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from loramux import LoRAConfig
+from loramux.llm import LLM
+from loramux.models.loader import default_model_path
+from loramux.sampling_params import SamplingParams
+
+PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def write_adapter(path: str, hf_config, rank: int, seed: int) -> str:
+    """A random PEFT adapter on all 7 projections, in PEFT's own file format."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter, head_dim = hf_config.hidden_size, hf_config.intermediate_size, hf_config.head_dim
+    kv = hf_config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    tensors = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for block, names in PROJECTIONS.items():
+            for name in names:
+                n_in, n_out = shapes[name]
+                key = f"base_model.model.model.layers.{layer}.{block}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in**0.5
+                tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=gen) * 0.02
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+              "target_modules": [n for names in PROJECTIONS.values() for n in names], "lora_dropout": 0.0}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def timed(fn):
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start
+
+
+def cpu_load() -> float:
+    return os.getloadavg()[0]
+
+
+def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras):
+    llm = LLM(model=path, lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max(32, max_loras), max_lora_rank=16),
+              dtype=dtype, max_num_seqs=len(prompts), max_model_len=256)
+    for name, adapter_dir in adapter_dirs.items():
+        assert llm.load_adapter(f"{name}={adapter_dir}"), name
+    llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
+    return llm
+
+
+def loramux_rows(path, dtype, adapter_dirs, prompts, params, new_tokens):
+    n = len(prompts)
+    tokens = n * new_tokens
+    results, outputs = {}, {}
+    llm = run_loramux(path, dtype, {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}, prompts, params, 8)
+    cases = {"base": None, "single": "a0", "mixed8": [f"a{i % 8}" for i in range(n)]}
+    for label, adapters in cases.items():
+        out, seconds = timed(lambda: llm.generate(prompts, params, adapters=adapters, use_tqdm=False))
+        results[label], outputs[label] = tokens / seconds, [o.token_ids for o in out]
+    del llm
+    llm = run_loramux(path, dtype, adapter_dirs, prompts, params, 32)
+    for label, adapters in {"single_max32": "a0", "distinct32": [f"a{i}" for i in range(n)]}.items():
+        _, seconds = timed(lambda: llm.generate(prompts, params, adapters=adapters, use_tqdm=False))
+        results[label] = tokens / seconds
+    return results, outputs
+
+
+def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    input_ids = torch.tensor(prompts)
+    kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    tokens = len(prompts) * new_tokens
+    with torch.inference_mode():
+        _, base_s = timed(lambda: model.generate(input_ids, **kwargs))
+        names = [f"a{i}" for i in range(8)]
+        peft = PeftModel.from_pretrained(model, adapter_dirs["a0"], adapter_name="a0")
+        for name in names[1:]:
+            peft.load_adapter(adapter_dirs[name], adapter_name=name)
+        rows = [names[i % 8] for i in range(len(prompts))]
+        out, mixed_s = timed(lambda: peft.generate(input_ids=input_ids, adapter_names=rows, **kwargs))
+    return {"hf_base": tokens / base_s, "peft_mixed8": tokens / mixed_s}, out[:, input_ids.shape[1]:].tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--skip-hf", action="store_true", help="only loramux rows (no peers, no ratios to them)")
+    args = parser.parse_args()
+
+    path = default_model_path()
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, hf_config.vocab_size, (args.requests, args.prompt_len), generator=gen).tolist()
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    workdir = tempfile.mkdtemp(prefix="loramux-bench-")
+    adapter_dirs = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
+                    for i in range(32)}
+    report = {"model": "SmolLM2-135M-Instruct", "requests": args.requests, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "load_before": cpu_load()}
+    for dtype in args.dtypes:
+        ours, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.new_tokens)
+        row = dict(ours)
+        if not args.skip_hf:
+            peers, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens)
+            row.update(peers)
+            row["greedy_rows_equal_to_peft"] = sum(a == b for a, b in zip(our_tokens["mixed8"], peft_tokens)) / len(prompts)
+        report[dtype] = row
+    report["load_after"] = cpu_load()
+    print_report(report, args.dtypes)
+
+
+def print_report(report: dict, dtypes: list[str]) -> None:
+    print(f"\nSmolLM2-135M, {report['requests']} requests x ({report['prompt_len']} prompt + {report['new_tokens']} new) "
+          f"tokens, greedy; load average {report['load_before']:.2f} -> {report['load_after']:.2f}")
+    print(f"{'dtype':<10}{'row':<18}{'tok/s':>9}")
+    for dtype in dtypes:
+        for label, value in report[dtype].items():
+            if label != "greedy_rows_equal_to_peft":
+                print(f"{dtype:<10}{label:<18}{value:>9.1f}")
+    ratios = {}
+    for dtype in dtypes:
+        r = report[dtype]
+        ratios[f"{dtype}:mixed8/base"] = r["mixed8"] / r["base"]
+        ratios[f"{dtype}:distinct32/single(max_loras=32)"] = r["distinct32"] / r["single_max32"]
+        if "peft_mixed8" in r:
+            ratios[f"{dtype}:mixed8/peft_mixed8"] = r["mixed8"] / r["peft_mixed8"]
+            ratios[f"{dtype}:base/hf_base"] = r["base"] / r["hf_base"]
+    if all("peft_mixed8" in report[d] for d in dtypes):
+        best_ours = max(report[d]["mixed8"] for d in dtypes)
+        best_peft = max(report[d]["peft_mixed8"] for d in dtypes)
+        ratios["best:mixed8/peft_mixed8"] = best_ours / best_peft
+    print("\nratios (ours / peer)")
+    for label, value in ratios.items():
+        print(f"  {label:<44}{value:6.2f}x")
+    report["ratios"] = ratios
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

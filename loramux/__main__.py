@@ -1,0 +1,3 @@
+from loramux.cli import main
+
+main()

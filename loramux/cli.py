@@ -1,0 +1,87 @@
+"""loramux serve | generate."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loramux.config import EngineConfig, LoRAConfig, ServerConfig
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapters to load at start-up")
+    parser.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
+    parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept in host memory")
+    parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+
+
+def _engine_config(args) -> EngineConfig:
+    lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_cpu_loras, args.max_loras),
+                      max_lora_rank=args.max_lora_rank)
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+
+
+def serve(args) -> None:
+    import uvicorn
+
+    from loramux.server.app import build_app
+
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir))
+    app = build_app(_engine_config(args), config, args.lora_modules)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def generate(args) -> None:
+    from loramux.llm import LLM
+    from loramux.sampling_params import SamplingParams
+
+    config = _engine_config(args)
+    llm = LLM(model=config.model, lora=config.lora, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
+              device=config.device, max_model_len=config.max_model_len)
+    for spec in args.lora_modules:
+        result = llm.load_adapter(spec)
+        if not result:
+            sys.exit(f"--lora-modules {spec}: {result.message}")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    run = llm.chat if args.chat else llm.generate
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    adapters = args.adapter or [None]
+    outputs = run([prompt] * len(adapters), params, adapters=adapters)
+    for adapter, out in zip(adapters, outputs):
+        print(f"--- {adapter or 'base'} ({out.finish_reason})\n{out.text}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="loramux", description="One base LLM, many LoRA adapters, one batch.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
+                   help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=serve)
+    g = commands.add_parser("generate", help="generate offline, once per --adapter")
+    _engine_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--adapter", nargs="*", default=None, help="adapter names (None: the base model)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.set_defaults(func=generate)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

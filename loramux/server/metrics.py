@@ -1,0 +1,92 @@
+"""Prometheus metrics, named like vLLM's (prefix `loramux:` instead of `vllm:`), so dashboards and
+LoRA-aware routers (the Gateway API Inference Extension reads `*:lora_requests_info`) work unchanged.
+
+Request metrics are observed in the HTTP process as outputs arrive; engine state (running/waiting,
+adapter loads and evictions) is fetched from the engine at scrape time.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineCounters:
+    """Counters kept by the engine process, exposed as Prometheus counters."""
+
+    def __init__(self):
+        self.lora: dict = {}
+
+    def collect(self):
+        for key, help_text in (("loads", "Adapter reads from disk (first loads and reloads)"),
+                               ("host_evictions", "Adapters evicted from host memory"),
+                               ("slot_evictions", "Adapters evicted from device slots")):
+            family = CounterMetricFamily(f"loramux:lora_{key}", help_text)
+            family.add_metric([], self.lora.get(key, 0))
+            yield family
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("loramux:request_success", "Finished requests", ["finished_reason", "model"], registry=r)
+        self.prompt_tokens = Counter("loramux:prompt_tokens", "Prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("loramux:generation_tokens", "Tokens generated", ["model"], registry=r)
+        self.ttft = Histogram("loramux:time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("loramux:time_per_output_token_seconds", "Time per output token after the first",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("loramux:e2e_request_latency_seconds", "Request latency", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("loramux:num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("loramux:num_requests_waiting", "Requests waiting to run", registry=r)
+        self.adapters = Gauge("loramux:num_loaded_adapters", "Adapters loaded (any tier)", registry=r)
+        self.kv_usage = Gauge("loramux:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", registry=r)
+        self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
+                               ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._engine = _EngineCounters()
+        r.register(self._engine)
+
+    def track(self, model: str) -> RequestTimer:
+        return RequestTimer(self, model)
+
+    def render(self, stats: dict | None) -> bytes:
+        """The exposition text; `stats` is the engine's latest state (None when it is down)."""
+        if stats:
+            self.running.set(stats["num_running"])
+            self.waiting.set(stats["num_waiting"])
+            self.adapters.set(stats["num_adapters"])
+            self.kv_usage.set(1 - stats["kv_blocks_free"] / max(1, stats["kv_blocks_total"]))
+            self.lora_info.clear()
+            self.lora_info.labels(str(stats["max_loras"]), ",".join(stats["running_adapters"]),
+                                  ",".join(stats["waiting_adapters"])).set(time.time())
+            self._engine.lora = stats["lora"]
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Times one request's outputs as they arrive."""
+
+    def __init__(self, metrics: Metrics, model: str):
+        self.metrics, self.model = metrics, model
+        self.start = time.monotonic()
+        self.first: float | None = None
+
+    def on_output(self, output: dict) -> None:
+        now = time.monotonic()
+        if self.first is None and output["delta_token_ids"]:
+            self.first = now
+            self.metrics.ttft.labels(self.model).observe(now - self.start)
+        if output["finish_reason"] is None:
+            return
+        m, n = self.metrics, len(output["token_ids"])
+        m.requests.labels(output["finish_reason"], self.model).inc()
+        m.prompt_tokens.labels(self.model).inc(len(output["prompt_token_ids"]))
+        m.generation_tokens.labels(self.model).inc(n)
+        m.e2e.labels(self.model).observe(now - self.start)
+        if self.first is not None and n > 1:
+            m.tpot.labels(self.model).observe((now - self.first) / (n - 1))

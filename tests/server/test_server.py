@@ -1,0 +1,261 @@
+"""`loramux serve` as users run it (a subprocess on a loopback port), driven by the official openai
+client and httpx. Greedy answers are checked against the offline LLM on the same weights."""
+import concurrent.futures
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import save_checkpoint, save_peft_adapter, tiny_llama
+from loramux import LoRAConfig, SamplingParams
+from loramux.llm import LLM
+
+KEY = "test-key"
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>"
+MAX_MODEL_LEN = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny checkpoint with a chat template, adapters served at start-up, and a runtime-load dir."""
+    root = tmp_path_factory.mktemp("srv")
+    base = tiny_llama()
+    model = save_checkpoint(base, root / "model")
+    with open(os.path.join(model, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    served = {f"s{i}": save_peft_adapter(base, root / f"s{i}", seed=300 + i, r=4 * (i + 1)) for i in range(5)}
+    allowed = root / "allowed"
+    runtime = {name: save_peft_adapter(base, allowed / name, seed=400 + i, r=8)
+               for i, name in enumerate(["new", "other", "v2"])}
+    save_peft_adapter(base, allowed / "huge", r=64)
+    return {"root": root, "model": model, "served": served, "allowed": str(allowed), "runtime": runtime}
+
+
+def start_server(files, *extra) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    modules = [f"{name}={path}" for name, path in files["served"].items()]
+    cmd = [sys.executable, "-m", "loramux", "serve", "--model", files["model"], "--port", str(port),
+           "--dtype", "float32", "--max-loras", "4", "--max-lora-rank", "32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--served-model-name", "tiny", "--allowed-adapter-dir", files["allowed"], "--log-level", "warning",
+           "--lora-modules", *modules, *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    proc, url = start_server(files, "--api-key", KEY)
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def offline(files):
+    """The oracle: the offline LLM on the same checkpoint and adapters, one request at a time."""
+    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=4, max_cpu_loras=16, max_lora_rank=32), dtype="float32",
+              kv_cache_memory=2**23, max_model_len=MAX_MODEL_LEN)
+    llm.tokenizer.chat_template = CHAT_TEMPLATE
+    for name, path in {**files["served"], **files["runtime"]}.items():
+        assert llm.load_adapter(f"{name}={path}")
+
+    def alone(prompt, adapter, max_tokens=8, chat=False):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        run = llm.chat if chat else llm.generate
+        return run(prompt, params, adapters=adapter, use_tqdm=False)[0].text
+
+    return alone
+
+
+@pytest.mark.parametrize("model", ["tiny", "s0", "s3"])
+def test_completions_and_chat_streamed_and_not(client, offline, model):
+    adapter = None if model == "tiny" else model
+    out = client.completions.create(model=model, prompt="hello there", max_tokens=8, temperature=0)
+    assert out.choices[0].text == offline("hello there", adapter)
+    assert out.usage.prompt_tokens == len("hello there") and out.usage.completion_tokens == 8
+    streamed = client.completions.create(model=model, prompt="hello there", max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == offline(messages, adapter, chat=True)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason == "length"
+    chunks = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_seed_and_stop(client, offline):
+    out = client.completions.create(model="s1", prompt="abc", max_tokens=6, n=3, temperature=1.0, seed=5)
+    again = client.completions.create(model="s1", prompt="abc", max_tokens=6, n=3, temperature=1.0, seed=5)
+    assert [c.text for c in out.choices] == [c.text for c in again.choices] and len(out.choices) == 3
+    full = offline("abc", "s1", max_tokens=8)
+    stopped = client.completions.create(model="s1", prompt="abc", max_tokens=8, temperature=0, stop=[full[3:5]])
+    assert stopped.choices[0].text == full[: full.index(full[3:5])] and stopped.choices[0].finish_reason == "stop"
+
+
+def test_models_lists_base_and_adapters_like_vllm(client):
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["tiny"].parent is None
+    assert cards["s2"].parent == "tiny" and cards["s2"].root.endswith("s2")
+
+
+def test_unknown_model_is_404_with_openai_error(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert "nope" in err.value.message
+
+
+def test_auth_limits_and_health(server, http):
+    assert httpx.get(f"{server}/health").status_code == 200  # no key needed
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    assert http.get("/version").json()["version"]
+    cases = [
+        ({"model": "tiny", "prompt": "x", "n": 99}, "n must be between"),
+        ({"model": "tiny", "prompt": "x", "stop": list("abcdef")}, "at most 4 stop"),
+        ({"model": "tiny", "prompt": "x" * 60, "max_tokens": 10}, "maximum context length is 64"),
+        ({"model": "tiny", "prompt": "x", "temperature": -1}, "temperature"),
+        ({"model": "tiny"}, "prompt"),
+    ]
+    for body, words in cases:
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 400 and words in response.json()["error"]["message"], body
+    big = http.post("/v1/completions", content=b"{" + b" " * (2 << 20) + b"}", headers={"content-type": "application/json"})
+    assert big.status_code == 400 and "limit" in big.json()["error"]["message"]
+
+
+def test_runtime_load_use_unload_reload(files, http, client, offline):
+    allowed = files["allowed"]
+    load = http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": f"{allowed}/new"})
+    assert load.status_code == 200, load.text
+    first = client.completions.create(model="fresh", prompt="hey", max_tokens=8, temperature=0).choices[0].text
+    assert first == offline("hey", "new")
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="fresh", prompt="hey", max_tokens=8)
+    # Same name, new weights: the old ones are never served again.
+    shutil.rmtree(f"{allowed}/swap", ignore_errors=True)
+    shutil.copytree(f"{allowed}/v2", f"{allowed}/swap")
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "fresh", "lora_path": f"{allowed}/swap"}).status_code == 200
+    second = client.completions.create(model="fresh", prompt="hey", max_tokens=8, temperature=0).choices[0].text
+    assert second == offline("hey", "v2") and second != first
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 200
+
+
+def test_admin_error_codes(files, http):
+    allowed, root = files["allowed"], files["root"]
+    os.symlink(files["served"]["s0"], f"{allowed}/escape")
+    os.makedirs(f"{allowed}/pickled", exist_ok=True)
+    shutil.copy(f"{allowed}/new/adapter_config.json", f"{allowed}/pickled/")
+    open(f"{allowed}/pickled/adapter_model.bin", "wb").close()
+    cases = [
+        ({"lora_name": "s0", "lora_path": f"{allowed}/new"}, 409, "already been loaded"),
+        ({"lora_name": "x", "lora_path": f"{allowed}/missing"}, 400, "no adapter_model.safetensors"),
+        ({"lora_name": "x", "lora_path": str(root / "s1")}, 400, "outside the allowed"),
+        ({"lora_name": "x", "lora_path": f"{allowed}/../s1"}, 400, "outside the allowed"),
+        ({"lora_name": "x", "lora_path": f"{allowed}/escape"}, 400, "outside the allowed"),
+        ({"lora_name": "x", "lora_path": f"{allowed}/pickled"}, 400, "only safetensors"),
+        ({"lora_name": "x", "lora_path": f"{allowed}/huge"}, 400, "above max_lora_rank=32"),
+    ]
+    for body, status, words in cases:
+        response = http.post("/v1/load_lora_adapter", json=body)
+        assert response.status_code == status and words in response.json()["error"]["message"], (body, response.text)
+    response = http.post("/v1/unload_lora_adapter", json={"lora_name": "ghost"})
+    assert response.status_code == 404 and "ghost" in response.json()["error"]["message"]
+
+
+def test_32_concurrent_requests_with_load_and_unload_in_the_middle(files, http, client, offline):
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "tmp", "lora_path": f"{files['allowed']}/other"}).status_code == 200
+    models = ["tiny", "s0", "s1", "s2", "s3"]
+    jobs = [(models[i % 5], f"q{i} says") for i in range(32)]
+
+    def ask(job):
+        model, prompt = job
+        return client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(ask, job) for job in jobs]
+        time.sleep(0.1)
+        assert not all(f.done() for f in futures)  # the admin calls below land mid-flight
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": "mid", "lora_path": f"{files['allowed']}/new"}).status_code == 200
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "tmp"}).status_code == 200
+        answers = [f.result(timeout=120) for f in futures]
+    for (model, prompt), answer in zip(jobs, answers):
+        assert answer == offline(prompt, None if model == "tiny" else model, max_tokens=48)
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mid"}).status_code == 200
+
+
+def test_metrics_in_prometheus_format(http, client):
+    client.completions.create(model="s0", prompt="m", max_tokens=2)
+    text = http.get("/metrics").text
+    for name in ("loramux:request_success_total", "loramux:generation_tokens_total",
+                 "loramux:time_to_first_token_seconds_bucket", "loramux:num_requests_running",
+                 'loramux:lora_requests_info{max_lora="4"', "loramux:lora_loads_total"):
+        assert name in text, name
+
+
+def _engine_pid(server_pid: int) -> int:
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        for pid in f.read().split():
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                if b"spawn_main" in c.read():
+                    return int(pid)
+    raise LookupError("no engine process")
+
+
+def test_a_dead_engine_gives_fast_503s(files):
+    proc, url = start_server(files)
+    try:
+        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert httpx.get(f"{url}/health").status_code == 503
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+        assert time.monotonic() - start < 2
+    finally:
+        stop(proc)
