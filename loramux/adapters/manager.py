@@ -80,7 +80,7 @@ class LoRAManager:
         self.config = config or LoRAConfig()
         self.context = LoRAContext()
         self.cache = AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
-        self._add_lora = select_backend(backend)
+        self._add_lora = select_backend(backend, next(model.parameters()).device)
         self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
         self._bindings: dict[str, _Binding] = {}
         self._wrap_targets()
@@ -98,8 +98,8 @@ class LoRAManager:
         found = []
         for name, module in self.model.named_modules():
             attr = name.rsplit(".", 1)[-1]
-            if type(module) is not nn.Linear and not hasattr(module, "output_sizes"):
-                continue  # plain or packed Linear only; never wrap a LoRALinear twice
+            if not isinstance(module, nn.Linear):
+                continue  # a LoRALinear is no nn.Linear, so nothing is wrapped twice
             if attr in targets or targets & set(packed.get(attr, ())):
                 found.append((name, module, packed.get(attr)))
         if not found:

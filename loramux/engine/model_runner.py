@@ -14,6 +14,7 @@ from loramux.adapters.manager import LoRAManager
 from loramux.config import EngineConfig
 from loramux.engine.sequence import Sequence
 from loramux.layers.attention import AttentionMetadata
+from loramux.layers.linear import can_prepack, prepack_linears
 from loramux.layers.sampler import SamplingRow, sample
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
@@ -36,6 +37,9 @@ class ModelRunner:
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
         self.manager = LoRAManager(self.model, config.lora, config.lora_backend) if config.lora else None
+        dtype = self.model.model.embed_tokens.weight.dtype
+        if can_prepack(device, dtype):  # after wrapping: the LoRA layers' base Linears are packed too
+            prepack_linears(self.model)
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}
@@ -44,7 +48,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, hf_config) -> int:
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, head_dim_of(hf_config)
-        dtype = self.model.lm_head.weight.dtype
+        dtype = self.model.model.embed_tokens.weight.dtype
         block_bytes = 2 * len(layers) * self.block_size * kv_heads * head_dim * dtype.itemsize
         budget = self.config.kv_cache_memory or int(available_memory(self.device) * self.config.kv_cache_fraction)
         blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
@@ -116,13 +120,14 @@ class ModelRunner:
 
     def _prepare_decode(self, seqs: list[Sequence]):
         lengths = [len(s) for s in seqs]
-        max_len = max(lengths)
+        max_blocks = max(len(s.block_table) for s in seqs)
         input_ids = self._tensor([s.last_token_id for s in seqs])
         positions = self._tensor([n - 1 for n in lengths])
         slot_mapping = self._tensor([self._cache_index(s, range(n - 1, n))[0] for s, n in zip(seqs, lengths)])
-        gather = self._tensor([self._cache_index(s, range(n)) + [0] * (max_len - n) for s, n in zip(seqs, lengths)])
-        key_mask = torch.arange(max_len, device=self.device)[None] < positions[:, None] + 1  # [batch, max_len]
-        meta = AttentionMetadata(False, slot_mapping, gather_index=gather, key_mask=key_mask[:, None, None, :])
+        tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+        context = torch.arange(max_blocks * self.block_size, device=self.device)
+        pad_mask = context[None] > positions[:, None]  # [batch, max_blocks * block_size]
+        meta = AttentionMetadata(False, slot_mapping, block_tables=tables, pad_mask=pad_mask[:, None, None, :])
         return input_ids, positions, meta, [1] * len(seqs), torch.arange(len(seqs), device=self.device)
 
     # ---- sampling state ------------------------------------------------------------------------------

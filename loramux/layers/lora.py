@@ -61,7 +61,7 @@ class LoRALinear(nn.Module):
             return y
         flat_x = x.reshape(-1, self.in_features)
         mapping = self.context.mapping.for_tokens(flat_x.shape[0])
-        self.add_lora(y.view(-1, self.out_features), flat_x, self.lora_a, self.lora_b, mapping)
+        self.add_lora(y.view(-1, self.out_features), flat_x, self.lora_a, self.lora_b, mapping, self.output_slices)
         return y
 
     @torch.no_grad()

@@ -26,7 +26,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = hf_rotary.to(device)(probe, positions)
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """positions: [num_tokens]; q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim]; once per forward pass."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]; rope from lookup()."""
+        cos, sin = rope
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -24,7 +24,7 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
@@ -38,17 +38,17 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary  # one table shared by all layers (plain tensors, no parameters)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """rope: RotaryEmbedding.lookup(positions); x: [num_tokens, hidden]."""
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -61,19 +61,19 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [tokens, intermediate] buffer less
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding):
+    def __init__(self, config):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), meta)
+    def forward(self, rope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -81,13 +81,15 @@ class LlamaModel(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.rotary = rotary
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            hidden = layer(positions, hidden, meta)
+            hidden = layer(rope, hidden, meta)
         return self.norm(hidden)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 
@@ -95,15 +96,25 @@ def read_checkpoint(path: str):
         raise FileNotFoundError(f"model path {path!r} is neither a .gguf file nor a directory with config.json")
     hf_config = AutoConfig.from_pretrained(path)
     check_supported(hf_config)
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"model directory {path!r} has no *.safetensors files")
     from safetensors.torch import load_file
 
     state = {}
-    for file in files:  # a sharded index names exactly these shards
+    for file in _weight_files(path):
         state.update(load_file(file))
     return hf_config, state, AutoTokenizer.from_pretrained(path)
+
+
+def _weight_files(path: str) -> list[str]:
+    """The shards a sharded checkpoint's index names, else every *.safetensors file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model directory {path!r} has no *.safetensors files")
+    return files
 
 
 def _read_gguf(path: str):

@@ -1,11 +1,14 @@
 """Pure-torch LoRA ops: the specification, the test oracle and the portable fallback.
 
-Every op has the signature  op(y, x, lora_a, lora_b, mapping) -> None  and adds in place:
+Every op has the signature  op(y, x, lora_a, lora_b, mapping, output_slices=()) -> None  and adds
+in place:
     y[t] += lora_b[s] @ (lora_a[s] @ x[t])   for every token t whose slot s = mapping.token_slots[t] >= 0
   x:      [num_tokens, in]
   y:      [num_tokens, out]
   lora_a: [max_loras, rank, in]    (rank padded with zero rows)
   lora_b: [max_loras, out, rank]   (scaling folded in, padded with zero columns)
+  output_slices: a hint for packed layers: lora_b is block diagonal over these output slices and
+                 equal rank chunks; an op may skip the zero blocks. The results do not depend on it.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 from loramux.ops.mapping import LoRAMapping
 
 
-def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping) -> None:
+def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()) -> None:
     """Decode-like form: gather each token's A and B (Punica's BGMV, done with bmm)."""
     rows = (mapping.token_slots >= 0).nonzero().squeeze(1)  # [num_lora_tokens]
     if rows.numel() == 0:
@@ -24,7 +27,7 @@ def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping) -> None:
     y.index_add_(0, rows, torch.bmm(lora_b[slots], shrunk).squeeze(2))
 
 
-def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping) -> None:
+def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()) -> None:
     """Prefill-like form: one shrink/expand GEMM pair per run of tokens sharing a slot (SGMV)."""
     for slot, start, end in mapping.segments:
         shrunk = x[start:end] @ lora_a[slot].t()  # [run, rank]

@@ -58,3 +58,24 @@ def test_row_and_uniform_mappings_expand_per_token_count():
     assert UniformSlot(2).for_tokens(4).segments == ((2, 0, 4),)
     with pytest.raises(ValueError, match="covers 2 tokens"):
         LoRAMapping.from_slots([0, 0]).for_tokens(3)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_output_slices_hint_on_block_diagonal_b(backend, dtype, atol):
+    """A packed layer's B is zero off its (slice, rank chunk) blocks; the hint may skip them."""
+    torch.manual_seed(1)
+    slices, rank, n_in, num_slots = (48, 16, 16), 4, 32, 3
+    lora_a = torch.randn(num_slots, 3 * rank, n_in, dtype=dtype) * 0.3
+    lora_b = torch.zeros(num_slots, sum(slices), 3 * rank, dtype=dtype)
+    row = 0
+    for i, size in enumerate(slices):
+        lora_b[:, row : row + size, i * rank : (i + 1) * rank] = torch.randn(num_slots, size, rank, dtype=dtype) * 0.3
+        row += size
+    x = torch.randn(10, n_in, dtype=dtype)
+    mapping = LoRAMapping.from_slots([0, 0, 1, -1, 2, 2, 2, 1, -1, 0])
+    expected = torch.zeros(10, sum(slices))
+    per_token_loop(expected, x.float(), lora_a.float(), lora_b.float(), mapping.token_slots)
+    y = torch.zeros(10, sum(slices), dtype=dtype)
+    BACKENDS[backend](y, x, lora_a, lora_b, mapping, slices)
+    torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
