@@ -8,6 +8,11 @@ Prints tokens/s, the ratios (ours / peer) and one JSON line. The machine's load 
 any other busy process distorts every number.
 
   .venv/bin/python benchmarks/throughput.py [--dtypes float32 bfloat16] [--skip-hf]
+  .venv/bin/python benchmarks/throughput.py --sweep [--chart throughput.png]   (= `loramux bench`)
+
+--sweep measures loramux alone: tokens/s against batch size for base / one adapter / mixed adapters,
+and against the number of distinct adapters in a batch of 32; it prints a table, writes a PNG chart
+and one JSON line.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from safetensors.torch import save_file
 
 from loramux import LoRAConfig
 from loramux.llm import LLM
+from loramux.models.llama import head_dim_of
 from loramux.models.loader import default_model_path
 from loramux.sampling_params import SamplingParams
 
@@ -31,7 +37,7 @@ PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("g
 def write_adapter(path: str, hf_config, rank: int, seed: int) -> str:
     """A random PEFT adapter on all 7 projections, in PEFT's own file format."""
     gen = torch.Generator().manual_seed(seed)
-    hidden, inter, head_dim = hf_config.hidden_size, hf_config.intermediate_size, hf_config.head_dim
+    hidden, inter, head_dim = hf_config.hidden_size, hf_config.intermediate_size, head_dim_of(hf_config)
     kv = hf_config.num_key_value_heads * head_dim
     shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
               "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
@@ -63,8 +69,9 @@ def cpu_load() -> float:
 
 
 def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras):
+    max_len = len(prompts[0]) + params.max_tokens
     llm = LLM(model=path, lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max(32, max_loras), max_lora_rank=16),
-              dtype=dtype, max_num_seqs=len(prompts), max_model_len=256)
+              dtype=dtype, max_num_seqs=len(prompts), max_model_len=max(256, max_len))
     for name, adapter_dir in adapter_dirs.items():
         assert llm.load_adapter(f"{name}={adapter_dir}"), name
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -109,28 +116,97 @@ def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens):
     return {"hf_base": tokens / base_s, "peft_mixed8": tokens / mixed_s}, out[:, input_ids.shape[1]:].tolist()
 
 
-def main() -> None:
+def sweep(path, dtype, adapter_dirs, prompts, params, batch_sizes, distinct_counts) -> dict:
+    """tok/s of loramux alone: by batch size (base / single / mixed) and by distinct adapters."""
+    llm = run_loramux(path, dtype, adapter_dirs, prompts, params, max(distinct_counts))
+    names = list(adapter_dirs)
+
+    def tok_s(batch, adapters):
+        _, seconds = timed(lambda: llm.generate(prompts[:batch], params, adapters=adapters, use_tqdm=False))
+        return batch * params.max_tokens / seconds
+
+    by_batch = {b: {"base": tok_s(b, None), "single": tok_s(b, names[0]),
+                    "mixed": tok_s(b, [names[i % min(8, b)] for i in range(b)])} for b in batch_sizes}
+    batch = max(batch_sizes)
+    by_distinct = {k: tok_s(batch, [names[i % k] for i in range(batch)]) for k in distinct_counts}
+    return {"dtype": dtype, "by_batch": by_batch, "by_distinct": by_distinct, "batch_for_distinct": batch}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    sizes = list(result["by_batch"])
+    for mode in ("base", "single", "mixed"):
+        left.plot(sizes, [result["by_batch"][b][mode] for b in sizes], marker="o", label=mode)
+    left.set(xlabel="requests in the batch", ylabel="generated tokens/s", title="by batch size")
+    left.set_xscale("log", base=2)
+    left.legend()
+    counts = list(result["by_distinct"])
+    right.plot(counts, [result["by_distinct"][k] for k in counts], marker="o", color="tab:red")
+    right.set(xlabel="distinct adapters in the batch", ylabel="generated tokens/s",
+              title=f"batch of {result['batch_for_distinct']}, by distinct adapters")
+    right.set_xscale("log", base=2)
+    right.set_ylim(bottom=0)
+    left.set_ylim(bottom=0)
+    fig.suptitle(f"loramux, {result['model']}, {result['dtype']}, {os.cpu_count()} CPU cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def print_sweep(result: dict) -> None:
+    print(f"\n{result['model']} ({result['dtype']}), {result['prompt_len']} prompt + {result['new_tokens']} new tokens, "
+          f"load average {result['load_before']:.2f} -> {result['load_after']:.2f}")
+    print(f"{'batch':>6}{'base':>10}{'single':>10}{'mixed':>10}   tok/s")
+    for b, row in result["by_batch"].items():
+        print(f"{b:>6}{row['base']:>10.1f}{row['single']:>10.1f}{row['mixed']:>10.1f}")
+    print(f"{'distinct adapters':>18}{'tok/s':>10}   (batch {result['batch_for_distinct']})")
+    for k, value in result["by_distinct"].items():
+        print(f"{k:>18}{value:>10.1f}")
+    print(json.dumps(result))
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--dtypes", nargs="+", default=None, help="default: float32 bfloat16 (sweep: bfloat16)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="only loramux rows (no peers, no ratios to them)")
-    args = parser.parse_args()
+    parser.add_argument("--sweep", action="store_true", help="throughput curves and a PNG chart (loramux bench)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--distinct", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--chart", default="throughput.png", help="where --sweep writes its chart")
+    args = parser.parse_args(argv)
 
-    path = default_model_path()
+    path = args.model or default_model_path()
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(path)
     gen = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, hf_config.vocab_size, (args.requests, args.prompt_len), generator=gen).tolist()
+    requests = max(args.requests, *args.batch_sizes) if args.sweep else args.requests
+    prompts = torch.randint(10, hf_config.vocab_size, (requests, args.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     workdir = tempfile.mkdtemp(prefix="loramux-bench-")
+    num_adapters = max(32, *args.distinct) if args.sweep else 32
     adapter_dirs = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
-                    for i in range(32)}
-    report = {"model": "SmolLM2-135M-Instruct", "requests": args.requests, "prompt_len": args.prompt_len,
+                    for i in range(num_adapters)}
+    report = {"model": os.path.basename(path.rstrip("/")), "requests": requests, "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "load_before": cpu_load()}
-    for dtype in args.dtypes:
+    if args.sweep:
+        dtype = (args.dtypes or ["bfloat16"])[0]
+        report.update(sweep(path, dtype, adapter_dirs, prompts, params, args.batch_sizes, args.distinct))
+        report["load_after"] = cpu_load()
+        plot(report, args.chart)
+        print_sweep(report)
+        print(f"chart written to {args.chart}")
+        return
+    dtypes = args.dtypes or ["float32", "bfloat16"]
+    for dtype in dtypes:
         ours, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.new_tokens)
         row = dict(ours)
         if not args.skip_hf:
@@ -139,11 +215,11 @@ def main() -> None:
             row["greedy_rows_equal_to_peft"] = sum(a == b for a, b in zip(our_tokens["mixed8"], peft_tokens)) / len(prompts)
         report[dtype] = row
     report["load_after"] = cpu_load()
-    print_report(report, args.dtypes)
+    print_report(report, dtypes)
 
 
 def print_report(report: dict, dtypes: list[str]) -> None:
-    print(f"\nSmolLM2-135M, {report['requests']} requests x ({report['prompt_len']} prompt + {report['new_tokens']} new) "
+    print(f"\n{report['model']}, {report['requests']} requests x ({report['prompt_len']} prompt + {report['new_tokens']} new) "
           f"tokens, greedy; load average {report['load_before']:.2f} -> {report['load_after']:.2f}")
     print(f"{'dtype':<10}{'row':<18}{'tok/s':>9}")
     for dtype in dtypes:

@@ -1,7 +1,9 @@
-"""loramux serve | generate."""
+"""loramux serve | generate | bench."""
 from __future__ import annotations
 
 import argparse
+import os
+import runpy
 import sys
 
 from loramux.config import EngineConfig, LoRAConfig, ServerConfig
@@ -57,6 +59,15 @@ def generate(args) -> None:
         print(f"--- {adapter or 'base'} ({out.finish_reason})\n{out.text}")
 
 
+def bench(args) -> None:
+    """Run the checkout's benchmarks/throughput.py --sweep (table + PNG chart); extra args pass through."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(repo, "benchmarks", "throughput.py")
+    if not os.path.isfile(script):
+        sys.exit(f"loramux bench runs benchmarks/throughput.py from a loramux checkout; {script} is missing")
+    runpy.run_path(script)["main"](["--sweep", *args.args])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="loramux", description="One base LLM, many LoRA adapters, one batch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -79,7 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.set_defaults(func=generate)
-    args = parser.parse_args(argv)
+    b = commands.add_parser("bench", help="throughput curves and a PNG chart (benchmarks/throughput.py --sweep)",
+                            description="Arguments are passed to benchmarks/throughput.py --sweep: --model, --dtypes, "
+                                        "--batch-sizes, --distinct, --prompt-len, --new-tokens, --chart PATH.")
+    b.set_defaults(func=bench)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.args = extra
     args.func(args)
 
 

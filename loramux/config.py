@@ -63,6 +63,8 @@ class EngineConfig:
     """Adapter limits; None serves the base model only."""
     lora_backend: str = "auto"
     """LoRA op backend (loramux.ops.BACKENDS); "auto" picks the fastest for the device."""
+    attention_backend: str = "auto"
+    """Decode-attention op (loramux.ops.ATTENTION_BACKENDS); "auto" picks the fastest for the device."""
     max_num_seqs: int = 64
     """Requests in one decode step at most."""
     max_model_len: int | None = None

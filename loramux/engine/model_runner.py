@@ -18,7 +18,7 @@ from loramux.layers.linear import can_prepack, prepack_linears
 from loramux.layers.sampler import SamplingRow, sample
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
-from loramux.ops import LoRAMapping
+from loramux.ops import LoRAMapping, select_attention_backend
 
 
 def available_memory(device: torch.device) -> int:
@@ -57,8 +57,9 @@ class ModelRunner:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {self.block_size} "
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
         cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=dtype, device=self.device)
+        decode_op = select_attention_backend(self.config.attention_backend, self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+            layer.k_cache, layer.v_cache, layer.decode_op = cache[0, i], cache[1, i], decode_op
         self.kv_cache = cache
         return num_blocks
 
@@ -125,9 +126,8 @@ class ModelRunner:
         positions = self._tensor([n - 1 for n in lengths])
         slot_mapping = self._tensor([self._cache_index(s, range(n - 1, n))[0] for s, n in zip(seqs, lengths)])
         tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-        context = torch.arange(max_blocks * self.block_size, device=self.device)
-        pad_mask = context[None] > positions[:, None]  # [batch, max_blocks * block_size]
-        meta = AttentionMetadata(False, slot_mapping, block_tables=tables, pad_mask=pad_mask[:, None, None, :])
+        meta = AttentionMetadata(False, slot_mapping, block_tables=tables, context_lens=positions + 1,
+                                 block_size=self.block_size)
         return input_ids, positions, meta, [1] * len(seqs), torch.arange(len(seqs), device=self.device)
 
     # ---- sampling state ------------------------------------------------------------------------------

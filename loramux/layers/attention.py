@@ -3,8 +3,8 @@
 The cache of one layer is flat: k_cache / v_cache [num_blocks * block_size, kv_heads, head_dim]; a
 token's K/V live at index block_table[pos // block_size] * block_size + pos % block_size.
 Prefill steps hold only new sequences (recompute preemption, no prefix cache), so they attend within
-their own tokens: padded to [batch, max_len] and run causally. Decode steps gather each sequence's
-whole blocks through its block table (block-sized copies, not per-token ones) and mask the padding.
+their own tokens: padded to [batch, max_len] and run causally. Decode steps call a paged
+decode-attention op (ops.select_attention_backend, chosen once by the model runner).
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loramux.ops.attention_torch import decode_attention_torch
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -24,7 +26,8 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None = None  # prefill: [batch, max_len] token index per padded position
     unpad_index: torch.Tensor | None = None  # prefill: [num_tokens] position in the flattened padding
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks] block ids (padding: block 0)
-    pad_mask: torch.Tensor | None = None  # decode: [batch, 1, 1, max_blocks * block_size] True = padding
+    context_lens: torch.Tensor | None = None  # decode: [batch] keys per sequence, this token's included
+    block_size: int = 16
 
 
 class Attention(nn.Module):
@@ -32,8 +35,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.k_cache: torch.Tensor | None = None  # assigned by the model runner
+        self.k_cache: torch.Tensor | None = None  # assigned by the model runner, with decode_op
         self.v_cache: torch.Tensor | None = None
+        self.decode_op = decode_attention_torch
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] -> [num_tokens, heads * head_dim]."""
@@ -57,18 +61,6 @@ class Attention(nn.Module):
         return out[meta.unpad_index]
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
-        batch, context = q.shape[0], meta.pad_mask.shape[-1]
-        k, v = (self._gather(cache, meta.block_tables, context) for cache in (self.k_cache, self.v_cache))
-        # One query per sequence: each kv head's query group becomes the query-length axis, so GQA
-        # needs no repeated K/V. Plain matmuls beat SDPA's CPU kernel at this shape (1.5x, bf16 1.7x).
-        q = q.view(batch, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(self.scale)  # [batch, kv_heads, group, context]
-        scores.masked_fill_(meta.pad_mask, float("-inf"))
-        out = torch.matmul(scores.softmax(-1).to(q.dtype), v)
-        return out.reshape(batch, self.num_heads * self.head_dim)
-
-    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor, context: int) -> torch.Tensor:
-        """[batch, kv_heads, max_blocks * block_size, head_dim] keys (or values) of each sequence."""
-        batch, max_blocks = block_tables.shape
-        blocks = cache.view(-1, context // max_blocks, self.num_kv_heads, self.head_dim)
-        return blocks[block_tables].view(batch, context, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out = self.decode_op(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.block_size,
+                             self.scale)  # [batch, heads, head_dim]
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,4 +1,6 @@
-"""The LoRA math. Slot -1 means "base model": those tokens are left untouched by every op.
+"""The fast ops and their pure-torch references: the LoRA math and paged decode attention.
+
+Slot -1 means "base model": those tokens are left untouched by every LoRA op.
 
 All backends share one signature, `add_lora(y, x, lora_a, lora_b, mapping, output_slices=()) -> None`
 (see lora_torch.py for the contract and shapes). The backend is chosen once, when the LoRA layers are
@@ -10,7 +12,8 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import lora_cpu
+from loramux.ops import attention_cpu, lora_cpu
+from loramux.ops.attention_torch import decode_attention_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
 
@@ -35,4 +38,19 @@ def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> Ad
     return BACKENDS[name]
 
 
-__all__ = ["BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_backend"]
+ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
+
+
+def select_attention_backend(name: str = "auto", device: str | torch.device = "cpu"):
+    """The paged decode-attention op (see attention_torch.py); "auto": the CPU kernel where it runs."""
+    if name == "auto":
+        name = "cpu" if torch.device(device).type == "cpu" and attention_cpu.available() else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")
+    if name == "cpu" and not attention_cpu.available():
+        raise ValueError("the 'cpu' attention backend needs an x86 CPU with AVX-512 BF16, a C++ compiler and ninja")
+    return ATTENTION_BACKENDS[name]
+
+
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend",
+           "select_backend"]

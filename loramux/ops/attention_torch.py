@@ -1,0 +1,28 @@
+"""Paged decode attention in pure torch: the specification, the oracle and the portable fallback.
+
+Every decode-attention op has the signature
+    op(q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> out
+  q:            [batch, heads, head_dim]              one query token per sequence
+  k/v_cache:    [num_blocks * block_size, kv_heads, head_dim]; position p of a sequence lives at
+                row block_tables[b, p // block_size] * block_size + p % block_size
+  block_tables: [batch, max_blocks] int64 (padding: any block id)
+  context_lens: [batch] int64, >= 1: keys 0..len-1 are attended
+  out:          [batch, heads, head_dim]; GQA: head h uses kv head h // (heads // kv_heads)
+"""
+from __future__ import annotations
+
+import torch
+
+
+def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
+    batch, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    context = block_tables.shape[1] * block_size
+    k, v = (c.view(-1, block_size, kv_heads, head_dim)[block_tables].view(batch, context, kv_heads, head_dim)
+            .transpose(1, 2) for c in (k_cache, v_cache))  # [batch, kv_heads, context, head_dim]
+    # Each kv head's query group becomes the query-length axis: GQA without repeated K/V.
+    qg = q.reshape(batch, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float().mul_(scale)  # [batch, kv_heads, group, context]
+    pad = torch.arange(context, device=q.device) >= context_lens[:, None, None, None]
+    scores.masked_fill_(pad, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(q.dtype), v).reshape(batch, num_heads, head_dim)

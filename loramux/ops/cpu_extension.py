@@ -1,0 +1,52 @@
+"""Builds the C++ CPU kernels in csrc/ once, on first use, and caches them under the user's cache dir.
+
+Each build (~30 s; needs a C++ compiler and ninja) is keyed by its source and the torch version. On a
+CPU without AVX-512 BF16, or where the build fails, `load_extension` returns None and callers use
+their pure-torch reference instead.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def load_extension(name: str):
+    """The compiled module for csrc/<name>.cpp, or None where this machine cannot build or run it."""
+    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    if missing:
+        logger.info("CPU kernel %s off: this CPU lacks %s", name, ", ".join(missing))
+        return None
+    from torch.utils.cpp_extension import load
+
+    source = os.path.join(CSRC, f"{name}.cpp")
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    build_dir = os.path.join(root, "loramux", "torch_extensions", f"{name}_{digest}")
+    os.makedirs(build_dir, exist_ok=True)
+    try:
+        return load(name=f"loramux_{name}_{digest}", sources=[source], build_directory=build_dir,
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no ninja, ...: the torch path still works
+        logger.warning("CPU kernel %s could not be built (%s); using the torch path", name, e)
+        return None

@@ -1,0 +1,55 @@
+"""Every paged decode-attention backend against a per-sequence loop that defines the op."""
+import math
+
+import pytest
+import torch
+
+from loramux.ops import ATTENTION_BACKENDS, select_attention_backend
+
+
+def per_sequence_loop(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
+    batch, heads, head_dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        n = int(context_lens[b])
+        rows = [int(block_tables[b, p // block_size]) * block_size + p % block_size for p in range(n)]
+        for h in range(heads):
+            k = k_cache[rows, h // group].double()
+            v = v_cache[rows, h // group].double()
+            weights = torch.softmax(k @ q[b, h].double() * scale, dim=0)
+            out[b, h] = weights @ v
+    return out
+
+
+CASES = [  # batch, heads, kv_heads, head_dim, block_size, context lengths
+    (3, 9, 3, 64, 16, [1, 17, 40]),
+    (2, 8, 8, 32, 4, [4, 9]),
+    (4, 8, 2, 128, 16, [16, 32, 5, 33]),
+    (1, 4, 1, 24, 5, [23]),
+]
+
+
+@pytest.mark.parametrize("backend", list(ATTENTION_BACKENDS))
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("case", CASES)
+def test_backend_matches_per_sequence_loop(backend, dtype, atol, case):
+    batch, heads, kv_heads, head_dim, block_size, lengths = case
+    torch.manual_seed(0)
+    max_blocks = max(math.ceil(n / block_size) for n in lengths) + 1  # one spare: padding is ignored
+    num_blocks = batch * max_blocks + 2
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    block_tables = torch.randperm(num_blocks)[: batch * max_blocks].view(batch, max_blocks)
+    q = torch.randn(batch, heads, head_dim, dtype=dtype)
+    context_lens = torch.tensor(lengths)
+    scale = head_dim**-0.5
+    out = ATTENTION_BACKENDS[backend](q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    expected = per_sequence_loop(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    assert out.dtype == dtype and out.shape == (batch, heads, head_dim)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
+        select_attention_backend("flash")

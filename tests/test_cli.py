@@ -1,0 +1,35 @@
+"""The command line: `loramux generate` and `loramux bench` on a tiny checkpoint."""
+import json
+
+import pytest
+
+from conftest import save_checkpoint, save_peft_adapter, tiny_llama
+from loramux.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    base = tiny_llama()
+    return save_checkpoint(base, root / "model"), save_peft_adapter(base, root / "a", r=8)
+
+
+def test_generate_prints_one_answer_per_adapter(tiny, capsys):
+    model, adapter = tiny
+    main(["generate", "--model", model, "--dtype", "float32", "--lora-modules", f"a={adapter}",
+          "--prompt", "hello", "--adapter", "a", "--max-tokens", "4"])
+    out = capsys.readouterr().out
+    assert "--- a (length)" in out
+
+
+def test_bench_prints_a_table_and_writes_a_chart(tiny, tmp_path, capsys):
+    model, _ = tiny
+    chart = tmp_path / "chart.png"
+    main(["bench", "--model", model, "--dtypes", "float32", "--batch-sizes", "1", "4", "--distinct", "1", "2", "4",
+          "--prompt-len", "6", "--new-tokens", "3", "--chart", str(chart)])
+    out = capsys.readouterr().out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = json.loads(out.strip().splitlines()[-2])
+    assert set(result["by_batch"]) == {"1", "4"} and set(result["by_distinct"]) == {"1", "2", "4"}
+    assert all(v > 0 for row in result["by_batch"].values() for v in row.values())
+    assert "distinct adapters" in out
