@@ -19,6 +19,8 @@ venv: $(VENV)/.installed
 test: venv
 	$(PY) -m pytest
 
-# The embedded default (SmolLM2-135M-Instruct) on 127.0.0.1:8000.
+# The embedded default (SmolLM2-135M-Instruct) and the three demo adapters on 127.0.0.1:8000.
+DEMO := examples/adapters
 serve: venv
-	$(PY) -m loramux serve $(SERVE_ARGS)
+	$(PY) -m loramux serve --lora-modules pirate=$(DEMO)/pirate french=$(DEMO)/french json=$(DEMO)/json \
+		--allowed-adapter-dir $(DEMO) $(SERVE_ARGS)

