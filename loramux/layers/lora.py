@@ -46,6 +46,9 @@ class LoRALinear(nn.Module):
         kw = dict(dtype=base.weight.dtype, device=base.weight.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, rank, base.in_features, **kw), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, rank, **kw), persistent=False)
+        # Real rank per slot (max over slices; 0 = free): ops may skip the zero padding beyond it.
+        self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
+                             persistent=False)
 
     @property
     def in_features(self) -> int:
@@ -61,7 +64,8 @@ class LoRALinear(nn.Module):
             return y
         flat_x = x.reshape(-1, self.in_features)
         mapping = self.context.mapping.for_tokens(flat_x.shape[0])
-        self.add_lora(y.view(-1, self.out_features), flat_x, self.lora_a, self.lora_b, mapping, self.output_slices)
+        self.add_lora(y.view(-1, self.out_features), flat_x, self.lora_a, self.lora_b, mapping, self.output_slices,
+                      self.slot_ranks)
         return y
 
     @torch.no_grad()
@@ -80,6 +84,7 @@ class LoRALinear(nn.Module):
                 col = i * self.max_rank
                 self.lora_a[slot, col : col + a.shape[0]].copy_(a)
                 self.lora_b[slot, row : row + out_i, col : col + a.shape[0]].copy_(b)
+                self.slot_ranks[slot] = max(int(self.slot_ranks[slot]), a.shape[0])
             row += out_i
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
@@ -90,6 +95,7 @@ class LoRALinear(nn.Module):
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
+        self.slot_ranks[slot] = 0
 
     def _check_part(self, a: torch.Tensor, b: torch.Tensor, out_features: int) -> None:
         rank = a.shape[0]

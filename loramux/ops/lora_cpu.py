@@ -15,5 +15,6 @@ def available() -> bool:
     return load_extension("lora_cpu") is not None
 
 
-def add_lora_cpu(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices: tuple[int, ...] = ()) -> None:
+def add_lora_cpu(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices: tuple[int, ...] = (),
+                 slot_ranks=None) -> None:
     load_extension("lora_cpu").add_lora(y, x, lora_a, lora_b, mapping.token_slots, list(output_slices))

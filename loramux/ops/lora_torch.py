@@ -8,7 +8,10 @@ in place:
   lora_a: [max_loras, rank, in]    (rank padded with zero rows)
   lora_b: [max_loras, out, rank]   (scaling folded in, padded with zero columns)
   output_slices: a hint for packed layers: lora_b is block diagonal over these output slices and
-                 equal rank chunks; an op may skip the zero blocks. The results do not depend on it.
+                 equal rank chunks; an op may skip the zero blocks.
+  slot_ranks:    a hint, [max_loras] int64 or None: the real rank of each slot (within every slice);
+                 the rows/columns beyond it are zero, and an op may skip them.
+The results do not depend on the hints.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import torch
 from loramux.ops.mapping import LoRAMapping
 
 
-def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()) -> None:
+def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
     """Decode-like form: gather each token's A and B (Punica's BGMV, done with bmm)."""
     rows = (mapping.token_slots >= 0).nonzero().squeeze(1)  # [num_lora_tokens]
     if rows.numel() == 0:
@@ -27,7 +30,7 @@ def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=
     y.index_add_(0, rows, torch.bmm(lora_b[slots], shrunk).squeeze(2))
 
 
-def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()) -> None:
+def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
     """Prefill-like form: one shrink/expand GEMM pair per run of tokens sharing a slot (SGMV)."""
     for slot, start, end in mapping.segments:
         shrunk = x[start:end] @ lora_a[slot].t()  # [run, rank]

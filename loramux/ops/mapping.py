@@ -7,8 +7,8 @@ LoRAMapping per token count, so the first layer builds it and the others reuse i
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -25,15 +25,22 @@ def segments_of(token_slots: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
     return tuple(runs)
 
 
-@dataclass(frozen=True)
 class LoRAMapping:
-    token_slots: torch.Tensor  # [num_tokens] int64, -1 = base
-    segments: tuple[tuple[int, int, int], ...]  # (slot, start, end) runs with slot >= 0
+    """token_slots: [num_tokens] int64 (-1 = base); segments: (slot, start, end) runs with slot >= 0,
+    computed on first use (only the segmented backend needs them)."""
+
+    def __init__(self, token_slots: torch.Tensor, segments: tuple[tuple[int, int, int], ...] | None = None):
+        self.token_slots = token_slots
+        if segments is not None:
+            self.segments = segments
+
+    @functools.cached_property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        return segments_of(self.token_slots.tolist())
 
     @classmethod
     def from_slots(cls, token_slots: Sequence[int], device: torch.device | str = "cpu") -> LoRAMapping:
-        slots = [int(s) for s in token_slots]
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), segments_of(slots))
+        return cls(torch.tensor(token_slots, dtype=torch.long, device=device))
 
     @property
     def num_tokens(self) -> int:

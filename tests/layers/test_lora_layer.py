@@ -59,3 +59,14 @@ def test_set_slot_refuses_bad_shapes(a_shape, b_shape, words):
     with pytest.raises(ValueError) as err:
         layer.set_slot(0, torch.zeros(a_shape), torch.zeros(b_shape))
     assert all(w in str(err.value) for w in words)
+
+
+def test_slot_ranks_track_the_largest_real_rank_per_slot():
+    sizes = (8, 4, 4)
+    packed = make(nn.Linear(16, 16, bias=False), cls=PackedLoRALinear, output_slices=sizes)
+    packed.set_slot(0, [torch.randn(2, 16), None, torch.randn(5, 16)], [torch.randn(8, 2), None, torch.randn(4, 5)])
+    packed.set_slot(1, [torch.randn(8, 16), None, None], [torch.randn(8, 8), None, None])
+    assert packed.slot_ranks.tolist() == [5, 8, 0]
+    packed.set_slot(1, [None, torch.randn(3, 16), None], [None, torch.randn(4, 3), None])  # rewrite: not a max
+    packed.clear_slot(0)
+    assert packed.slot_ranks.tolist() == [0, 3, 0]
