@@ -79,3 +79,23 @@ def test_output_slices_hint_on_block_diagonal_b(backend, dtype, atol):
     y = torch.zeros(10, sum(slices), dtype=dtype)
     BACKENDS[backend](y, x, lora_a, lora_b, mapping, slices)
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_slot_ranks_hint_on_zero_padded_slots(backend, dtype, atol):
+    """Slots padded with zeros beyond their real rank (0 = free): the hint may skip the padding."""
+    torch.manual_seed(2)
+    ranks, max_rank, n_in, n_out = [3, 8, 0, 5], 8, 24, 40
+    lora_a = torch.zeros(len(ranks), max_rank, n_in, dtype=dtype)
+    lora_b = torch.zeros(len(ranks), n_out, max_rank, dtype=dtype)
+    for slot, r in enumerate(ranks):
+        lora_a[slot, :r] = torch.randn(r, n_in, dtype=dtype) * 0.3
+        lora_b[slot, :, :r] = torch.randn(n_out, r, dtype=dtype) * 0.3
+    x = torch.randn(9, n_in, dtype=dtype)
+    mapping = LoRAMapping.from_slots([3, 0, 0, 1, -1, 2, 1, 3, 3])
+    expected = torch.zeros(9, n_out)
+    per_token_loop(expected, x.float(), lora_a.float(), lora_b.float(), mapping.token_slots)
+    y = torch.zeros(9, n_out, dtype=dtype)
+    BACKENDS[backend](y, x, lora_a, lora_b, mapping, (), torch.tensor(ranks))
+    torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)

@@ -1,19 +1,24 @@
 // Multi-LoRA "add_lora" CPU kernel (fp32 / bf16), AVX-512 (+AVX512_BF16), OpenMP.
 //
-//   add_lora(y, x, lora_a, lora_b, token_slots)      in-place, returns None
+//   add_lora(y, x, lora_a, lora_b, token_slots, out_slices=[], b_packed=False, slot_ranks=None)
+//     in-place, returns None
 //     x [N,in], y [N,out] (row stride may differ from width; unit column stride)
 //     lora_a [L,R,in], lora_b [L,out,R] contiguous, token_slots [N] int64 in [-1,L)
 //     y[t] += lora_b[s] @ (lora_a[s] @ x[t])   for s = token_slots[t] >= 0
+//     slot_ranks: optional int64 [L], real rank r_s <= R/K of each slot (zero-padded adapters): only rank
+//     rows/cols [k*R/K, k*R/K + r_s) of each slice k are read; slots of rank 0 are skipped.
 //
 // Algorithm
 //   0. counting sort of token indices by slot -> groups (slot, list of tokens). Works for
-//      sorted and unsorted slots; -1 tokens are dropped.
+//      sorted and unsorted slots; -1 tokens (and rank-0 slots) are dropped.
 //   1. shrink: h[p, r] = A[s, r, :] . x[tok(p), :]   (fp32 scratch h [M, R])
-//      tile = up to 4 tokens x 4 rank-rows, vectorized along `in`
+//      tile = up to 4 tokens x 4 rank-rows, vectorized along `in`; only the slot's real rank rows
 //      (bf16: vdpbf16ps, 32 bf16 pairs per instruction, fp32 accumulate)
-//   2. expand: for each 16-row block of `out` and each group: the 16 x R block of B[s]
-//      (row-major [out,R]) is converted to fp32 and transposed in registers into an
-//      L1 scratch bt[R][16]; then for tiles of up to 8 tokens:
+//   2. expand, per 16-row block of `out` and group:
+//      small groups (<= 6 tokens fp32, 1 token bf16): dot-product form, B rows as they lie
+//      (contiguous in rank) times h, 16 row sums by a shuffle/add tree -- no transpose;
+//      else the 16 x r_s block of B[s] (row-major [out,R]) is converted to fp32 and transposed in
+//      registers into an L1 scratch bt[r][16]; then for tiles of up to 8 tokens:
 //      acc[t] += bcast(h[t, r]) * bt[r]; y[t, o0:o0+16] += acc[t]  (bf16: RNE rounding)
 //   Threads: one OpenMP region (uses the libgomp already loaded by torch, same soname),
 //   num_threads = at::get_num_threads(); shrink split over (rank-chunk, group) items,
@@ -247,17 +252,111 @@ static inline void expand_dispatch_pairs(int tj, const uint32_t* bt, int64_t ld,
   }
 }
 
+// ---------------------------------------------------------------- expand, dot-product form (small groups)
+// For a group of 1-2 tokens the per-call transpose of a B block costs more than the FMAs it feeds. Instead
+// take B rows as they lie (contiguous in rank): p[i] = B[o0+i, :] * h (lane-wise), then reduce the 16
+// vectors to one vector of 16 row sums with a shuffle/add tree (30 shuffles vs. 64 for the transpose).
+// Different summation order than the transposed form: equal within fp rounding, not bit for bit.
+static inline __m512 reduce16x16(__m512 p[16]) {  // out lane i = sum of all lanes of p[i]
+  __m512 q[8], r[4];
+  for (int j = 0; j < 8; ++j)  // 128-bit lane L of q[j]: rows 2j, 2j+1 (2 partials each)
+    q[j] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * j], p[2 * j + 1]), _mm512_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {  // 128-bit lane L of r[j]: rows 4j..4j+3, partial over lane L
+    __m512d a = _mm512_castps_pd(q[2 * j]), b = _mm512_castps_pd(q[2 * j + 1]);
+    r[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 s0 = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+  __m512 s1 = _mm512_add_ps(_mm512_shuffle_f32x4(r[2], r[3], 0x88), _mm512_shuffle_f32x4(r[2], r[3], 0xDD));
+  // s0 lanes: [r0 (l0+l1), r0 (l2+l3), r1 (..), r1 (..)]
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s0, s1, 0x88), _mm512_shuffle_f32x4(s0, s1, 0xDD));
+}
+// p[j] = [row j (8 lanes) | row j+8 (8 lanes)]  ->  out lane i = row-i sum
+static inline __m512 reduce8x2(__m512 p[8]) {
+  __m512 q[4], r[2];
+  for (int j = 0; j < 4; ++j)
+    q[j] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * j], p[2 * j + 1]), _mm512_unpackhi_ps(p[2 * j], p[2 * j + 1]));
+  for (int j = 0; j < 2; ++j) {  // r[j] 128-bit lanes: [rows 4j.. (a), rows 4j.. (b), rows 8+4j.. (a), (b)]
+    __m512d a = _mm512_castps_pd(q[2 * j]), b = _mm512_castps_pd(q[2 * j + 1]);
+    r[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], 0x88), _mm512_shuffle_f32x4(r[0], r[1], 0xDD));
+  return _mm512_shuffle_f32x4(s, s, 0xD8);  // [0-3, 8-11, 4-7, 12-15] -> [0-3, 4-7, 8-11, 12-15]
+}
+static inline __m256 load8(const float* p, __mmask8 m) { return _mm256_maskz_loadu_ps(m, p); }
+
+// fp32: y[o0+i] += sum_r b[i*ld + r] * h[r], i < nrows, r < rw
+static inline __m512 dot_block(const float* b, int64_t ld, int64_t rw, int64_t nrows, const float* h) {
+  if (rw <= 8) {
+    const __mmask8 cm = (__mmask8)((1u << rw) - 1u);
+    const __m256 h8 = load8(h, cm);
+    const __m512 hv = _mm512_insertf32x8(_mm512_castps256_ps512(h8), h8, 1);
+    __m512 p[8];
+    for (int j = 0; j < 8; ++j) {
+      __m256 lo = j < nrows ? load8(b + j * ld, cm) : _mm256_setzero_ps();
+      __m256 hi = j + 8 < nrows ? load8(b + (j + 8) * ld, cm) : _mm256_setzero_ps();
+      p[j] = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1), hv);
+    }
+    return reduce8x2(p);
+  }
+  __m512 p[16];
+  for (int i = 0; i < 16; ++i) p[i] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < rw; c0 += 16) {
+    const __mmask16 cm = mask16(rw - c0);
+    const __m512 hv = _mm512_maskz_loadu_ps(cm, h + c0);
+    for (int i = 0; i < 16; ++i)
+      if (i < nrows) p[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(cm, b + i * ld + c0), hv, p[i]);
+  }
+  return reduce16x16(p);
+}
+// bf16 (pair path): h as bf16 (rounded once, as in the transposed form), vdpbf16ps over rank pairs
+static inline __m512 dot_block(const bf16raw* b, int64_t ld, int64_t rw, int64_t nrows, const bf16raw* h) {
+  if (rw <= 16) {
+    const __mmask16 cm = mask16(rw);
+    const __m256i h16 = _mm256_maskz_loadu_epi16(cm, h);
+    const __m512bh hv = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(h16), h16, 1);
+    __m512 p[8];
+    for (int j = 0; j < 8; ++j) {
+      __m256i lo = j < nrows ? _mm256_maskz_loadu_epi16(cm, b + j * ld) : _mm256_setzero_si256();
+      __m256i hi = j + 8 < nrows ? _mm256_maskz_loadu_epi16(cm, b + (j + 8) * ld) : _mm256_setzero_si256();
+      p[j] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), hv);
+    }
+    return reduce8x2(p);
+  }
+  __m512 p[16];
+  for (int i = 0; i < 16; ++i) p[i] = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < rw; c0 += 32) {
+    const __mmask32 cm = mask32(rw - c0);
+    const __m512bh hv = (__m512bh)_mm512_maskz_loadu_epi16(cm, h + c0);
+    for (int i = 0; i < 16; ++i)
+      if (i < nrows) p[i] = _mm512_dpbf16_ps(p[i], (__m512bh)_mm512_maskz_loadu_epi16(cm, b + i * ld + c0), hv);
+  }
+  return reduce16x16(p);
+}
+
 // one 16-row output block; rows use rank columns [rlo, rlo + rw)  (packed/sliced LoRA: B block-diagonal)
 struct ExpBlock { int64_t o0, nrows, rlo, rw; };
 
-struct Group { int64_t slot, start, len; };
+// groups of up to this many tokens use the dot-product expand (no B transpose); measured on Zen 4,
+// 2 threads: fp32 gains up to ~45% at 1-2 tokens/slot and still ~5% at 6 (loses at 8); bf16 (cheaper
+// pair transpose, and vdpbf16ps already halves the dot work) gains only at 1 token
+#ifndef LORA_DOT_MAX_F32
+#define LORA_DOT_MAX_F32 6
+#endif
+#ifndef LORA_DOT_MAX_BF16
+#define LORA_DOT_MAX_BF16 1
+#endif
+
+struct Group { int64_t slot, start, len, rank; };  // rank: real rank per slice (<= R/K), > 0
+struct ShrinkItem { int64_t g, r0; int rt; };            // rank rows [r0, r0 + rt) of group g
 
 template <typename T>
 static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, const T* B,
                           const int64_t* slots, int64_t N, int64_t in, int64_t out, int64_t L, int64_t R,
-                          const std::vector<ExpBlock>& blocks, bool packed) {
+                          int64_t K, const int64_t* ranks, const std::vector<ExpBlock>& blocks, bool packed) {
   constexpr bool kBF16 = std::is_same<T, bf16raw>::value;
-  // 0. counting sort by slot (stable)
+  const int64_t RK = R / K;  // rank columns per slice
+  constexpr int64_t kDotMax = kBF16 ? LORA_DOT_MAX_BF16 : LORA_DOT_MAX_F32;
+  // 0. counting sort by slot (stable); slots of rank 0 contribute nothing and are dropped
   std::vector<int64_t> cnt(L + 1, 0);
   for (int64_t t = 0; t < N; ++t) {
     int64_t s = slots[t];
@@ -275,21 +374,36 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
     }
   }
   std::vector<Group> groups;
-  for (int64_t s = 0; s < L; ++s)
-    if (cnt[s + 1] > cnt[s]) groups.push_back({s, cnt[s], cnt[s + 1] - cnt[s]});
+  double work = 0.0;
+  for (int64_t s = 0; s < L; ++s) {
+    const int64_t rk = ranks ? ranks[s] : RK;
+    if (cnt[s + 1] > cnt[s] && rk > 0) {
+      groups.push_back({s, cnt[s], cnt[s + 1] - cnt[s], rk});
+      work += (double)(cnt[s + 1] - cnt[s]) * (double)(rk * K) * (double)(in + out);
+    }
+  }
   const int64_t G = (int64_t)groups.size();
+  if (G == 0) return;
+  // shrink work items: (slice k, 4-row chunk c) major, group minor; only the real rank rows
+  std::vector<ShrinkItem> items;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t c = 0; c < RK; c += 4)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t rt = std::min<int64_t>(4, groups[g].rank - c);
+        if (rt > 0) items.push_back({g, k * RK + c, (int)rt});
+      }
+  const int64_t nitems = (int64_t)items.size();
   // bf16 pair path needs every block's rank range to be pair aligned
   bool pairs = kBF16 && (packed || R % 2 == 0);
   for (const auto& b : blocks) pairs = pairs && (b.rlo % 2 == 0) && (b.rw % 2 == 0);
   const int64_t Rp = (R + 1) / 2 * 2;
+  // zero-initialized: rank rows a slot skips stay 0 (the odd-rank pair's upper half reads them)
   std::vector<float> h((size_t)M * R);
   std::vector<bf16raw> hb(pairs ? (size_t)M * Rp : 0);
   float* hbuf = h.data();
   bf16raw* hbb = hb.data();
 
-  const int64_t nrc = (R + 3) / 4;           // rank chunks of 4
   const int64_t nob = (int64_t)blocks.size();
-  const double work = (double)M * (double)R * (double)(in + out);
   int nth = at::get_num_threads();
   if (work < 2.0e5) nth = 1;                 // tiny problems: skip the fork/join
   int64_t rwmax = 0;
@@ -300,11 +414,11 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   {
     // ---- 1. shrink
 #pragma omp for schedule(static)
-    for (int64_t item = 0; item < nrc * G; ++item) {
-      const int64_t rc = item / G, g = item % G;
-      const Group& gr = groups[g];
-      const int64_t r0 = rc * 4;
-      const int rt = (int)std::min<int64_t>(4, R - r0);
+    for (int64_t it = 0; it < nitems; ++it) {
+      const ShrinkItem& si = items[it];
+      const Group& gr = groups[si.g];
+      const int64_t r0 = si.r0;
+      const int rt = si.rt;
       const T* ap = A + (gr.slot * R + r0) * in;
       for (int64_t p0 = 0; p0 < gr.len; p0 += 4) {
         const int tt = (int)std::min<int64_t>(4, gr.len - p0);
@@ -338,16 +452,28 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
       const __mmask16 om = mask16(eb.nrows);
       for (int64_t g = 0; g < G; ++g) {
         const Group& gr = groups[g];
+        const int64_t rw = std::min(eb.rw, gr.rank);  // real rank columns of this block
         const T* bsrc = B + (gr.slot * out + eb.o0) * R + eb.rlo;
+        if (!packed && gr.len <= kDotMax && (!kBF16 || pairs)) {  // small group: no transpose
+          for (int64_t p = gr.start; p < gr.start + gr.len; ++p) {
+            T* yp = y + (int64_t)order[p] * ys + eb.o0;
+            __m512 d;
+            if constexpr (kBF16) d = dot_block(bsrc, R, rw, eb.nrows, hbb + p * Rp + eb.rlo);
+            else d = dot_block(bsrc, R, rw, eb.nrows, hbuf + p * R + eb.rlo);
+            store16(yp, _mm512_add_ps(load16(yp, om), d), om);
+          }
+          continue;
+        }
         if constexpr (kBF16) {
           if (pairs) {
+            const int64_t np = (rw + 1) / 2;  // odd rank: last pair's upper half is h = 0 (padding)
             const uint32_t* bt32 = (const uint32_t*)bt;
             int64_t ld = 16;
             if (packed) {  // B packed as [L, R/2, out, 2]
               bt32 = (const uint32_t*)B + (gr.slot * (R / 2) + eb.rlo / 2) * out + eb.o0;
               ld = out;
             } else {
-              transpose_block_pairs(bsrc, R, eb.rw, eb.nrows, (uint32_t*)bt);
+              transpose_block_pairs(bsrc, R, rw, eb.nrows, (uint32_t*)bt);
             }
             for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
               const int tj = (int)std::min<int64_t>(8, gr.len - p0);
@@ -358,7 +484,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
                 hp[i] = (const uint32_t*)(hbb + p * Rp + eb.rlo);
                 yp[i] = y + (int64_t)order[p] * ys + eb.o0;
               }
-              expand_dispatch_pairs(tj, bt32, ld, eb.rw / 2, hp, yp, om);
+              expand_dispatch_pairs(tj, bt32, ld, np, hp, yp, om);
             }
             continue;
           }
@@ -374,11 +500,11 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
               hp[i] = hbuf + p * R + eb.rlo;
               yp[i] = y + (int64_t)order[p] * ys + eb.o0;
             }
-            expand_dispatch<T, T>(tj, bp, out, eb.rw, hp, yp, om);
+            expand_dispatch<T, T>(tj, bp, out, rw, hp, yp, om);
           }
           continue;
         }
-        transpose_block<T>(bsrc, R, eb.rw, eb.nrows, bt);
+        transpose_block<T>(bsrc, R, rw, eb.nrows, bt);
         for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
           const int tj = (int)std::min<int64_t>(8, gr.len - p0);
           const float* hp[8];
@@ -388,7 +514,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
             hp[i] = hbuf + p * R + eb.rlo;
             yp[i] = y + (int64_t)order[p] * ys + eb.o0;
           }
-          expand_dispatch<T, float>(tj, bt, 16, eb.rw, hp, yp, om);
+          expand_dispatch<T, float>(tj, bt, 16, rw, hp, yp, om);
         }
       }
     }
@@ -401,7 +527,8 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
 // slice k only uses rank columns [k*R/K, (k+1)*R/K) of B (B block-diagonal), so the zero blocks are
 // skipped. Empty list = one dense slice.
 void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b,
-              torch::Tensor token_slots, std::vector<int64_t> out_slices = {}, bool b_packed = false) {
+              torch::Tensor token_slots, std::vector<int64_t> out_slices = {}, bool b_packed = false,
+              c10::optional<torch::Tensor> slot_ranks = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && (lora_b.dim() == 3 || b_packed) && token_slots.dim() == 1,
               "add_lora: bad ranks");
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu(), "add_lora: CPU only");
@@ -431,6 +558,18 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   const int64_t K = (int64_t)out_slices.size();
   TORCH_CHECK(R % K == 0, "add_lora: R must be divisible by the number of out_slices");
   TORCH_CHECK(!(b_packed && dt == at::kBFloat16) || (R / K) % 2 == 0, "add_lora: packed bf16 needs even rank per slice");
+  // slot_ranks: real rank r_s <= R/K of each slot (adapters zero-padded to R/K per slice)
+  torch::Tensor ranks_t;
+  const int64_t* ranks = nullptr;
+  if (slot_ranks.has_value() && slot_ranks->defined() && slot_ranks->numel() > 0) {
+    ranks_t = slot_ranks->contiguous();
+    TORCH_CHECK(ranks_t.device().is_cpu() && ranks_t.scalar_type() == at::kLong && ranks_t.dim() == 1 &&
+                ranks_t.size(0) == L, "add_lora: slot_ranks must be an int64 CPU tensor [L]");
+    ranks = ranks_t.data_ptr<int64_t>();
+    for (int64_t s = 0; s < L; ++s)
+      TORCH_CHECK(ranks[s] >= 0 && ranks[s] <= R / K, "add_lora: slot_ranks[", s, "] = ", ranks[s],
+                  " not in [0, R/K = ", R / K, "]");
+  }
   std::vector<ExpBlock> blocks;
   int64_t o0 = 0;
   for (int64_t k = 0; k < K; ++k) {
@@ -441,12 +580,12 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   TORCH_CHECK(o0 == out, "add_lora: out_slices must sum to out");
   if (dt == at::kFloat) {
     add_lora_impl<float>(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, blocks, b_packed);
+                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, K, ranks, blocks, b_packed);
   } else {
     add_lora_impl<bf16raw>((bf16raw*)y.data_ptr<at::BFloat16>(), y.stride(0),
                            (const bf16raw*)x.data_ptr<at::BFloat16>(), x.stride(0),
                            (const bf16raw*)lora_a.data_ptr<at::BFloat16>(),
-                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, blocks, b_packed);
+                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, K, ranks, blocks, b_packed);
   }
 }
 
@@ -464,7 +603,7 @@ torch::Tensor pack_lora_b(torch::Tensor b) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora", &add_lora, "y += per-token LoRA (in place)", py::arg("y"), py::arg("x"), py::arg("lora_a"),
         py::arg("lora_b"), py::arg("token_slots"), py::arg("out_slices") = std::vector<int64_t>{},
-        py::arg("b_packed") = false,
+        py::arg("b_packed") = false, py::arg("slot_ranks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("pack_lora_b", &pack_lora_b, "[L,out,R] -> fp32: [L,R,out]; bf16: [L,R/2,out,2] (for b_packed=True)");
 }
