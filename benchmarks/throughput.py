@@ -139,19 +139,20 @@ def plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    sizes = list(result["by_batch"])
+    by_batch = {int(b): row for b, row in result["by_batch"].items()}  # int keys, also when read back from JSON
+    by_distinct = {int(k): v for k, v in result["by_distinct"].items()}
+    sizes, counts = sorted(by_batch), sorted(by_distinct)
     for mode in ("base", "single", "mixed"):
-        left.plot(sizes, [result["by_batch"][b][mode] for b in sizes], marker="o", label=mode)
+        left.plot(sizes, [by_batch[b][mode] for b in sizes], marker="o", label=mode)
     left.set(xlabel="requests in the batch", ylabel="generated tokens/s", title="by batch size")
-    left.set_xscale("log", base=2)
     left.legend()
-    counts = list(result["by_distinct"])
-    right.plot(counts, [result["by_distinct"][k] for k in counts], marker="o", color="tab:red")
+    right.plot(counts, [by_distinct[k] for k in counts], marker="o", color="tab:red")
     right.set(xlabel="distinct adapters in the batch", ylabel="generated tokens/s",
               title=f"batch of {result['batch_for_distinct']}, by distinct adapters")
-    right.set_xscale("log", base=2)
-    right.set_ylim(bottom=0)
-    left.set_ylim(bottom=0)
+    for axis, ticks in ((left, sizes), (right, counts)):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(ticks, [str(t) for t in ticks])
+        axis.set_ylim(bottom=0)
     fig.suptitle(f"loramux, {result['model']}, {result['dtype']}, {os.cpu_count()} CPU cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
