@@ -10,6 +10,7 @@ import functools
 import hashlib
 import logging
 import os
+import shutil
 
 import torch
 
@@ -29,6 +30,16 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _put_ninja_on_path() -> None:
+    """torch looks for `ninja` on PATH; the pip package's binary sits in a venv that may not be active."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
 @functools.cache
 def load_extension(name: str):
     """The compiled module for csrc/<name>.cpp, or None where this machine cannot build or run it."""
@@ -38,6 +49,7 @@ def load_extension(name: str):
         return None
     from torch.utils.cpp_extension import load
 
+    _put_ninja_on_path()
     source = os.path.join(CSRC, f"{name}.cpp")
     with open(source, "rb") as f:
         digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
