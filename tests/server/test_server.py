@@ -229,18 +229,16 @@ def test_32_concurrent_requests_with_load_and_unload_in_the_middle(files, http, 
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mid"}).status_code == 200
 
 
-def test_unloading_an_adapter_in_use_waits_for_its_running_request(http, client, offline):
+def test_unloading_an_adapter_in_use_keeps_its_running_request_exact(http, client, offline):
+    """End to end: the running request finishes with the right weights; the adapter is gone after.
+    (That the unload waits for it is checked step by step in test_engine_loop.py: over SSE the client
+    may still be reading buffered chunks when the engine has finished and unloaded.)"""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         stream = iter(client.completions.create(model="s4", prompt="w", max_tokens=48, temperature=0, stream=True))
         text = next(stream).choices[0].text  # the request is running now
         unload = pool.submit(http.post, "/v1/unload_lora_adapter", json={"lora_name": "s4"})
-        pending = []
-        for chunk in stream:
-            pending.append(not unload.done())
-            text += chunk.choices[0].text
+        text += "".join(chunk.choices[0].text for chunk in stream)
         assert unload.result(timeout=60).status_code == 200
-    # Until the request produced its final chunk, the unload was still waiting for it.
-    assert len(pending) > 5 and all(pending[:-1])
     assert text == offline("w", "s4", max_tokens=48)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="s4", prompt="x", max_tokens=2)
