@@ -1,7 +1,7 @@
 """SamplingParams: how one request is decoded. Stdlib only (the server validates with it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,6 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted once per earlier occurrence of a generated token (OpenAI semantics, -2..2)."""
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -62,7 +62,7 @@ class BlockManager:
         seq.block_table.append(self._take())
 
     def deallocate(self, seq: Sequence) -> None:
-        """Return all of `seq`'s blocks; its cached K/V is gone, so num_cached_tokens drops to 0."""
+        """Return all of `seq`'s blocks; its cached K/V is gone (a preempted sequence re-prefills)."""
         if not seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} holds no blocks: double free, or never allocated")
         foreign = [b for b in seq.block_table if b not in self._used]
@@ -73,7 +73,6 @@ class BlockManager:
             self._used.remove(block_id)
             self._free.append(block_id)
         seq.block_table = []
-        seq.num_cached_tokens = 0
 
     def _take(self) -> int:
         block_id = self._free.popleft()

@@ -29,7 +29,6 @@ class Sequence:
         self.adapter = adapter
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.num_cached_tokens = 0  # tokens whose K/V are in the cache (set by the model runner's step)
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.waited_steps = 0  # scheduler steps spent waiting while others were admitted (age bound)

@@ -26,30 +26,28 @@ BACKENDS: dict[str, AddLoRA] = {
 }
 
 
-def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> AddLoRA:
-    """The op for `name`; "auto" picks the fastest one that runs on `device` on this machine."""
+def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Callable:
+    """backends[name]; "auto" = the C++ CPU kernel where it runs (CPU device, AVX-512 BF16), else torch."""
     if name == "auto":
-        cpu = torch.device(device).type == "cpu"
-        name = "cpu" if cpu and lora_cpu.available() else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown LoRA backend {name!r}; choose one of: auto, {', '.join(BACKENDS)}")
-    if name == "cpu" and not lora_cpu.available():
-        raise ValueError("the 'cpu' LoRA backend needs an x86 CPU with AVX-512 BF16, a C++ compiler and ninja")
-    return BACKENDS[name]
+        name = "cpu" if torch.device(device).type == "cpu" and cpu_available() else "torch"
+    if name not in backends:
+        raise ValueError(f"unknown {what} backend {name!r}; choose one of: auto, {', '.join(backends)}")
+    if name == "cpu" and not cpu_available():
+        raise ValueError(f"the 'cpu' {what} backend needs an x86 CPU with AVX-512 BF16, a C++ compiler and ninja")
+    return backends[name]
+
+
+def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> AddLoRA:
+    """The add_lora op (see lora_torch.py) for `name` on `device`."""
+    return _choose("LoRA", BACKENDS, lora_cpu.available, name, device)
 
 
 ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
 
 
 def select_attention_backend(name: str = "auto", device: str | torch.device = "cpu"):
-    """The paged decode-attention op (see attention_torch.py); "auto": the CPU kernel where it runs."""
-    if name == "auto":
-        name = "cpu" if torch.device(device).type == "cpu" and attention_cpu.available() else "torch"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of: auto, {', '.join(ATTENTION_BACKENDS)}")
-    if name == "cpu" and not attention_cpu.available():
-        raise ValueError("the 'cpu' attention backend needs an x86 CPU with AVX-512 BF16, a C++ compiler and ninja")
-    return ATTENTION_BACKENDS[name]
+    """The paged decode-attention op (see attention_torch.py) for `name` on `device`."""
+    return _choose("attention", ATTENTION_BACKENDS, attention_cpu.available, name, device)
 
 
 __all__ = ["ATTENTION_BACKENDS", "BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend",
