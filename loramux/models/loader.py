@@ -58,18 +58,27 @@ def convert_gguf(gguf_path: str, target: str) -> None:
     import tempfile
 
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
-    hf_config, state, tokenizer = _read_gguf(gguf_path)
-    if getattr(hf_config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)  # shares memory with the embedding; safetensors stores it once
-    if hasattr(hf_config, "quantization_config"):
-        del hf_config.quantization_config  # the weights are plain now
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(target), prefix=".converting-")
+    steps = ("reading and dequantizing the GGUF", "writing model.safetensors", "writing config and tokenizer")
     try:
-        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"))
-        hf_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with tqdm(total=len(steps), desc=f"converting {os.path.basename(gguf_path)} once") as bar:
+            bar.set_postfix_str(steps[0])
+            hf_config, state, tokenizer = _read_gguf(gguf_path)
+            if getattr(hf_config, "tie_word_embeddings", False):
+                state.pop("lm_head.weight", None)  # shares memory with the embedding; stored once
+            if hasattr(hf_config, "quantization_config"):
+                del hf_config.quantization_config  # the weights are plain now
+            bar.update()
+            bar.set_postfix_str(steps[1])
+            save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors"))
+            bar.update()
+            bar.set_postfix_str(steps[2])
+            hf_config.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            bar.update()
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     finally:
