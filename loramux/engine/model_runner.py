@@ -37,8 +37,8 @@ class ModelRunner:
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
         self.manager = LoRAManager(self.model, config.lora, config.lora_backend) if config.lora else None
-        dtype = self.model.model.embed_tokens.weight.dtype
-        if can_prepack(device, dtype):  # after wrapping: the LoRA layers' base Linears are packed too
+        self.dtype = self.model.model.embed_tokens.weight.dtype
+        if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
@@ -48,15 +48,14 @@ class ModelRunner:
     def _allocate_kv_cache(self, hf_config) -> int:
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, head_dim_of(hf_config)
-        dtype = self.model.model.embed_tokens.weight.dtype
-        block_bytes = 2 * len(layers) * self.block_size * kv_heads * head_dim * dtype.itemsize
+        block_bytes = 2 * len(layers) * self.block_size * kv_heads * head_dim * self.dtype.itemsize
         budget = self.config.kv_cache_memory or int(available_memory(self.device) * self.config.kv_cache_fraction)
         blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
         num_blocks = min(budget // block_bytes, self.config.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {self.block_size} "
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
-        cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=dtype, device=self.device)
+        cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
         decode_op = select_attention_backend(self.config.attention_backend, self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.decode_op = cache[0, i], cache[1, i], decode_op
