@@ -2,10 +2,10 @@
 
 Buffers are allocated once and are zero where no adapter is loaded:
     lora_a[max_loras, num_slices * max_rank, in]
-    lora_b[max_loras, out, num_slices * max_rank]
-A packed layer (one Linear computing q|k|v or gate|up) has one slice per sub-module: slice i uses
-rank columns [i*max_rank, (i+1)*max_rank) and writes output rows output_slices[i]; lora_b is block
-diagonal, so one shrink and one expand serve all slices. A missing sub-module stays zero.
+    lora_b[max_loras, out, max_rank]
+A packed layer (one Linear computing q|k|v or gate|up) has one slice per sub-module: slice i's A is
+rows [i*max_rank, (i+1)*max_rank) of lora_a, its B the output rows output_slices[i] of lora_b, so one
+shrink serves all slices and B holds no zero blocks (see ops.lora_torch). A missing sub-module stays zero.
 """
 from __future__ import annotations
 
@@ -42,10 +42,10 @@ class LoRALinear(nn.Module):
         self.output_slices = tuple(output_slices or (base.out_features,))
         if sum(self.output_slices) != base.out_features:
             raise ValueError(f"output slices {self.output_slices} do not add up to {base.out_features}")
-        rank = len(self.output_slices) * max_rank
+        a_rows = len(self.output_slices) * max_rank
         kw = dict(dtype=base.weight.dtype, device=base.weight.device)
-        self.register_buffer("lora_a", torch.zeros(max_loras, rank, base.in_features, **kw), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, rank, **kw), persistent=False)
+        self.register_buffer("lora_a", torch.zeros(max_loras, a_rows, base.in_features, **kw), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, **kw), persistent=False)
         # Real rank per slot (max over slices; 0 = free): ops may skip the zero padding beyond it.
         self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
                              persistent=False)
@@ -83,7 +83,7 @@ class LoRALinear(nn.Module):
                 self._check_part(a, b, out_i)
                 col = i * self.max_rank
                 self.lora_a[slot, col : col + a.shape[0]].copy_(a)
-                self.lora_b[slot, row : row + out_i, col : col + a.shape[0]].copy_(b)
+                self.lora_b[slot, row : row + out_i, : a.shape[0]].copy_(b)
                 self.slot_ranks[slot] = max(int(self.slot_ranks[slot]), a.shape[0])
             row += out_i
 

@@ -2,7 +2,8 @@
 
 Slot -1 means "base model": those tokens are left untouched by every LoRA op.
 
-All backends share one signature, `add_lora(y, x, lora_a, lora_b, mapping, output_slices=()) -> None`
+All backends share one signature,
+`add_lora(y, x, lora_a, lora_b, mapping, output_slices=(), slot_ranks=None) -> None`
 (see lora_torch.py for the contract and shapes). The backend is chosen once, when the LoRA layers are
 built; nothing in a forward pass branches on it.
 """

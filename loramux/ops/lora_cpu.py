@@ -2,9 +2,8 @@
 
 Tokens are grouped by slot inside the kernel (a counting sort), so any token order works; the
 shrink is tiled over tokens x rank rows and the expand over 16-row output blocks (row dot products
-for groups of a few tokens), skipping the zero blocks of a packed layer's block-diagonal B and the
-zero padding beyond each slot's real rank (Punica's SGMV idea, for CPUs). Same contract as
-lora_torch.py.
+for groups of a few tokens), skipping the zero padding beyond each slot's real rank (Punica's SGMV
+idea, for CPUs). Same contract as lora_torch.py.
 """
 from __future__ import annotations
 

@@ -1,17 +1,19 @@
 """Pure-torch LoRA ops: the specification, the test oracle and the portable fallback.
 
-Every op has the signature  op(y, x, lora_a, lora_b, mapping, output_slices=()) -> None  and adds
-in place:
-    y[t] += lora_b[s] @ (lora_a[s] @ x[t])   for every token t whose slot s = mapping.token_slots[t] >= 0
+Every op has the signature  op(y, x, lora_a, lora_b, mapping, output_slices=(), slot_ranks=None) -> None
+and adds in place, for every token t whose slot s = mapping.token_slots[t] >= 0:
+    y[t] += lora_b[s] @ (lora_a[s] @ x[t])                      (one output slice)
   x:      [num_tokens, in]
   y:      [num_tokens, out]
-  lora_a: [max_loras, rank, in]    (rank padded with zero rows)
-  lora_b: [max_loras, out, rank]   (scaling folded in, padded with zero columns)
-  output_slices: a hint for packed layers: lora_b is block diagonal over these output slices and
-                 equal rank chunks; an op may skip the zero blocks.
+  lora_a: [max_loras, K * rank, in]  (rank padded with zero rows; K = len(output_slices), 1 if empty)
+  lora_b: [max_loras, out, rank]     (scaling folded in, padded with zero columns)
+  output_slices: the sizes of a packed layer's output slices (q|k|v, gate|up), summing to out. The
+                 output rows of slice k use the shrunk rows [k*rank, (k+1)*rank):
+                 y[t, rows_k] += lora_b[s, rows_k] @ (lora_a[s, k*rank:(k+1)*rank] @ x[t])
+                 so B holds no zero blocks and is [max_loras, out, rank] whatever K is.
   slot_ranks:    a hint, [max_loras] int64 or None: the real rank of each slot (within every slice);
                  the rows/columns beyond it are zero, and an op may skip them.
-The results do not depend on the hints.
+The results do not depend on the hint.
 """
 from __future__ import annotations
 
@@ -20,18 +22,32 @@ import torch
 from loramux.ops.mapping import LoRAMapping
 
 
+def slices_of(output_slices, lora_a, lora_b):
+    """(output rows, shrunk rows) per slice: [(row_start, row_end, rank_start, rank_end)]."""
+    sizes = tuple(output_slices) or (lora_b.shape[1],)
+    rank = lora_b.shape[2]
+    if sum(sizes) != lora_b.shape[1] or lora_a.shape[1] != len(sizes) * rank:
+        raise ValueError(f"output slices {sizes} do not fit lora_a {tuple(lora_a.shape)} / lora_b {tuple(lora_b.shape)}")
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [(start, start + size, k * rank, (k + 1) * rank) for k, (start, size) in enumerate(zip(starts, sizes))]
+
+
 def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
     """Decode-like form: gather each token's A and B (Punica's BGMV, done with bmm)."""
     rows = (mapping.token_slots >= 0).nonzero().squeeze(1)  # [num_lora_tokens]
     if rows.numel() == 0:
         return
     slots = mapping.token_slots[rows]
-    shrunk = torch.bmm(lora_a[slots], x[rows].unsqueeze(2))  # [n, rank, 1]
-    y.index_add_(0, rows, torch.bmm(lora_b[slots], shrunk).squeeze(2))
+    shrunk = torch.bmm(lora_a[slots], x[rows].unsqueeze(2))  # [n, K * rank, 1]
+    for o0, o1, r0, r1 in slices_of(output_slices, lora_a, lora_b):
+        expanded = torch.bmm(lora_b[slots, o0:o1], shrunk[:, r0:r1]).squeeze(2)  # [n, o1 - o0]
+        y[:, o0:o1].index_add_(0, rows, expanded)
 
 
 def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
-    """Prefill-like form: one shrink/expand GEMM pair per run of tokens sharing a slot (SGMV)."""
+    """Prefill-like form: one shrink GEMM and one expand GEMM per slice per run of tokens sharing a slot (SGMV)."""
+    slices = slices_of(output_slices, lora_a, lora_b)
     for slot, start, end in mapping.segments:
-        shrunk = x[start:end] @ lora_a[slot].t()  # [run, rank]
-        y[start:end].addmm_(shrunk, lora_b[slot].t())
+        shrunk = x[start:end] @ lora_a[slot].t()  # [run, K * rank]
+        for o0, o1, r0, r1 in slices:
+            y[start:end, o0:o1].addmm_(shrunk[:, r0:r1], lora_b[slot, o0:o1].t())

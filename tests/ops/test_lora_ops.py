@@ -60,25 +60,48 @@ def test_row_and_uniform_mappings_expand_per_token_count():
         LoRAMapping.from_slots([0, 0]).for_tokens(3)
 
 
+def block_diagonal(lora_b, slices):
+    """The packed layout spelled out: slice k's output rows read shrunk rows [k*rank, (k+1)*rank)."""
+    num_slots, out, rank = lora_b.shape
+    full = torch.zeros(num_slots, out, len(slices) * rank, dtype=lora_b.dtype)
+    row = 0
+    for k, size in enumerate(slices):
+        full[:, row : row + size, k * rank : (k + 1) * rank] = lora_b[:, row : row + size]
+        row += size
+    return full
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_output_slices_hint_on_block_diagonal_b(backend, dtype, atol):
-    """A packed layer's B is zero off its (slice, rank chunk) blocks; the hint may skip them."""
+@pytest.mark.parametrize("rank", [4, 5])  # bf16: odd ranks take the kernel's non-pair path
+@pytest.mark.parametrize("per_slot", [1, 4, 11])  # the kernel's dot-product and transposed expands
+@pytest.mark.parametrize("with_ranks", [False, True])
+def test_packed_output_slices(backend, dtype, atol, rank, per_slot, with_ranks):
+    """A packed layer (q|k|v): one shrink over K*rank rows of A; B [slots, out, rank] holds each slice's rows."""
     torch.manual_seed(1)
-    slices, rank, n_in, num_slots = (48, 16, 16), 4, 32, 3
-    lora_a = torch.randn(num_slots, 3 * rank, n_in, dtype=dtype) * 0.3
-    lora_b = torch.zeros(num_slots, sum(slices), 3 * rank, dtype=dtype)
-    row = 0
-    for i, size in enumerate(slices):
-        lora_b[:, row : row + size, i * rank : (i + 1) * rank] = torch.randn(num_slots, size, rank, dtype=dtype) * 0.3
-        row += size
-    x = torch.randn(10, n_in, dtype=dtype)
-    mapping = LoRAMapping.from_slots([0, 0, 1, -1, 2, 2, 2, 1, -1, 0])
-    expected = torch.zeros(10, sum(slices))
-    per_token_loop(expected, x.float(), lora_a.float(), lora_b.float(), mapping.token_slots)
-    y = torch.zeros(10, sum(slices), dtype=dtype)
-    BACKENDS[backend](y, x, lora_a, lora_b, mapping, slices)
+    slices, n_in, num_slots = (40, 16, 24), 32, 3
+    ranks = [rank, rank - 2, 0] if with_ranks else [rank] * num_slots
+    lora_a = torch.zeros(num_slots, 3 * rank, n_in, dtype=dtype)
+    lora_b = torch.zeros(num_slots, sum(slices), rank, dtype=dtype)
+    for slot, r in enumerate(ranks):
+        for k in range(3):
+            lora_a[slot, k * rank : k * rank + r] = torch.randn(r, n_in, dtype=dtype) * 0.3
+        lora_b[slot, :, :r] = torch.randn(sum(slices), r, dtype=dtype) * 0.3
+    slots = [s for s in (0, 1, 2) for _ in range(per_slot)] + [-1]
+    x = torch.randn(len(slots), n_in, dtype=dtype)
+    mapping = LoRAMapping.from_slots(slots)
+    expected = torch.zeros(len(slots), sum(slices))
+    per_token_loop(expected, x.float(), lora_a.float(), block_diagonal(lora_b, slices).float(), mapping.token_slots)
+    y = torch.zeros(len(slots), sum(slices), dtype=dtype)
+    BACKENDS[backend](y, x, lora_a, lora_b, mapping, slices, torch.tensor(ranks) if with_ranks else None)
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_packed_shapes_are_checked(backend):
+    lora_a, lora_b = torch.zeros(2, 12, 8), torch.zeros(2, 20, 4)  # 12 rows of A: 3 slices of rank 4, not 2
+    with pytest.raises((ValueError, RuntimeError), match="do not fit|lora_b must be"):
+        BACKENDS[backend](torch.zeros(1, 20), torch.zeros(1, 8), lora_a, lora_b, LoRAMapping.from_slots([0]), (10, 10))
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -1,12 +1,13 @@
 // Multi-LoRA "add_lora" CPU kernel (fp32 / bf16), AVX-512 (+AVX512_BF16), OpenMP.
 //
-//   add_lora(y, x, lora_a, lora_b, token_slots, out_slices=[], b_packed=False, slot_ranks=None)
+//   add_lora(y, x, lora_a, lora_b, token_slots, out_slices=[], slot_ranks=None)
 //     in-place, returns None
 //     x [N,in], y [N,out] (row stride may differ from width; unit column stride)
-//     lora_a [L,R,in], lora_b [L,out,R] contiguous, token_slots [N] int64 in [-1,L)
-//     y[t] += lora_b[s] @ (lora_a[s] @ x[t])   for s = token_slots[t] >= 0
-//     slot_ranks: optional int64 [L], real rank r_s <= R/K of each slot (zero-padded adapters): only rank
-//     rows/cols [k*R/K, k*R/K + r_s) of each slice k are read; slots of rank 0 are skipped.
+//     lora_a [L,K*r,in], lora_b [L,out,r] contiguous, token_slots [N] int64 in [-1,L)
+//     K = len(out_slices) (1 if empty); output rows of slice k use the shrunk rows [k*r, (k+1)*r):
+//     y[t, rows_k] += lora_b[s, rows_k] @ (lora_a[s, k*r:(k+1)*r] @ x[t])   for s = token_slots[t] >= 0
+//     slot_ranks: optional int64 [L], real rank r_s <= r of each slot (zero-padded adapters): only A rows
+//     [k*r, k*r + r_s) and B columns [0, r_s) are read; slots of rank 0 are skipped.
 //
 // Algorithm
 //   0. counting sort of token indices by slot -> groups (slot, list of tokens). Works for
@@ -14,14 +15,14 @@
 //   1. shrink: h[p, r] = A[s, r, :] . x[tok(p), :]   (fp32 scratch h [M, R])
 //      tile = up to 4 tokens x 4 rank-rows, vectorized along `in`; only the slot's real rank rows
 //      (bf16: vdpbf16ps, 32 bf16 pairs per instruction, fp32 accumulate)
-//   2. expand, per 16-row block of `out` and group:
+//   2. expand, per 16-row block of `out` (within one slice) and group:
 //      small groups (<= 6 tokens fp32, 1 token bf16): dot-product form, B rows as they lie
 //      (contiguous in rank) times h, 16 row sums by a shuffle/add tree -- no transpose;
-//      else the 16 x r_s block of B[s] (row-major [out,R]) is converted to fp32 and transposed in
+//      else the 16 x r_s block of B[s] (row-major [out,r]) is converted to fp32 and transposed in
 //      registers into an L1 scratch bt[r][16]; then for tiles of up to 8 tokens:
 //      acc[t] += bcast(h[t, r]) * bt[r]; y[t, o0:o0+16] += acc[t]  (bf16: RNE rounding)
 //   Threads: one OpenMP region (uses the libgomp already loaded by torch, same soname),
-//   num_threads = at::get_num_threads(); shrink split over (rank-chunk, group) items,
+//   num_threads = at::get_num_threads(); shrink split over (group, rank-chunk) items,
 //   expand split over output-row blocks (balanced regardless of group sizes).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -333,7 +334,7 @@ static inline __m512 dot_block(const bf16raw* b, int64_t ld, int64_t rw, int64_t
   return reduce16x16(p);
 }
 
-// one 16-row output block; rows use rank columns [rlo, rlo + rw)  (packed/sliced LoRA: B block-diagonal)
+// one 16-row output block; its rows use the shrunk rows [rlo, rlo + rw) (rlo = slice * r)
 struct ExpBlock { int64_t o0, nrows, rlo, rw; };
 
 // groups of up to this many tokens use the dot-product expand (no B transpose); measured on Zen 4,
@@ -352,9 +353,9 @@ struct ShrinkItem { int64_t g, r0; int rt; };            // rank rows [r0, r0 + 
 template <typename T>
 static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, const T* B,
                           const int64_t* slots, int64_t N, int64_t in, int64_t out, int64_t L, int64_t R,
-                          int64_t K, const int64_t* ranks, const std::vector<ExpBlock>& blocks, bool packed) {
+                          int64_t K, const int64_t* ranks, const std::vector<ExpBlock>& blocks) {
   constexpr bool kBF16 = std::is_same<T, bf16raw>::value;
-  const int64_t RK = R / K;  // rank columns per slice
+  const int64_t RK = R / K;  // rank per slice = B's row length
   constexpr int64_t kDotMax = kBF16 ? LORA_DOT_MAX_BF16 : LORA_DOT_MAX_F32;
   // 0. counting sort by slot (stable); slots of rank 0 contribute nothing and are dropped
   std::vector<int64_t> cnt(L + 1, 0);
@@ -384,17 +385,16 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   }
   const int64_t G = (int64_t)groups.size();
   if (G == 0) return;
-  // shrink work items: (slice k, 4-row chunk c) major, group minor; only the real rank rows
+  // shrink work items: group major, then A's rows in memory order (only the real rank rows), so each
+  // thread's share of A is a few long sequential streams (decode is bound by reading A and B from DRAM)
   std::vector<ShrinkItem> items;
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t c = 0; c < RK; c += 4)
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t rt = std::min<int64_t>(4, groups[g].rank - c);
-        if (rt > 0) items.push_back({g, k * RK + c, (int)rt});
-      }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < groups[g].rank; c += 4)
+        items.push_back({g, k * RK + c, (int)std::min<int64_t>(4, groups[g].rank - c)});
   const int64_t nitems = (int64_t)items.size();
   // bf16 pair path needs every block's rank range to be pair aligned
-  bool pairs = kBF16 && (packed || R % 2 == 0);
+  bool pairs = kBF16 && RK % 2 == 0;
   for (const auto& b : blocks) pairs = pairs && (b.rlo % 2 == 0) && (b.rw % 2 == 0);
   const int64_t Rp = (R + 1) / 2 * 2;
   // zero-initialized: rank rows a slot skips stay 0 (the odd-rank pair's upper half reads them)
@@ -446,20 +446,23 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
       bt_heap.resize((size_t)R16 * 16 + 16);
       bt = (float*)(((uintptr_t)bt_heap.data() + 63) & ~(uintptr_t)63);
     }
-#pragma omp for schedule(static)
-    for (int64_t ob = 0; ob < nob; ++ob) {
-      const ExpBlock& eb = blocks[ob];
-      const __mmask16 om = mask16(eb.nrows);
-      for (int64_t g = 0; g < G; ++g) {
-        const Group& gr = groups[g];
+    // each thread owns a contiguous range of output blocks and walks it once per group: B[slot]'s rows
+    // of that range are one sequential stream
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t ob_begin = nob * tid / nt, ob_end = nob * (tid + 1) / nt;
+    for (int64_t g = 0; g < G; ++g) {
+      const Group& gr = groups[g];
+      for (int64_t ob = ob_begin; ob < ob_end; ++ob) {
+        const ExpBlock& eb = blocks[ob];
+        const __mmask16 om = mask16(eb.nrows);
         const int64_t rw = std::min(eb.rw, gr.rank);  // real rank columns of this block
-        const T* bsrc = B + (gr.slot * out + eb.o0) * R + eb.rlo;
-        if (!packed && gr.len <= kDotMax && (!kBF16 || pairs)) {  // small group: no transpose
+        const T* bsrc = B + (gr.slot * out + eb.o0) * RK;
+        if (gr.len <= kDotMax && (!kBF16 || pairs)) {  // small group: no transpose
           for (int64_t p = gr.start; p < gr.start + gr.len; ++p) {
             T* yp = y + (int64_t)order[p] * ys + eb.o0;
             __m512 d;
-            if constexpr (kBF16) d = dot_block(bsrc, R, rw, eb.nrows, hbb + p * Rp + eb.rlo);
-            else d = dot_block(bsrc, R, rw, eb.nrows, hbuf + p * R + eb.rlo);
+            if constexpr (kBF16) d = dot_block(bsrc, RK, rw, eb.nrows, hbb + p * Rp + eb.rlo);
+            else d = dot_block(bsrc, RK, rw, eb.nrows, hbuf + p * R + eb.rlo);
             store16(yp, _mm512_add_ps(load16(yp, om), d), om);
           }
           continue;
@@ -467,14 +470,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
         if constexpr (kBF16) {
           if (pairs) {
             const int64_t np = (rw + 1) / 2;  // odd rank: last pair's upper half is h = 0 (padding)
-            const uint32_t* bt32 = (const uint32_t*)bt;
-            int64_t ld = 16;
-            if (packed) {  // B packed as [L, R/2, out, 2]
-              bt32 = (const uint32_t*)B + (gr.slot * (R / 2) + eb.rlo / 2) * out + eb.o0;
-              ld = out;
-            } else {
-              transpose_block_pairs(bsrc, R, rw, eb.nrows, (uint32_t*)bt);
-            }
+            transpose_block_pairs(bsrc, RK, rw, eb.nrows, (uint32_t*)bt);
             for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
               const int tj = (int)std::min<int64_t>(8, gr.len - p0);
               const uint32_t* hp[8];
@@ -484,27 +480,12 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
                 hp[i] = (const uint32_t*)(hbb + p * Rp + eb.rlo);
                 yp[i] = y + (int64_t)order[p] * ys + eb.o0;
               }
-              expand_dispatch_pairs(tj, bt32, ld, np, hp, yp, om);
+              expand_dispatch_pairs(tj, (const uint32_t*)bt, 16, np, hp, yp, om);
             }
             continue;
           }
         }
-        if (packed) {  // fp32 B packed as [L, R, out]
-          const T* bp = B + (gr.slot * R + eb.rlo) * out + eb.o0;
-          for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
-            const int tj = (int)std::min<int64_t>(8, gr.len - p0);
-            const float* hp[8];
-            T* yp[8];
-            for (int i = 0; i < tj; ++i) {
-              const int64_t p = gr.start + p0 + i;
-              hp[i] = hbuf + p * R + eb.rlo;
-              yp[i] = y + (int64_t)order[p] * ys + eb.o0;
-            }
-            expand_dispatch<T, T>(tj, bp, out, rw, hp, yp, om);
-          }
-          continue;
-        }
-        transpose_block<T>(bsrc, R, rw, eb.nrows, bt);
+        transpose_block<T>(bsrc, RK, rw, eb.nrows, bt);
         for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
           const int tj = (int)std::min<int64_t>(8, gr.len - p0);
           const float* hp[8];
@@ -523,13 +504,12 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
 
 }  // namespace
 
-// out_slices: optional sizes of output slices (packed projections, e.g. qkv = [576, 192, 192]);
-// slice k only uses rank columns [k*R/K, (k+1)*R/K) of B (B block-diagonal), so the zero blocks are
-// skipped. Empty list = one dense slice.
+// out_slices: optional sizes of output slices (packed projections, e.g. qkv = [576, 192, 192]): slice k's
+// output rows use shrunk rows [k*R/K, (k+1)*R/K). Empty list = one slice.
 void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b,
-              torch::Tensor token_slots, std::vector<int64_t> out_slices = {}, bool b_packed = false,
+              torch::Tensor token_slots, std::vector<int64_t> out_slices = {},
               c10::optional<torch::Tensor> slot_ranks = c10::nullopt) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && (lora_b.dim() == 3 || b_packed) && token_slots.dim() == 1,
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3 && token_slots.dim() == 1,
               "add_lora: bad ranks");
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu(), "add_lora: CPU only");
   const auto dt = x.scalar_type();
@@ -541,14 +521,6 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   const int64_t L = lora_a.size(0), R = lora_a.size(1);
   TORCH_CHECK(y.size(0) == N && token_slots.size(0) == N, "add_lora: N mismatch");
   TORCH_CHECK(lora_a.size(2) == in && lora_b.size(0) == L, "add_lora: weight shape mismatch");
-  if (!b_packed) {
-    TORCH_CHECK(lora_b.size(1) == out && lora_b.size(2) == R, "add_lora: lora_b must be [L, out, R]");
-  } else if (dt == at::kFloat) {
-    TORCH_CHECK(lora_b.size(1) == R && lora_b.size(2) == out, "add_lora: packed fp32 lora_b must be [L, R, out]");
-  } else {
-    TORCH_CHECK(R % 2 == 0 && lora_b.dim() == 4 && lora_b.size(1) == R / 2 && lora_b.size(2) == out && lora_b.size(3) == 2,
-                "add_lora: packed bf16 lora_b must be [L, R/2, out, 2] (needs even R)");
-  }
   TORCH_CHECK(lora_a.is_contiguous() && lora_b.is_contiguous(), "add_lora: weights must be contiguous");
   TORCH_CHECK(x.stride(1) == 1 && y.stride(1) == 1, "add_lora: x/y need unit column stride");
   if (N == 0) return;
@@ -556,8 +528,8 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   for (int64_t t = 0; t < N; ++t) TORCH_CHECK(sl[t] >= -1 && sl[t] < L, "add_lora: slot out of range");
   if (out_slices.empty()) out_slices.push_back(out);
   const int64_t K = (int64_t)out_slices.size();
-  TORCH_CHECK(R % K == 0, "add_lora: R must be divisible by the number of out_slices");
-  TORCH_CHECK(!(b_packed && dt == at::kBFloat16) || (R / K) % 2 == 0, "add_lora: packed bf16 needs even rank per slice");
+  TORCH_CHECK(R % K == 0, "add_lora: lora_a's rows must be divisible by the number of out_slices");
+  TORCH_CHECK(lora_b.size(1) == out && lora_b.size(2) == R / K, "add_lora: lora_b must be [L, out, R/K]");
   // slot_ranks: real rank r_s <= R/K of each slot (adapters zero-padded to R/K per slice)
   torch::Tensor ranks_t;
   const int64_t* ranks = nullptr;
@@ -580,30 +552,18 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   TORCH_CHECK(o0 == out, "add_lora: out_slices must sum to out");
   if (dt == at::kFloat) {
     add_lora_impl<float>(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, K, ranks, blocks, b_packed);
+                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, K, ranks, blocks);
   } else {
     add_lora_impl<bf16raw>((bf16raw*)y.data_ptr<at::BFloat16>(), y.stride(0),
                            (const bf16raw*)x.data_ptr<at::BFloat16>(), x.stride(0),
                            (const bf16raw*)lora_a.data_ptr<at::BFloat16>(),
-                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, K, ranks, blocks, b_packed);
+                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, K, ranks, blocks);
   }
-}
-
-// One-time re-layout of lora_b (e.g. when an adapter is loaded into a slot) so the expand step
-// streams B without per-call in-register transposes.
-torch::Tensor pack_lora_b(torch::Tensor b) {
-  TORCH_CHECK(b.dim() == 3, "pack_lora_b: expects [L, out, R]");
-  if (b.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(b.size(2) % 2 == 0, "pack_lora_b: bf16 needs even R");
-    return b.reshape({b.size(0), b.size(1), b.size(2) / 2, 2}).permute({0, 2, 1, 3}).contiguous();
-  }
-  return b.transpose(1, 2).contiguous();
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_lora", &add_lora, "y += per-token LoRA (in place)", py::arg("y"), py::arg("x"), py::arg("lora_a"),
         py::arg("lora_b"), py::arg("token_slots"), py::arg("out_slices") = std::vector<int64_t>{},
-        py::arg("b_packed") = false, py::arg("slot_ranks") = py::none(),
+        py::arg("slot_ranks") = py::none(),
         py::call_guard<py::gil_scoped_release>());
-  m.def("pack_lora_b", &pack_lora_b, "[L,out,R] -> fp32: [L,R,out]; bf16: [L,R/2,out,2] (for b_packed=True)");
 }
