@@ -4,8 +4,9 @@ Workload (issue 3): 32 requests x (64 prompt + 64 new tokens), greedy, ignore_eo
 of ranks 8/16 on all 7 projections. Rows:
   loramux base / single adapter / 8 mixed adapters / 32 distinct adapters (max_loras=32)
   HF base (transformers generate) / HF PEFT mixed (generate(adapter_names=...))
-Prints tokens/s, the ratios (ours / peer) and one JSON line. The machine's load is recorded: on 2 cores,
-any other busy process distorts every number.
+Prints tokens/s, the ratios (ours / peer) and one JSON line. Every row is timed --repeats times (loramux
+rows interleaved round by round) and reports its best run, peers included; the JSON line keeps every run.
+The machine's load is recorded: on 2 cores, any other busy process distorts every number.
 
   .venv/bin/python benchmarks/throughput.py [--dtypes float32 bfloat16] [--skip-hf]
   .venv/bin/python benchmarks/throughput.py --sweep [--chart throughput.png]   (= `loramux bench`)
@@ -78,24 +79,30 @@ def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras):
     return llm
 
 
-def loramux_rows(path, dtype, adapter_dirs, prompts, params, new_tokens):
+def rounds(cases: dict, run, repeats: int) -> tuple[dict, dict]:
+    """Time run(case) for every case, round by round (drift hits all cases alike): {label: [seconds]}, first outputs."""
+    seconds, outputs = {label: [] for label in cases}, {}
+    for _ in range(repeats):
+        for label, case in cases.items():
+            out, s = timed(lambda: run(case))
+            seconds[label].append(s)
+            outputs.setdefault(label, out)
+    return seconds, outputs
+
+
+def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats):
     n = len(prompts)
-    tokens = n * new_tokens
-    results, outputs = {}, {}
     llm = run_loramux(path, dtype, {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}, prompts, params, 8)
+    generate = lambda adapters: [o.token_ids for o in llm.generate(prompts, params, adapters=adapters, use_tqdm=False)]
     cases = {"base": None, "single": "a0", "mixed8": [f"a{i % 8}" for i in range(n)]}
-    for label, adapters in cases.items():
-        out, seconds = timed(lambda: llm.generate(prompts, params, adapters=adapters, use_tqdm=False))
-        results[label], outputs[label] = tokens / seconds, [o.token_ids for o in out]
+    seconds, outputs = rounds(cases, generate, repeats)
     del llm
     llm = run_loramux(path, dtype, adapter_dirs, prompts, params, 32)
-    for label, adapters in {"single_max32": "a0", "distinct32": [f"a{i}" for i in range(n)]}.items():
-        _, seconds = timed(lambda: llm.generate(prompts, params, adapters=adapters, use_tqdm=False))
-        results[label] = tokens / seconds
-    return results, outputs
+    more, _ = rounds({"single_max32": "a0", "distinct32": [f"a{i}" for i in range(n)]}, generate, repeats)
+    return seconds | more, outputs
 
 
-def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens):
+def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens, repeats):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -104,16 +111,16 @@ def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens):
     input_ids = torch.tensor(prompts)
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0)
-    tokens = len(prompts) * new_tokens
     with torch.inference_mode():
-        _, base_s = timed(lambda: model.generate(input_ids, **kwargs))
+        base_s, _ = rounds({"hf_base": None}, lambda _: model.generate(input_ids, **kwargs), repeats)
         names = [f"a{i}" for i in range(8)]
-        peft = PeftModel.from_pretrained(model, adapter_dirs["a0"], adapter_name="a0")
+        peft = PeftModel.from_pretrained(model, adapter_dirs["a0"], adapter_name="a0")  # wraps `model` in place
         for name in names[1:]:
             peft.load_adapter(adapter_dirs[name], adapter_name=name)
         rows = [names[i % 8] for i in range(len(prompts))]
-        out, mixed_s = timed(lambda: peft.generate(input_ids=input_ids, adapter_names=rows, **kwargs))
-    return {"hf_base": tokens / base_s, "peft_mixed8": tokens / mixed_s}, out[:, input_ids.shape[1]:].tolist()
+        mixed_s, out = rounds({"peft_mixed8": rows},
+                              lambda r: peft.generate(input_ids=input_ids, adapter_names=r, **kwargs), repeats)
+    return base_s | mixed_s, out["peft_mixed8"][:, input_ids.shape[1]:].tolist()
 
 
 def sweep(path, dtype, adapter_dirs, prompts, params, batch_sizes, distinct_counts) -> dict:
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="only loramux rows (no peers, no ratios to them)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row; the best one is reported")
     parser.add_argument("--sweep", action="store_true", help="throughput curves and a PNG chart (loramux bench)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--distinct", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -207,14 +215,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"chart written to {args.chart}")
         return
     dtypes = args.dtypes or ["float32", "bfloat16"]
+    tokens = requests * args.new_tokens
     for dtype in dtypes:
-        ours, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.new_tokens)
-        row = dict(ours)
+        seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats)
         if not args.skip_hf:
-            peers, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens)
-            row.update(peers)
-            row["greedy_rows_equal_to_peft"] = sum(a == b for a, b in zip(our_tokens["mixed8"], peft_tokens)) / len(prompts)
-        report[dtype] = row
+            peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats)
+            seconds |= peer_seconds
+        report[dtype] = {label: tokens / min(runs) for label, runs in seconds.items()}  # best run
+        report[dtype]["runs_tok_s"] = {label: [round(tokens / s, 1) for s in runs] for label, runs in seconds.items()}
+        if not args.skip_hf:
+            equal = sum(a == b for a, b in zip(our_tokens["mixed8"], peft_tokens))
+            report[dtype]["greedy_rows_equal_to_peft"] = equal / len(prompts)
     report["load_after"] = cpu_load()
     print_report(report, dtypes)
 
@@ -222,11 +233,12 @@ def main(argv: list[str] | None = None) -> None:
 def print_report(report: dict, dtypes: list[str]) -> None:
     print(f"\n{report['model']}, {report['requests']} requests x ({report['prompt_len']} prompt + {report['new_tokens']} new) "
           f"tokens, greedy; load average {report['load_before']:.2f} -> {report['load_after']:.2f}")
-    print(f"{'dtype':<10}{'row':<18}{'tok/s':>9}")
+    print(f"{'dtype':<10}{'row':<18}{'tok/s (best)':>13}   all runs")
     for dtype in dtypes:
-        for label, value in report[dtype].items():
-            if label != "greedy_rows_equal_to_peft":
-                print(f"{dtype:<10}{label:<18}{value:>9.1f}")
+        for label, runs in report[dtype]["runs_tok_s"].items():
+            print(f"{dtype:<10}{label:<18}{report[dtype][label]:>13.1f}   {runs}")
+        if "greedy_rows_equal_to_peft" in report[dtype]:
+            print(f"{dtype:<10}greedy rows equal to PEFT's: {report[dtype]['greedy_rows_equal_to_peft']:.0%}")
     ratios = {}
     for dtype in dtypes:
         r = report[dtype]
