@@ -60,12 +60,14 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.context.mapping is None:
+        mapping = self.context.mapping
+        if mapping is None:
             return y
-        flat_x = x.reshape(-1, self.in_features)
-        mapping = self.context.mapping.for_tokens(flat_x.shape[0])
-        self.add_lora(y.view(-1, self.out_features), flat_x, self.lora_a, self.lora_b, mapping, self.output_slices,
-                      self.slot_ranks)
+        flat_x, flat_y = (x, y) if x.dim() == 2 else (x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1]))
+        # 120+ calls per decode step: read the buffers from the dict, not through nn.Module.__getattr__
+        buffers = self._buffers
+        self.add_lora(flat_y, flat_x, buffers["lora_a"], buffers["lora_b"], mapping.for_tokens(flat_x.shape[0]),
+                      self.output_slices, buffers["slot_ranks"])
         return y
 
     @torch.no_grad()
