@@ -2,7 +2,8 @@
 
 Buffers are allocated once and are zero where no adapter is loaded:
     lora_a[max_loras, num_slices * max_rank, in]
-    lora_b[max_loras, out, max_rank]
+    lora_b[max_loras, out, max_rank], stored rank-major (lora_b.transpose(1, 2) is contiguous): the
+        expand reads whole rows of outputs per rank, and a slot of lower rank reads fewer rows
 A packed layer (one Linear computing q|k|v or gate|up) has one slice per sub-module: slice i's A is
 rows [i*max_rank, (i+1)*max_rank) of lora_a, its B the output rows output_slices[i] of lora_b, so one
 shrink serves all slices and B holds no zero blocks (see ops.lora_torch). A missing sub-module stays zero.
@@ -45,7 +46,8 @@ class LoRALinear(nn.Module):
         a_rows = len(self.output_slices) * max_rank
         kw = dict(dtype=base.weight.dtype, device=base.weight.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, a_rows, base.in_features, **kw), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, **kw), persistent=False)
+        rank_major = torch.zeros(max_loras, max_rank, base.out_features, **kw)
+        self.register_buffer("lora_b", rank_major.transpose(1, 2), persistent=False)  # [max_loras, out, max_rank]
         # Real rank per slot (max over slices; 0 = free): ops may skip the zero padding beyond it.
         self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
                              persistent=False)

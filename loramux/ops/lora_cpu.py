@@ -1,9 +1,9 @@
 """The fast CPU path for add_lora: an AVX-512 (+ AVX512_BF16) C++ kernel (csrc/lora_cpu.cpp).
 
 Tokens are grouped by slot inside the kernel (a counting sort), so any token order works; the
-shrink is tiled over tokens x rank rows and the expand over 16-row output blocks (row dot products
-for groups of a few tokens), skipping the zero padding beyond each slot's real rank (Punica's SGMV
-idea, for CPUs). Same contract as lora_torch.py.
+shrink is tiled over tokens x rank rows and the expand over 16-output blocks, skipping the zero
+padding beyond each slot's real rank (Punica's SGMV idea, for CPUs). Same contract as lora_torch.py;
+the kernel reads lora_b rank-major, as LoRALinear stores it (any other layout is copied per call).
 """
 from __future__ import annotations
 
@@ -17,5 +17,13 @@ def available() -> bool:
 
 def add_lora_cpu(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices: tuple[int, ...] = (),
                  slot_ranks=None) -> None:
+    if not is_rank_major(lora_b):  # LoRALinear's buffers always are; anything else pays a copy per call
+        lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
     load_extension("lora_cpu").add_lora(y, x, lora_a, lora_b, mapping.token_slots, list(output_slices),
                                         slot_ranks=slot_ranks)
+
+
+def is_rank_major(lora_b) -> bool:
+    """lora_b [L, out, r] laid out as a contiguous [L, r, out] (the kernel's layout)."""
+    _, out, rank = lora_b.shape
+    return lora_b.stride() == (out * rank, 1, out)

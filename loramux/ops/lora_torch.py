@@ -6,7 +6,8 @@ and adds in place, for every token t whose slot s = mapping.token_slots[t] >= 0:
   x:      [num_tokens, in]
   y:      [num_tokens, out]
   lora_a: [max_loras, K * rank, in]  (rank padded with zero rows; K = len(output_slices), 1 if empty)
-  lora_b: [max_loras, out, rank]     (scaling folded in, padded with zero columns)
+  lora_b: [max_loras, out, rank]     (scaling folded in, padded with zero columns; any memory order,
+                                      LoRALinear stores it rank-major for the CPU kernel)
   output_slices: the sizes of a packed layer's output slices (q|k|v, gate|up), summing to out. The
                  output rows of slice k use the shrunk rows [k*rank, (k+1)*rank):
                  y[t, rows_k] += lora_b[s, rows_k] @ (lora_a[s, k*rank:(k+1)*rank] @ x[t])

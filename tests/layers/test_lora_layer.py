@@ -27,6 +27,15 @@ def test_matches_merged_weight_per_slot_and_base_rows_untouched():
     assert layer.lora_a.abs().sum() == 0 and layer.lora_b.abs().sum() == 0
 
 
+def test_slot_buffers_have_the_design_shapes_and_b_is_rank_major():
+    layer = make(nn.Linear(16, 12), cls=PackedLoRALinear, output_slices=(8, 4))
+    assert layer.lora_a.shape == (3, 2 * 8, 16) and layer.lora_b.shape == (3, 12, 8)
+    assert layer.lora_b.transpose(1, 2).is_contiguous()  # the CPU kernel reads it without a copy
+    layer.set_slot(1, [torch.randn(4, 16), None], [torch.ones(8, 4), None])
+    assert layer.lora_b[1, :8, :4].eq(1).all() and layer.lora_b[1, 8:].eq(0).all() and layer.lora_b[1, :, 4:].eq(0).all()
+    assert layer.slot_ranks.tolist() == [0, 4, 0]
+
+
 def test_no_mapping_is_the_base_layer():
     base = nn.Linear(8, 8)
     x = torch.randn(5, 8)

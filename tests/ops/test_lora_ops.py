@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from loramux.ops import BACKENDS, LoRAMapping, RowSlots, UniformSlot
+from loramux.ops import BACKENDS, LoRAMapping, RowSlots, UniformSlot, lora_cpu
+from loramux.ops.cpu_extension import load_extension
 from loramux.ops.mapping import segments_of
 
 
@@ -29,12 +30,15 @@ def test_segments(slots, segments):
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
-def test_backend_matches_per_token_loop(backend, dtype, atol, order):
+@pytest.mark.parametrize("b_layout", ["out-major", "rank-major"])  # rank-major: as LoRALinear stores it
+def test_backend_matches_per_token_loop(backend, dtype, atol, order, b_layout):
     torch.manual_seed(0)
     num_slots, rank, n_in, n_out, n_tokens = 5, 8, 24, 40, 37
     x = torch.randn(n_tokens, n_in, dtype=dtype)
     lora_a = torch.randn(num_slots, rank, n_in, dtype=dtype) * 0.3
     lora_b = torch.randn(num_slots, n_out, rank, dtype=dtype) * 0.3
+    if b_layout == "rank-major":
+        lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
     slots = torch.randint(-1, num_slots, (n_tokens,))
     if order == "sorted":
         slots = slots.sort().values
@@ -122,3 +126,12 @@ def test_slot_ranks_hint_on_zero_padded_slots(backend, dtype, atol):
     y = torch.zeros(9, n_out, dtype=dtype)
     BACKENDS[backend](y, x, lora_a, lora_b, mapping, (), torch.tensor(ranks))
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
+
+
+@pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
+def test_cpu_kernel_names_the_layout_it_needs():
+    ext = load_extension("lora_cpu")
+    lora_a, lora_b = torch.zeros(2, 4, 8), torch.zeros(2, 16, 4)  # out-major: the wrapper copies, the kernel refuses
+    with pytest.raises(RuntimeError, match="rank-major"):
+        ext.add_lora(torch.zeros(1, 16), torch.zeros(1, 8), lora_a, lora_b, torch.zeros(1, dtype=torch.long))
+    assert not lora_cpu.is_rank_major(lora_b) and lora_cpu.is_rank_major(lora_b.transpose(1, 2).contiguous().transpose(1, 2))
