@@ -18,7 +18,8 @@ from loramux.layers.linear import can_prepack, prepack_linears
 from loramux.layers.sampler import SamplingRow, sample
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
-from loramux.ops import LoRAMapping, select_attention_backend
+from loramux.layers.norm import RMSNorm
+from loramux.ops import LoRAMapping, select_attention_backend, select_norm_backend
 
 
 def available_memory(device: torch.device) -> int:
@@ -40,6 +41,10 @@ class ModelRunner:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
+        norm_op = select_norm_backend(config.norm_backend, device)
+        for module in self.model.modules():
+            if isinstance(module, RMSNorm):
+                module.op = norm_op
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}

@@ -1,8 +1,14 @@
-"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as HF transformers does."""
+"""RMSNorm (Zhang & Sennrich 2019), computed in float32 as HF transformers does.
+
+The op is chosen by the model runner (ops.select_norm_backend) once the device is known; the module
+only holds the weight and eps.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from loramux.ops.norm_torch import rms_norm_torch
 
 
 class RMSNorm(nn.Module):
@@ -10,7 +16,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.op = rms_norm_torch  # see ops.norm_torch for the contract
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        if x.dim() == 2:
+            return self.op(x, self.weight, self.eps)
+        return self.op(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
