@@ -65,8 +65,8 @@ class EngineConfig:
     """LoRA op backend (loramux.ops.BACKENDS); "auto" picks the fastest for the device."""
     attention_backend: str = "auto"
     """Decode-attention op (loramux.ops.ATTENTION_BACKENDS); "auto" picks the fastest for the device."""
-    norm_backend: str = "auto"
-    """RMSNorm op (loramux.ops.NORM_BACKENDS); "auto" picks the fastest for the device."""
+    pointwise_backend: str = "auto"
+    """RMSNorm / SiLU-and-mul / rotary ops (loramux.ops.POINTWISE_BACKENDS); "auto" = the fastest for the device."""
     max_num_seqs: int = 64
     """Requests in one decode step at most."""
     max_model_len: int | None = None

@@ -18,8 +18,7 @@ from loramux.layers.linear import can_prepack, prepack_linears
 from loramux.layers.sampler import SamplingRow, sample
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
-from loramux.layers.norm import RMSNorm
-from loramux.ops import LoRAMapping, select_attention_backend, select_norm_backend
+from loramux.ops import LoRAMapping, select_attention_backend, select_pointwise_backend
 
 
 def available_memory(device: torch.device) -> int:
@@ -41,10 +40,10 @@ class ModelRunner:
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
-        norm_op = select_norm_backend(config.norm_backend, device)
-        for module in self.model.modules():
-            if isinstance(module, RMSNorm):
-                module.op = norm_op
+        pointwise = select_pointwise_backend(config.pointwise_backend, device)
+        for module in self.model.modules():  # RMSNorm, SiluAndMul, RotaryEmbedding name the op they run
+            if hasattr(module, "pointwise_op"):
+                module.op = getattr(pointwise, module.pointwise_op)
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}

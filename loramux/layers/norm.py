@@ -1,22 +1,24 @@
 """RMSNorm (Zhang & Sennrich 2019), computed in float32 as HF transformers does.
 
-The op is chosen by the model runner (ops.select_norm_backend) once the device is known; the module
-only holds the weight and eps.
+The op comes from the pointwise backend the model runner picks once the device is known
+(ops.select_pointwise_backend); the module holds the weight and eps.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loramux.ops.norm_torch import rms_norm_torch
+from loramux.ops import pointwise_torch
 
 
 class RMSNorm(nn.Module):
+    pointwise_op = "rms_norm"  # the model runner sets self.op to the backend's op of this name
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.op = rms_norm_torch  # see ops.norm_torch for the contract
+        self.op = pointwise_torch.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:

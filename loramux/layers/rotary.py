@@ -5,20 +5,35 @@ our positions rotate exactly as theirs do; it is computed once for all positions
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
+from loramux.ops import pointwise_torch
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+
+@dataclass
+class Rope:
+    """cos/sin of one forward pass's positions ([num_tokens, head_dim] each) and the rotary op."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    op: Callable
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor):
+        """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]; may rotate in place."""
+        return self.op(q, k, self.cos, self.sin)
 
 
 class RotaryEmbedding(nn.Module):
+    pointwise_op = "rotary"  # the model runner sets self.op to the backend's op of this name
+
     def __init__(self):
         super().__init__()
         self.cos: torch.Tensor | None = None  # [max_len, head_dim]
         self.sin: torch.Tensor | None = None
+        self.op = pointwise_torch.rotary
 
     def init_table(self, hf_rotary: nn.Module, max_len: int, dtype: torch.dtype, device) -> None:
         positions = torch.arange(max_len, device=device)[None]
@@ -26,12 +41,6 @@ class RotaryEmbedding(nn.Module):
         cos, sin = hf_rotary.to(device)(probe, positions)
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [num_tokens] -> (cos, sin), each [num_tokens, 1, head_dim]; once per forward pass."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def apply(rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """q: [num_tokens, heads, head_dim]; k: [num_tokens, kv_heads, head_dim]; rope from lookup()."""
-        cos, sin = rope
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """positions: [num_tokens] -> their Rope; once per forward pass."""
+        return Rope(self.cos[positions], self.sin[positions], self.op)

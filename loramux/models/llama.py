@@ -8,11 +8,11 @@ The forward pass takes flat tokens: input_ids and positions are [num_tokens] for
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loramux.layers.attention import Attention, AttentionMetadata
 from loramux.layers.linear import PackedLinear
+from loramux.layers.activation import SiluAndMul
 from loramux.layers.norm import RMSNorm
 from loramux.layers.rotary import RotaryEmbedding
 
@@ -48,7 +48,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        q, k = rope.apply(q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -58,10 +58,10 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, (inter, inter), bias=bool(getattr(config, "mlp_bias", False)))
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bool(getattr(config, "mlp_bias", False)))
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one [tokens, intermediate] buffer less
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""The fast ops and their pure-torch references: the LoRA math, paged decode attention and RMSNorm.
+"""The fast ops and their pure-torch references: the LoRA math, paged decode attention and
+the per-token pointwise ops (RMSNorm, SiLU-and-mul, rotary).
 
 Slot -1 means "base model": those tokens are left untouched by every LoRA op.
 
@@ -13,10 +14,9 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import attention_cpu, lora_cpu, norm_cpu
+from loramux.ops import attention_cpu, lora_cpu, pointwise_cpu, pointwise_torch
 from loramux.ops.attention_torch import decode_attention_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented
-from loramux.ops.norm_torch import rms_norm_torch
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
 
 AddLoRA = Callable[..., None]
@@ -45,7 +45,8 @@ def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> Ad
 
 
 ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
-NORM_BACKENDS = {"torch": rms_norm_torch, "cpu": norm_cpu.rms_norm_cpu}
+# pointwise backends are modules with rms_norm, silu_and_mul and rotary (see pointwise_torch.py)
+POINTWISE_BACKENDS = {"torch": pointwise_torch, "cpu": pointwise_cpu}
 
 
 def select_attention_backend(name: str = "auto", device: str | torch.device = "cpu"):
@@ -53,10 +54,10 @@ def select_attention_backend(name: str = "auto", device: str | torch.device = "c
     return _choose("attention", ATTENTION_BACKENDS, attention_cpu.available, name, device)
 
 
-def select_norm_backend(name: str = "auto", device: str | torch.device = "cpu"):
-    """The RMSNorm op (see norm_torch.py) for `name` on `device`."""
-    return _choose("norm", NORM_BACKENDS, norm_cpu.available, name, device)
+def select_pointwise_backend(name: str = "auto", device: str | torch.device = "cpu"):
+    """The pointwise ops (a module with rms_norm, silu_and_mul, rotary; see pointwise_torch.py)."""
+    return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 
-__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "NORM_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot",
-           "select_attention_backend", "select_backend", "select_norm_backend"]
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "POINTWISE_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot",
+           "select_attention_backend", "select_backend", "select_pointwise_backend"]

@@ -7,6 +7,7 @@ their pure-torch reference instead.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import logging
 import os
@@ -51,8 +52,11 @@ def load_extension(name: str):
 
     _put_ninja_on_path()
     source = os.path.join(CSRC, f"{name}.cpp")
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in [source] + sorted(glob.glob(os.path.join(CSRC, "*.h"))):  # shared headers rebuild every kernel
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    digest = digest.hexdigest()[:12]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     build_dir = os.path.join(root, "loramux", "torch_extensions", f"{name}_{digest}")
     os.makedirs(build_dir, exist_ok=True)

@@ -35,23 +35,9 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "simd.h"
+
 namespace {
-
-using bf16raw = uint16_t;
-
-// ---------------------------------------------------------------- load / store helpers
-static inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-static inline __m512 load16(const bf16raw* p, __mmask16 m) {
-  __m256i v = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-static inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-static inline void store16(bf16raw* p, __m512 v, __mmask16 m) {
-  __m256bh b = _mm512_cvtneps_pbh(v);  // round-to-nearest-even
-  _mm256_mask_storeu_epi16(p, m, (__m256i)b);
-}
-static inline __mmask16 mask16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
-static inline __mmask32 mask32(int64_t n) { return n >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << n) - 1u); }
 
 // ---------------------------------------------------------------- shrink tiles
 // h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows

@@ -1,0 +1,144 @@
+// Per-token pointwise ops of a Llama layer (fp32 / bf16), AVX-512: one pass over each row, rounding to
+// the storage dtype at the same steps as HF transformers' torch code (see ops/pointwise_torch.py).
+//
+//   rms_norm(x [N, D], weight [D], eps) -> out [N, D]
+//     out = weight * to_dtype(x * rsqrt(mean(x^2) + eps))      (normalized in fp32, rounded, scaled)
+//   silu_and_mul(x [N, 2d]) -> out [N, d]
+//     out = to_dtype(to_dtype(silu(gate)) * up)                 (gate = x[:, :d], up = x[:, d:])
+//   rotary_(q [T, H, Dh], k [T, KVH, Dh], cos [T, Dh], sin [T, Dh])   in place
+//     x = to_dtype(to_dtype(x * cos) + to_dtype(rotate_half(x) * sin)), rotate_half(x) = [-x2, x1]
+// x, q, k: unit last stride, any other strides. Rows (tokens) in parallel when there are many.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace {
+
+constexpr int64_t kGrainElems = 16384;  // elements per parallel task: smaller problems stay on one thread
+
+template <typename T>
+static void rms_norm_rows(const T* x, int64_t xs, const T* w, T* out, int64_t n0, int64_t n1, int64_t D, float eps) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* xr = x + n * xs;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = load16(xr + d, mask16(D - d));
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / (float)D + eps));
+    T* orow = out + n * D;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 m = mask16(D - d);
+      const __m512 normed = round_as(_mm512_mul_ps(load16(xr + d, m), inv), xr);
+      store16(orow + d, _mm512_mul_ps(load16(w + d, m), normed), m);
+    }
+  }
+}
+
+template <typename T>
+static void silu_and_mul_rows(const T* x, int64_t xs, T* out, int64_t n0, int64_t n1, int64_t d) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* gate = x + n * xs;
+    const T* up = gate + d;
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 m = mask16(d - i);
+      const __m512 g = load16(gate + i, m);
+      const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
+      store16(out + n * d + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+    }
+  }
+}
+
+// one head's row x [Dh] in place
+template <typename T>
+static inline void rotate_row(T* x, const T* c, const T* s, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = mask16(half - i);
+    const __m512 x1 = load16(x + i, m), x2 = load16(x + half + i, m);
+    const __m512 lo = _mm512_add_ps(round_as(_mm512_mul_ps(x1, load16(c + i, m)), x),
+                                    round_as(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), load16(s + i, m)), x));
+    const __m512 hi = _mm512_add_ps(round_as(_mm512_mul_ps(x2, load16(c + half + i, m)), x),
+                                    round_as(_mm512_mul_ps(x1, load16(s + half + i, m)), x));
+    store16(x + i, lo, m);
+    store16(x + half + i, hi, m);
+  }
+}
+
+template <typename T>
+static void rotary_tokens(torch::Tensor& q, torch::Tensor& k, const T* cos, const T* sin, int64_t t0, int64_t t1) {
+  const int64_t Dh = q.size(2), half = Dh / 2;
+  for (torch::Tensor* x : {&q, &k}) {
+    T* base = (T*)x->data_ptr();
+    const int64_t heads = x->size(1), s0 = x->stride(0), s1 = x->stride(1);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t h = 0; h < heads; ++h) rotate_row<T>(base + t * s0 + h * s1, cos + t * Dh, sin + t * Dh, half);
+  }
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "rms_norm: x must be a CPU [N, D] with unit column stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+              weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [D], contiguous, x's dtype");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rms_norm: fp32 or bf16 only");
+  const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0);
+  auto out = torch::empty({N, D}, x.options());
+  at::parallel_for(0, N, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(D, 1)), [&](int64_t n0, int64_t n1) {
+    if (dt == at::kFloat)
+      rms_norm_rows<float>(x.data_ptr<float>(), xs, weight.data_ptr<float>(), out.data_ptr<float>(), n0, n1, D, (float)eps);
+    else
+      rms_norm_rows<bf16raw>((const bf16raw*)x.data_ptr<at::BFloat16>(), xs, (const bf16raw*)weight.data_ptr<at::BFloat16>(),
+                             (bf16raw*)out.data_ptr<at::BFloat16>(), n0, n1, D, (float)eps);
+  });
+  return out;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.device().is_cpu(),
+              "silu_and_mul: x must be a CPU [N, 2d] with unit column stride");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "silu_and_mul: fp32 or bf16 only");
+  const int64_t N = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
+  auto out = torch::empty({N, d}, x.options());
+  at::parallel_for(0, N, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(d, 1)), [&](int64_t n0, int64_t n1) {
+    if (dt == at::kFloat)
+      silu_and_mul_rows<float>(x.data_ptr<float>(), xs, out.data_ptr<float>(), n0, n1, d);
+    else
+      silu_and_mul_rows<bf16raw>((const bf16raw*)x.data_ptr<at::BFloat16>(), xs, (bf16raw*)out.data_ptr<at::BFloat16>(), n0, n1, d);
+  });
+  return out;
+}
+
+void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rotary_: fp32 or bf16 only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.device().is_cpu() &&
+              k.scalar_type() == dt, "rotary_: q, k must be CPU [T, heads, Dh] with unit last stride, one dtype");
+  const int64_t T = q.size(0), Dh = q.size(2);
+  TORCH_CHECK(Dh % 2 == 0 && k.size(0) == T && k.size(2) == Dh, "rotary_: q and k must share T and an even Dh");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == Dh &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dt && sin.scalar_type() == dt,
+              "rotary_: cos and sin must be contiguous [T, Dh] in q's dtype");
+  const int64_t per_token = (q.size(1) + k.size(1)) * Dh;
+  at::parallel_for(0, T, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(per_token, 1)), [&](int64_t t0, int64_t t1) {
+    if (dt == at::kFloat)
+      rotary_tokens<float>(q, k, cos.data_ptr<float>(), sin.data_ptr<float>(), t0, t1);
+    else
+      rotary_tokens<bf16raw>(q, k, (const bf16raw*)cos.data_ptr<at::BFloat16>(), (const bf16raw*)sin.data_ptr<at::BFloat16>(), t0, t1);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "weight * to_dtype(x * rsqrt(mean(x^2) + eps)) per row", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]", py::arg("x"), py::call_guard<py::gil_scoped_release>());
+  m.def("rotary_", &rotary_, "rotate q and k in place (HF apply_rotary_pos_emb)", py::arg("q"), py::arg("k"),
+        py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+}
