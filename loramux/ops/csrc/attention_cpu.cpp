@@ -64,80 +64,23 @@ static inline __m512 reduce16(const __m512 u[4]) {
 
 // ---------------------------------------------------------------- 1. scores
 // s[g][i] = scale * q[g] . k(off[i]),  i in [0, n), GT heads
-template <int GT>
-static inline void score_tile(const float* kc, const int64_t* off, int64_t n, const float* const* qp, int64_t D,
+template <typename T, int GT>
+static inline void score_tile(const T* kc, const int64_t* off, int64_t n, const T* const* qp, int64_t D,
                               float scale, float* const* sp) {
-  const int64_t Dfull = D & ~(int64_t)15;
-  const __mmask16 tm = mask16(D - Dfull);
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     __m512 u[GT][4];
     for (int c = 0; c < 4; ++c) {
-    const int64_t i = i0 + 4 * c;
-    const float* kp[4];
-    for (int j = 0; j < 4; ++j) kp[j] = kc + off[std::min<int64_t>(i + j, n - 1)];
-    if (i + kPF + 4 <= n)
-      for (int j = 0; j < 4; ++j) prefetch_row(kc + off[i + kPF + j], D);
-    __m512 acc[GT][4];
-    for (int g = 0; g < GT; ++g)
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < Dfull; d += 16) {
-      __m512 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = _mm512_loadu_ps(kp[j] + d);
-      for (int g = 0; g < GT; ++g) {
-        const __m512 qv = _mm512_loadu_ps(qp[g] + d);
-        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(kv[j], qv, acc[g][j]);
-      }
-    }
-    if (tm) {
-      __m512 kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = _mm512_maskz_loadu_ps(tm, kp[j] + Dfull);
-      for (int g = 0; g < GT; ++g) {
-        const __m512 qv = _mm512_maskz_loadu_ps(tm, qp[g] + Dfull);
-        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_fmadd_ps(kv[j], qv, acc[g][j]);
-      }
-    }
-    for (int g = 0; g < GT; ++g) u[g][c] = reduce4p(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-    }
-    const __mmask16 sm = mask16(n - i0);
-    for (int g = 0; g < GT; ++g) _mm512_mask_storeu_ps(sp[g] + i0, sm, _mm512_mul_ps(reduce16(u[g]), vscale));
-  }
-}
-
-template <int GT>
-static inline void score_tile(const bf16raw* kc, const int64_t* off, int64_t n, const bf16raw* const* qp, int64_t D,
-                              float scale, float* const* sp) {
-  const int64_t Dfull = D & ~(int64_t)31;
-  const __mmask32 tm = mask32(D - Dfull);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    __m512 u[GT][4];
-    for (int c = 0; c < 4; ++c) {
-    const int64_t i = i0 + 4 * c;
-    const bf16raw* kp[4];
-    for (int j = 0; j < 4; ++j) kp[j] = kc + off[std::min<int64_t>(i + j, n - 1)];
-    if (i + kPF + 4 <= n)
-      for (int j = 0; j < 4; ++j) prefetch_row(kc + off[i + kPF + j], D);
-    __m512 acc[GT][4];
-    for (int g = 0; g < GT; ++g)
-      for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < Dfull; d += 32) {
-      __m512bh kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = (__m512bh)_mm512_loadu_si512((const void*)(kp[j] + d));
-      for (int g = 0; g < GT; ++g) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(qp[g] + d));
-        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], kv[j], qv);
-      }
-    }
-    if (tm) {
-      __m512bh kv[4];
-      for (int j = 0; j < 4; ++j) kv[j] = (__m512bh)_mm512_maskz_loadu_epi16(tm, kp[j] + Dfull);
-      for (int g = 0; g < GT; ++g) {
-        const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(tm, qp[g] + Dfull);
-        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], kv[j], qv);
-      }
-    }
-    for (int g = 0; g < GT; ++g) u[g][c] = reduce4p(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      const int64_t i = i0 + 4 * c;
+      const T* kp[4];
+      for (int j = 0; j < 4; ++j) kp[j] = kc + off[std::min<int64_t>(i + j, n - 1)];
+      if (i + kPF + 4 <= n)
+        for (int j = 0; j < 4; ++j) prefetch_row(kc + off[i + kPF + j], D);
+      __m512 acc[GT][4];
+      for (int g = 0; g < GT; ++g)
+        for (int j = 0; j < 4; ++j) acc[g][j] = _mm512_setzero_ps();
+      dot_tile(qp, kp, D, acc);
+      for (int g = 0; g < GT; ++g) u[g][c] = reduce4p(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
     }
     const __mmask16 sm = mask16(n - i0);
     for (int g = 0; g < GT; ++g) _mm512_mask_storeu_ps(sp[g] + i0, sm, _mm512_mul_ps(reduce16(u[g]), vscale));
@@ -148,10 +91,10 @@ template <typename T>
 static inline void score_dispatch(int gt, const T* kc, const int64_t* off, int64_t n, const T* const* qp, int64_t D,
                                   float scale, float* const* sp) {
   switch (gt) {
-    case 4: score_tile<4>(kc, off, n, qp, D, scale, sp); break;
-    case 3: score_tile<3>(kc, off, n, qp, D, scale, sp); break;
-    case 2: score_tile<2>(kc, off, n, qp, D, scale, sp); break;
-    default: score_tile<1>(kc, off, n, qp, D, scale, sp); break;
+    case 4: score_tile<T, 4>(kc, off, n, qp, D, scale, sp); break;
+    case 3: score_tile<T, 3>(kc, off, n, qp, D, scale, sp); break;
+    case 2: score_tile<T, 2>(kc, off, n, qp, D, scale, sp); break;
+    default: score_tile<T, 1>(kc, off, n, qp, D, scale, sp); break;
   }
 }
 

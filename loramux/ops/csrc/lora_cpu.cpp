@@ -41,48 +41,14 @@ namespace {
 
 // ---------------------------------------------------------------- shrink tiles
 // h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows
-template <int TT, int RT>
-static inline void shrink_tile(const float* const* xp, const float* ap, int64_t in, float* const* hp) {
+template <typename T, int TT, int RT>
+static inline void shrink_tile(const T* const* xp, const T* ap, int64_t in, float* const* hp) {
+  const T* arows[RT];
+  for (int j = 0; j < RT; ++j) arows[j] = ap + j * in;
   __m512 acc[TT][RT];
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= in; k += 16) {
-    __m512 av[RT];
-    for (int j = 0; j < RT; ++j) av[j] = _mm512_loadu_ps(ap + j * in + k);
-    for (int t = 0; t < TT; ++t) {
-      __m512 xv = _mm512_loadu_ps(xp[t] + k);
-      for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_fmadd_ps(xv, av[j], acc[t][j]);
-    }
-  }
-  if (k < in) {
-    __mmask16 m = mask16(in - k);
-    __m512 av[RT];
-    for (int j = 0; j < RT; ++j) av[j] = _mm512_maskz_loadu_ps(m, ap + j * in + k);
-    for (int t = 0; t < TT; ++t) {
-      __m512 xv = _mm512_maskz_loadu_ps(m, xp[t] + k);
-      for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_fmadd_ps(xv, av[j], acc[t][j]);
-    }
-  }
-  for (int t = 0; t < TT; ++t)
-    for (int j = 0; j < RT; ++j) hp[t][j] = _mm512_reduce_add_ps(acc[t][j]);
-}
-
-template <int TT, int RT>
-static inline void shrink_tile(const bf16raw* const* xp, const bf16raw* ap, int64_t in, float* const* hp) {
-  __m512 acc[TT][RT];
-  for (int t = 0; t < TT; ++t)
-    for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k < in; k += 32) {
-    __mmask32 m = mask32(in - k);
-    __m512bh av[RT];
-    for (int j = 0; j < RT; ++j) av[j] = (__m512bh)_mm512_maskz_loadu_epi16(m, ap + j * in + k);
-    for (int t = 0; t < TT; ++t) {
-      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xp[t] + k);
-      for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_dpbf16_ps(acc[t][j], xv, av[j]);
-    }
-  }
+  dot_tile(xp, arows, in, acc);
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < RT; ++j) hp[t][j] = _mm512_reduce_add_ps(acc[t][j]);
 }
@@ -90,10 +56,10 @@ static inline void shrink_tile(const bf16raw* const* xp, const bf16raw* ap, int6
 template <typename T, int TT>
 static inline void shrink_rt(int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp) {
   switch (rt) {
-    case 4: shrink_tile<TT, 4>(xp, ap, in, hp); break;
-    case 3: shrink_tile<TT, 3>(xp, ap, in, hp); break;
-    case 2: shrink_tile<TT, 2>(xp, ap, in, hp); break;
-    default: shrink_tile<TT, 1>(xp, ap, in, hp); break;
+    case 4: shrink_tile<T, TT, 4>(xp, ap, in, hp); break;
+    case 3: shrink_tile<T, TT, 3>(xp, ap, in, hp); break;
+    case 2: shrink_tile<T, TT, 2>(xp, ap, in, hp); break;
+    default: shrink_tile<T, TT, 1>(xp, ap, in, hp); break;
   }
 }
 template <typename T>

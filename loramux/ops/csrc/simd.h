@@ -3,6 +3,7 @@
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+#include <type_traits>
 
 using bf16raw = uint16_t;
 
@@ -40,4 +41,38 @@ static inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// An I x J tile of dot products along a shared axis of length n, both kernels' inner loop (attention
+// scores: query heads x keys; LoRA shrink: tokens x rank rows):
+//   acc[i][j] += a[i][d : d+W] * b[j][d : d+W]   lane-wise for d = 0, W, 2W, ... < n; fp32: FMA, W = 16;
+//   bf16: vdpbf16ps over pairs, W = 32. Full steps load unmasked; the tail's lanes past n load as zero.
+//   The J b-rows of a step stay in registers while the I a-rows stream through.
+template <bool kTail>
+static inline __m512 load_lanes(const float* p, __mmask16 m) { return kTail ? _mm512_maskz_loadu_ps(m, p) : _mm512_loadu_ps(p); }
+template <bool kTail>
+static inline __m512bh load_lanes(const bf16raw* p, __mmask32 m) {
+  return (__m512bh)(kTail ? _mm512_maskz_loadu_epi16(m, p) : _mm512_loadu_si512((const void*)p));
+}
+static inline __m512 dot_acc(__m512 acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
+static inline __m512 dot_acc(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
+
+template <bool kTail, typename T, typename M, int I, int J>
+static inline void dot_tile_step(const T* const* a, const T* const* b, int64_t d, M m, __m512 (&acc)[I][J]) {
+  decltype(load_lanes<kTail>(b[0], m)) bv[J];
+  for (int j = 0; j < J; ++j) bv[j] = load_lanes<kTail>(b[j] + d, m);
+  for (int i = 0; i < I; ++i) {
+    const auto av = load_lanes<kTail>(a[i] + d, m);
+    for (int j = 0; j < J; ++j) acc[i][j] = dot_acc(acc[i][j], av, bv[j]);
+  }
+}
+
+template <typename T, int I, int J>
+static inline void dot_tile(const T* const* a, const T* const* b, int64_t n, __m512 (&acc)[I][J]) {
+  constexpr bool kF32 = std::is_same<T, float>::value;
+  using Mask = std::conditional_t<kF32, __mmask16, __mmask32>;
+  constexpr int64_t W = kF32 ? 16 : 32;
+  int64_t d = 0;
+  for (; d + W <= n; d += W) dot_tile_step<false>(a, b, d, (Mask)~0u, acc);
+  if (d < n) dot_tile_step<true>(a, b, d, (Mask)(kF32 ? mask16(n - d) : mask32(n - d)), acc);
 }
