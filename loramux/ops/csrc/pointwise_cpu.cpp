@@ -10,7 +10,7 @@
 // x, q, k: unit last stride, any other strides. Rows (tokens) in parallel when there are many.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -18,7 +18,8 @@
 
 namespace {
 
-constexpr int64_t kGrainElems = 16384;  // elements per parallel task: smaller problems stay on one thread
+// rows per parallel task, ~16k elements each: smaller problems stay on one thread
+static inline int64_t grain_rows(int64_t elems_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(elems_per_row, 1)); }
 
 template <typename T>
 static void rms_norm_rows(const T* x, int64_t xs, const T* w, T* out, int64_t n0, int64_t n1, int64_t D, float eps) {
@@ -90,7 +91,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rms_norm: fp32 or bf16 only");
   const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0);
   auto out = torch::empty({N, D}, x.options());
-  at::parallel_for(0, N, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(D, 1)), [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_rows(D), [&](int64_t n0, int64_t n1) {
     if (dt == at::kFloat)
       rms_norm_rows<float>(x.data_ptr<float>(), xs, weight.data_ptr<float>(), out.data_ptr<float>(), n0, n1, D, (float)eps);
     else
@@ -107,7 +108,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "silu_and_mul: fp32 or bf16 only");
   const int64_t N = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
   auto out = torch::empty({N, d}, x.options());
-  at::parallel_for(0, N, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(d, 1)), [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_rows(d), [&](int64_t n0, int64_t n1) {
     if (dt == at::kFloat)
       silu_and_mul_rows<float>(x.data_ptr<float>(), xs, out.data_ptr<float>(), n0, n1, d);
     else
@@ -126,8 +127,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == Dh &&
               cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == dt && sin.scalar_type() == dt,
               "rotary_: cos and sin must be contiguous [T, Dh] in q's dtype");
-  const int64_t per_token = (q.size(1) + k.size(1)) * Dh;
-  at::parallel_for(0, T, std::max<int64_t>(1, kGrainElems / std::max<int64_t>(per_token, 1)), [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, T, grain_rows((q.size(1) + k.size(1)) * Dh), [&](int64_t t0, int64_t t1) {
     if (dt == at::kFloat)
       rotary_tokens<float>(q, k, cos.data_ptr<float>(), sin.data_ptr<float>(), t0, t1);
     else
