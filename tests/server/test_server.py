@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -209,23 +210,38 @@ def test_admin_error_codes(files, http):
 
 
 def test_32_concurrent_requests_with_load_and_unload_in_the_middle(files, http, client, offline):
+    """32 clients keep requests going back to back; the admin calls are made once the first answer is
+    back and the clients stop only after them, so requests are in flight on both sides of the calls
+    whatever the speed of the machine (a fixed sleep was not: 32 tiny requests can finish in 0.1 s)."""
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "tmp", "lora_path": f"{files['allowed']}/other"}).status_code == 200
     models = ["tiny", "s0", "s1", "s2", "s3"]
     jobs = [(models[i % 5], f"q{i} says") for i in range(32)]
+    first_answer, admin_done = threading.Event(), threading.Event()
 
-    def ask(job):
+    def ask_until_admin_done(job):
         model, prompt = job
-        return client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+        answers = []  # (start, end, text)
+        while not admin_done.is_set() or len(answers) < 2:
+            start = time.monotonic()
+            text = client.completions.create(model=model, prompt=prompt, max_tokens=48, temperature=0).choices[0].text
+            answers.append((start, time.monotonic(), text))
+            first_answer.set()
+        return answers
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        futures = [pool.submit(ask, job) for job in jobs]
-        time.sleep(0.1)
-        assert not all(f.done() for f in futures)  # the admin calls below land mid-flight
+        futures = [pool.submit(ask_until_admin_done, job) for job in jobs]
+        assert first_answer.wait(120)
+        calls_start = time.monotonic()
         assert http.post("/v1/load_lora_adapter", json={"lora_name": "mid", "lora_path": f"{files['allowed']}/new"}).status_code == 200
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "tmp"}).status_code == 200
-        answers = [f.result(timeout=120) for f in futures]
-    for (model, prompt), answer in zip(jobs, answers):
-        assert answer == offline(prompt, None if model == "tiny" else model, max_tokens=48)
+        calls_end = time.monotonic()
+        admin_done.set()
+        runs = [f.result(timeout=120) for f in futures]
+    spans = [(start, end) for answers in runs for start, end, _ in answers]
+    assert any(start < calls_start and end > calls_end for start, end in spans), "no request spanned the admin calls"
+    for (model, prompt), answers in zip(jobs, runs):
+        expected = offline(prompt, None if model == "tiny" else model, max_tokens=48)
+        assert [text for _, _, text in answers] == [expected] * len(answers), (model, prompt)
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "mid"}).status_code == 200
 
 
@@ -266,9 +282,11 @@ def test_a_dead_engine_gives_fast_503s(files):
     proc, url = start_server(files)
     try:
         os.kill(_engine_pid(proc.pid), signal.SIGKILL)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10  # the server notices the death on its pipe, not at once
+        while httpx.get(f"{url}/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health still says healthy 10 s after the engine died"
+            time.sleep(0.05)
         start = time.monotonic()
-        assert httpx.get(f"{url}/health").status_code == 503
         response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
         assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
         assert time.monotonic() - start < 2
