@@ -77,8 +77,8 @@ def block_diagonal(lora_b, slices):
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("rank", [4, 5])  # bf16: odd ranks take the kernel's non-pair path
-@pytest.mark.parametrize("per_slot", [1, 4, 11])  # the kernel's dot-product and transposed expands
+@pytest.mark.parametrize("rank", [4, 5])  # bf16: the kernel's expand pairs rank rows; odd ranks end on half a pair
+@pytest.mark.parametrize("per_slot", [1, 4, 11])  # the kernel's token tiles: 1, 4, 8 + 3
 @pytest.mark.parametrize("with_ranks", [False, True])
 def test_packed_output_slices(backend, dtype, atol, rank, per_slot, with_ranks):
     """A packed layer (q|k|v): one shrink over K*rank rows of A; B [slots, out, rank] holds each slice's rows."""
@@ -125,6 +125,38 @@ def test_slot_ranks_hint_on_zero_padded_slots(backend, dtype, atol):
     per_token_loop(expected, x.float(), lora_a.float(), lora_b.float(), mapping.token_slots)
     y = torch.zeros(9, n_out, dtype=dtype)
     BACKENDS[backend](y, x, lora_a, lora_b, mapping, (), torch.tensor(ranks))
+    torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
+
+
+@pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens_per_slot", [[4] * 8, [3, 5, 4, 4, 6, 2, 4, 4], [32], [29, 1, 1, 1]])
+def test_cpu_kernel_threaded_paths(dtype, atol, tokens_per_slot):
+    """Big enough for two threads (the small tests above run on one): many slots, where each thread owns
+    whole slots, and one slot or an uneven mix, where every slot is split over the threads."""
+    torch.manual_seed(3)
+    slices, n_in, max_rank = (96, 40, 40), 256, 16
+    ranks = [max_rank if i % 2 == 0 else 7 for i in range(len(tokens_per_slot))]
+    lora_a = torch.zeros(len(ranks), 3 * max_rank, n_in, dtype=dtype)
+    lora_b = torch.zeros(len(ranks), sum(slices), max_rank, dtype=dtype)
+    for slot, r in enumerate(ranks):
+        for k in range(3):
+            lora_a[slot, k * max_rank : k * max_rank + r] = torch.randn(r, n_in, dtype=dtype) * 0.1
+        lora_b[slot, :, :r] = torch.randn(sum(slices), r, dtype=dtype) * 0.1
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    slots = [s for s, n in enumerate(tokens_per_slot) for _ in range(n)] + [-1, -1]
+    slots = [slots[i] for i in torch.randperm(len(slots)).tolist()]
+    mapping = LoRAMapping.from_slots(slots)
+    x = torch.randn(len(slots), n_in, dtype=dtype)
+    expected = torch.zeros(len(slots), sum(slices))
+    per_token_loop(expected, x.float(), lora_a.float(), block_diagonal(lora_b, slices).float(), mapping.token_slots)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = torch.zeros(len(slots), sum(slices), dtype=dtype)
+        lora_cpu.add_lora_cpu(y, x, lora_a, lora_b, mapping, slices, torch.tensor(ranks))
+    finally:
+        torch.set_num_threads(threads)
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
 
 

@@ -13,19 +13,27 @@
 // Algorithm
 //   0. counting sort of token indices by slot -> groups (slot, list of tokens). Works for
 //      sorted and unsorted slots; -1 tokens (and rank-0 slots) are dropped.
-//   1. shrink: h[p, r] = A[s, r, :] . x[tok(p), :]   (fp32 scratch h [M, K*r])
+//   1. shrink: h[p, r] = A[s, r, :] . x[tok(p), :]   (fp32 scratch h [M, K*r], 0 past each slot's rank)
 //      tile = up to 4 tokens x 4 rank-rows, vectorized along `in`; only the slot's real rank rows
-//      (bf16: vdpbf16ps, 32 bf16 pairs per instruction, fp32 accumulate)
-//   2. expand, per 16-output block (within one slice) and group: B's rank rows hold 16 contiguous
-//      outputs each, so for tiles of up to 8 tokens acc[t] += bcast(h[t, r]) * B[s, r, o0:o0+16] and
-//      y[t, o0:o0+16] += acc[t] (bf16: B widened to fp32, y rounded RNE). Rank-major B is why: an
-//      out-major [out, r] block would need a transpose or a horizontal reduction per block, and a
-//      slot of rank r_s < r reads r_s whole rows instead of r_s of every row's r columns.
+//      (bf16: vdpbf16ps, 32 bf16 pairs per instruction, fp32 accumulate); a 4 x 4 tile's 16 sums
+//      come out of one transpose-and-add tree
+//   2. expand, per block of one cache line of outputs (fp32 16, bf16 32; within one slice) and group:
+//      B's rank rows hold the block's outputs contiguously, so for tiles of up to 8 tokens
+//      fp32: acc[t] += bcast(h[t, r]) * B[s, r, o0:o0+16]
+//      bf16: h rounded to bf16 (as a bf16 reference rounds A's output); rank rows r, r+1 interleaved
+//            into pairs, acc[t] += vdpbf16ps(bcast(h[t, r], h[t, r+1]), pairs): two ranks per instruction
+//      and y[t, block] += acc[t] (bf16: y rounded RNE). Rank-major B is why: an out-major [out, r]
+//      block would need a transpose or a horizontal reduction per block, and a slot of rank r_s < r
+//      reads r_s whole rows instead of r_s of every row's r columns.
 //   Memory: decode reads every active slot's A and B from DRAM once per call; both passes walk them
-//   slot by slot in address order and software-prefetch one work item ahead.
+//   slot by slot in address order and software-prefetch ahead (A: the next item's rows, a line per
+//   row per step; B: 8 blocks ahead in each rank row).
 //   Threads: one OpenMP region (uses the libgomp already loaded by torch, same soname),
-//   num_threads = at::get_num_threads(); shrink split over (group, rank-chunk) items,
-//   expand split over output blocks (balanced regardless of group sizes).
+//   num_threads = at::get_num_threads(). As many groups as threads or more (decode over many
+//   adapters): each thread owns a run of whole groups (balanced by work) and does their shrink and
+//   expand without a barrier. Fewer (one adapter, prefill): shrink split over (group, rank-chunk)
+//   items, a barrier, expand split over output blocks (balanced regardless of group sizes).
+//   Work lists and scratch live in a per-thread Plan reused across calls (no allocation when warm).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -41,75 +49,146 @@ namespace {
 
 // ---------------------------------------------------------------- shrink tiles
 // h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows
+// hp[t][0:4] = the horizontal sums of acc[t][0:4] for t < 4, as one transpose-and-add tree: 45
+// shuffles/adds for the 16 sums instead of ~8 per _mm512_reduce_add_ps (a third of a decode tile's time)
+static inline void store_sums_4x4(__m512 (&acc)[4][4], float* const* hp) {
+  __m512 z[4];
+  for (int t = 0; t < 4; ++t) {
+    // per 128-bit lane: x01 = [a0+a2, b0+b2, a1+a3, b1+b3] for a, b = acc[t][0], acc[t][1]
+    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[t][0], acc[t][1]), _mm512_unpackhi_ps(acc[t][0], acc[t][1]));
+    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[t][2], acc[t][3]), _mm512_unpackhi_ps(acc[t][2], acc[t][3]));
+    // per 128-bit lane: [j0, j1, j2, j3] partial sums of token t
+    z[t] = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, 0x44), _mm512_shuffle_ps(x01, x23, 0xEE));
+  }
+  // sum the four 128-bit lanes of each z[t]; lane t of r = token t's four sums
+  const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x44), _mm512_shuffle_f32x4(z[0], z[1], 0xEE));
+  const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], 0x44), _mm512_shuffle_f32x4(z[2], z[3], 0xEE));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+  _mm_storeu_ps(hp[0], _mm512_castps512_ps128(r));
+  _mm_storeu_ps(hp[1], _mm512_extractf32x4_ps(r, 1));
+  _mm_storeu_ps(hp[2], _mm512_extractf32x4_ps(r, 2));
+  _mm_storeu_ps(hp[3], _mm512_extractf32x4_ps(r, 3));
+}
+
+// h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows
 template <typename T, int TT, int RT>
-static inline void shrink_tile(const T* const* xp, const T* ap, int64_t in, float* const* hp) {
+static inline void shrink_tile(const T* const* xp, const T* ap, int64_t in, float* const* hp, int64_t pf) {
   const T* arows[RT];
   for (int j = 0; j < RT; ++j) arows[j] = ap + j * in;
   __m512 acc[TT][RT];
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_setzero_ps();
-  dot_tile(xp, arows, in, acc);
-  for (int t = 0; t < TT; ++t)
-    for (int j = 0; j < RT; ++j) hp[t][j] = _mm512_reduce_add_ps(acc[t][j]);
+  dot_tile(xp, arows, in, acc, pf);
+  if constexpr (TT == 4 && RT == 4) {
+    store_sums_4x4(acc, hp);
+  } else {
+    for (int t = 0; t < TT; ++t)
+      for (int j = 0; j < RT; ++j) hp[t][j] = _mm512_reduce_add_ps(acc[t][j]);
+  }
 }
 
 template <typename T, int TT>
-static inline void shrink_rt(int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp) {
+static inline void shrink_rt(int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp, int64_t pf) {
   switch (rt) {
-    case 4: shrink_tile<T, TT, 4>(xp, ap, in, hp); break;
-    case 3: shrink_tile<T, TT, 3>(xp, ap, in, hp); break;
-    case 2: shrink_tile<T, TT, 2>(xp, ap, in, hp); break;
-    default: shrink_tile<T, TT, 1>(xp, ap, in, hp); break;
+    case 4: shrink_tile<T, TT, 4>(xp, ap, in, hp, pf); break;
+    case 3: shrink_tile<T, TT, 3>(xp, ap, in, hp, pf); break;
+    case 2: shrink_tile<T, TT, 2>(xp, ap, in, hp, pf); break;
+    default: shrink_tile<T, TT, 1>(xp, ap, in, hp, pf); break;
   }
 }
 template <typename T>
-static inline void shrink_dispatch(int tt, int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp) {
+static inline void shrink_dispatch(int tt, int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp,
+                                   int64_t pf) {
   switch (tt) {
-    case 4: shrink_rt<T, 4>(rt, xp, ap, in, hp); break;
-    case 3: shrink_rt<T, 3>(rt, xp, ap, in, hp); break;
-    case 2: shrink_rt<T, 2>(rt, xp, ap, in, hp); break;
-    default: shrink_rt<T, 1>(rt, xp, ap, in, hp); break;
+    case 4: shrink_rt<T, 4>(rt, xp, ap, in, hp, pf); break;
+    case 3: shrink_rt<T, 3>(rt, xp, ap, in, hp, pf); break;
+    case 2: shrink_rt<T, 2>(rt, xp, ap, in, hp, pf); break;
+    default: shrink_rt<T, 1>(rt, xp, ap, in, hp, pf); break;
   }
 }
 
 
 // ---------------------------------------------------------------- expand
-// y[t, 16 outputs] += sum_r h[t][r] * b[r * ld + 0:16]   for TJ tokens (b: rank-major B at the block)
-template <typename T, int TJ>
-static inline void expand_tile(const T* bt, int64_t ld, int64_t R, const float* const* hp, T* const* yp, __mmask16 om) {
+// fp32: y[t, 16 outputs] += sum_r h[t][r] * b[r * ld + 0:16]   for TJ tokens (b: rank-major B at the block)
+template <int TJ>
+static inline void expand_tile_f32(const float* bt, int64_t ld, int64_t rw, const float* const* hp, float* const* yp,
+                                   __mmask16 om) {
   __m512 acc[TJ];
   for (int j = 0; j < TJ; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < rw; ++r) {
     __m512 b = load16(bt + r * ld, om);
     for (int j = 0; j < TJ; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r]), b, acc[j]);
   }
+  for (int j = 0; j < TJ; ++j) store16(yp[j], _mm512_add_ps(load16(yp[j], om), acc[j]), om);
+}
+
+// bf16: y[t, 32 outputs] += sum_r h[t][r] * b[r * ld + 0:32] with h rounded to bf16 (as a bf16 reference
+// rounds A's output). Rank rows r, r+1 interleaved (vpunpck{l,h}wd) form dword pairs (B[r][o], B[r+1][o]),
+// so one vdpbf16ps adds both ranks for 16 outputs: twice the rank rows and 2x the outputs per instruction
+// of an fp32 FMA. hp[t] is token t's h row in bf16, read as pairs. The unpacks work
+// within 128-bit lanes: `lo` holds outputs {0-3, 8-11, 16-19, 24-27}, `hi` the rest, reordered at the end.
+template <int TJ>
+static inline void expand_tile_bf16(const bf16raw* bt, int64_t ld, int64_t rw, const bf16raw* const* hp,
+                                    bf16raw* const* yp, __mmask32 om) {
+  __m512 lo[TJ], hi[TJ];
+  for (int j = 0; j < TJ; ++j) lo[j] = hi[j] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rw; r += 2) {
+    const __m512i b0 = _mm512_maskz_loadu_epi16(om, bt + r * ld);
+    const __m512i b1 = r + 1 < rw ? _mm512_maskz_loadu_epi16(om, bt + (r + 1) * ld) : _mm512_setzero_si512();
+    const __m512bh pl = (__m512bh)_mm512_unpacklo_epi16(b0, b1), ph = (__m512bh)_mm512_unpackhi_epi16(b0, b1);
+    for (int j = 0; j < TJ; ++j) {
+      int32_t pair;  // (h[r], h[r+1]); past the last row h[r+1] is whatever follows (finite) times B's 0
+      __builtin_memcpy(&pair, hp[j] + r, 4);
+      const __m512bh hv = (__m512bh)_mm512_set1_epi32(pair);
+      lo[j] = _mm512_dpbf16_ps(lo[j], pl, hv);
+      hi[j] = _mm512_dpbf16_ps(hi[j], ph, hv);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __mmask16 m0 = (__mmask16)(om & 0xFFFF), m1 = (__mmask16)(om >> 16);
   for (int j = 0; j < TJ; ++j) {
-    __m512 yv = load16(yp[j], om);
-    store16(yp[j], _mm512_add_ps(yv, acc[j]), om);
+    store16(yp[j], _mm512_add_ps(load16(yp[j], m0), _mm512_permutex2var_ps(lo[j], first, hi[j])), m0);
+    if (m1) store16(yp[j] + 16, _mm512_add_ps(load16(yp[j] + 16, m1), _mm512_permutex2var_ps(lo[j], second, hi[j])), m1);
   }
 }
-template <typename T>
-static inline void expand_dispatch(int tj, const T* bt, int64_t ld, int64_t R, const float* const* hp, T* const* yp, __mmask16 om) {
+
+template <typename T, typename H, typename M>
+static inline void expand_dispatch(int tj, const T* bt, int64_t ld, int64_t rw, const H* const* hp, T* const* yp, M om) {
+#define LORA_EXPAND_CASE(n) \
+  case n: \
+    if constexpr (std::is_same<T, float>::value) expand_tile_f32<n>(bt, ld, rw, hp, yp, om); \
+    else expand_tile_bf16<n>(bt, ld, rw, hp, yp, om); \
+    break;
   switch (tj) {
-    case 8: expand_tile<T, 8>(bt, ld, R, hp, yp, om); break;
-    case 7: expand_tile<T, 7>(bt, ld, R, hp, yp, om); break;
-    case 6: expand_tile<T, 6>(bt, ld, R, hp, yp, om); break;
-    case 5: expand_tile<T, 5>(bt, ld, R, hp, yp, om); break;
-    case 4: expand_tile<T, 4>(bt, ld, R, hp, yp, om); break;
-    case 3: expand_tile<T, 3>(bt, ld, R, hp, yp, om); break;
-    case 2: expand_tile<T, 2>(bt, ld, R, hp, yp, om); break;
-    default: expand_tile<T, 1>(bt, ld, R, hp, yp, om); break;
+    LORA_EXPAND_CASE(8) LORA_EXPAND_CASE(7) LORA_EXPAND_CASE(6) LORA_EXPAND_CASE(5)
+    LORA_EXPAND_CASE(4) LORA_EXPAND_CASE(3) LORA_EXPAND_CASE(2) default: LORA_EXPAND_CASE(1)
   }
+#undef LORA_EXPAND_CASE
 }
 
-
-// bf16 path: B stays bf16; pairs of adjacent rank columns form one dword, so a 16-row x 16-col
-// bf16 block is a 16 x 8 dword matrix; transpose it to 8 zmm (one per rank pair, 16 rows each)
-
-// one block of up to 16 outputs; its rows use the shrunk rows [rlo, rlo + rw) (rlo = slice * r)
+// one block of up to kBlock<T> outputs (one 64-byte line of each B rank row) within one output slice;
+// its rows use the shrunk rows [rlo, rlo + rw) (rlo = slice * r)
+template <typename T> constexpr int64_t kBlock = 64 / sizeof(T);
 struct ExpBlock { int64_t o0, nrows, rlo, rw; };
 struct Group { int64_t slot, start, len, rank; };  // rank: real rank per slice (<= R/K), > 0
 struct ShrinkItem { int64_t g, r0; int rt; };       // rank rows [r0, r0 + rt) of group g
+
+// A call's work lists and scratch, kept per thread across calls: a decode step makes 100+ calls of a
+// few microseconds each, and allocating these every time was a fifth of the kernel's time.
+struct Plan {
+  std::vector<int64_t> cnt, pos, item_begin, gbeg;
+  std::vector<int32_t> order;  // token indices sorted by slot
+  std::vector<Group> groups;
+  std::vector<ShrinkItem> items;
+  std::vector<ExpBlock> blocks;
+  std::vector<float> h;        // [M, R] shrink output (fp32); 0 past each slot's rank
+  std::vector<bf16raw> hb;     // bf16 path: h rounded to bf16, [M, R] + 1 (the expand reads pairs)
+};
+static Plan& thread_plan() {
+  static thread_local Plan plan;
+  return plan;
+}
 
 static inline void prefetch_lines(const void* p, int64_t bytes, int64_t rows = 1, int64_t stride = 0) {
   const char* c = (const char*)p;
@@ -117,108 +196,185 @@ static inline void prefetch_lines(const void* p, int64_t bytes, int64_t rows = 1
     for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + i * stride + off, _MM_HINT_T0);
 }
 
+// Sorts tokens by slot into groups and lists the shrink items and expand blocks; false: nothing to do.
+static bool make_plan(Plan& pl, const int64_t* slots, int64_t N, int64_t L, int64_t R, int64_t K,
+                      const int64_t* ranks, const std::vector<int64_t>& out_slices, int64_t block) {
+  const int64_t RK = R / K;
+  pl.cnt.assign(L + 1, 0);
+  for (int64_t t = 0; t < N; ++t)
+    if (slots[t] >= 0) pl.cnt[slots[t] + 1]++;
+  for (int64_t s = 0; s < L; ++s) pl.cnt[s + 1] += pl.cnt[s];
+  const int64_t M = pl.cnt[L];
+  if (M == 0 || R == 0) return false;
+  pl.order.resize(M);
+  pl.pos.assign(pl.cnt.begin(), pl.cnt.end() - 1);
+  for (int64_t t = 0; t < N; ++t)  // stable counting sort
+    if (slots[t] >= 0) pl.order[pl.pos[slots[t]]++] = (int32_t)t;
+  pl.groups.clear();
+  for (int64_t s = 0; s < L; ++s) {
+    const int64_t rk = ranks ? ranks[s] : RK;
+    if (pl.cnt[s + 1] > pl.cnt[s] && rk > 0) pl.groups.push_back({s, pl.cnt[s], pl.cnt[s + 1] - pl.cnt[s], rk});
+  }
+  const int64_t G = (int64_t)pl.groups.size();
+  if (G == 0) return false;
+  // shrink items: group major, then A's rows in memory order (only the real rank rows), so a thread's
+  // share of A is a few long sequential streams (decode is bound by reading A and B from DRAM)
+  pl.items.clear();
+  pl.item_begin.assign(G + 1, 0);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t c = 0; c < pl.groups[g].rank; c += 4)
+        pl.items.push_back({g, k * RK + c, (int)std::min<int64_t>(4, pl.groups[g].rank - c)});
+    pl.item_begin[g + 1] = (int64_t)pl.items.size();
+  }
+  pl.blocks.clear();
+  int64_t o0 = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t o = 0; o < out_slices[k]; o += block)
+      pl.blocks.push_back({o0 + o, std::min<int64_t>(block, out_slices[k] - o), k * RK, RK});
+    o0 += out_slices[k];
+  }
+  pl.h.assign((size_t)M * R, 0.0f);
+  return true;
+}
+
+// Many groups (decode over many adapters): each thread owns a run of whole groups, in slot order, and
+// does their shrink and expand with no barrier, reading a few long streams through A and B. Empty
+// (split every group over all threads) when there are fewer groups than threads or the split is uneven.
+static void own_groups(Plan& pl, int nth, int64_t K, int64_t in, int64_t out) {
+  const int64_t G = (int64_t)pl.groups.size();
+  pl.gbeg.clear();
+  if (nth <= 1 || G < nth) return;
+  auto work = [&](const Group& g) { return (double)g.len * (double)(g.rank * K) * (double)(in + out); };
+  double total = 0.0;
+  for (const Group& g : pl.groups) total += work(g);
+  pl.gbeg.assign(nth + 1, G);
+  pl.gbeg[0] = 0;
+  double acc = 0.0, prev = 0.0, worst = 0.0;
+  int t = 1;
+  for (int64_t g = 0; g < G && t < nth; ++g) {
+    acc += work(pl.groups[g]);
+    if (acc >= total * t / nth) {
+      worst = std::max(worst, acc - prev);
+      prev = acc;
+      pl.gbeg[t++] = g + 1;
+    }
+  }
+  worst = std::max(worst, total - prev);
+  if (worst > 1.5 * total / nth) pl.gbeg.clear();
+}
+
 template <typename T>
 static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, const T* B,
                           const int64_t* slots, int64_t N, int64_t in, int64_t out, int64_t L, int64_t R,
-                          int64_t K, const int64_t* ranks, const std::vector<ExpBlock>& blocks) {
+                          int64_t K, const int64_t* ranks, const std::vector<int64_t>& out_slices) {
+  constexpr bool kF32 = std::is_same<T, float>::value;
+  Plan& pl = thread_plan();
+  if (!make_plan(pl, slots, N, L, R, K, ranks, out_slices, kBlock<T>)) return;
   const int64_t RK = R / K;  // rank per slice = B's rank rows
-  // 0. counting sort by slot (stable); slots of rank 0 contribute nothing and are dropped
-  std::vector<int64_t> cnt(L + 1, 0);
-  for (int64_t t = 0; t < N; ++t) {
-    int64_t s = slots[t];
-    if (s >= 0) cnt[s + 1]++;
-  }
-  for (int64_t s = 0; s < L; ++s) cnt[s + 1] += cnt[s];
-  const int64_t M = cnt[L];
-  if (M == 0 || R == 0) return;
-  std::vector<int32_t> order(M);
-  {
-    std::vector<int64_t> pos(cnt.begin(), cnt.end() - 1);
-    for (int64_t t = 0; t < N; ++t) {
-      int64_t s = slots[t];
-      if (s >= 0) order[pos[s]++] = (int32_t)t;
-    }
-  }
-  std::vector<Group> groups;
+  const int64_t M = (int64_t)pl.order.size(), G = (int64_t)pl.groups.size();
   double work = 0.0;
-  for (int64_t s = 0; s < L; ++s) {
-    const int64_t rk = ranks ? ranks[s] : RK;
-    if (cnt[s + 1] > cnt[s] && rk > 0) {
-      groups.push_back({s, cnt[s], cnt[s + 1] - cnt[s], rk});
-      work += (double)(cnt[s + 1] - cnt[s]) * (double)(rk * K) * (double)(in + out);
-    }
-  }
-  const int64_t G = (int64_t)groups.size();
-  if (G == 0) return;
-  // shrink work items: group major, then A's rows in memory order (only the real rank rows), so each
-  // thread's share of A is a few long sequential streams (decode is bound by reading A and B from DRAM)
-  std::vector<ShrinkItem> items;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t c = 0; c < groups[g].rank; c += 4)
-        items.push_back({g, k * RK + c, (int)std::min<int64_t>(4, groups[g].rank - c)});
-  const int64_t nitems = (int64_t)items.size();
-  std::vector<float> h((size_t)M * R);
-  float* hbuf = h.data();
-  const int64_t nob = (int64_t)blocks.size();
+  for (const Group& g : pl.groups) work += (double)g.len * (double)(g.rank * K) * (double)(in + out);
   int nth = at::get_num_threads();
   if (work < 2.0e5) nth = 1;  // tiny problems: skip the fork/join
-  const int64_t B_slot = RK * out, row_bytes = 16 * (int64_t)sizeof(T);
+  own_groups(pl, nth, K, in, out);
+  if (!kF32) {
+    pl.hb.resize((size_t)M * R + 1);
+    pl.hb.back() = 0;  // read (times a zero B row) as the pair partner of the last token's last row
+  }
+  const int32_t* order = pl.order.data();
+  const Group* groups = pl.groups.data();
+  const ShrinkItem* items = pl.items.data();
+  const ExpBlock* blocks = pl.blocks.data();
+  const int64_t* item_begin = pl.item_begin.data();
+  const int64_t nitems = (int64_t)pl.items.size(), nob = (int64_t)pl.blocks.size();
+  float* hbuf = pl.h.data();
+  bf16raw* hbbuf = pl.hb.data();
+  const int64_t B_slot = RK * out;
+  constexpr int64_t PF = 8;  // expand: prefetch this many blocks ahead in each rank row
+
+  auto prefetch_block = [&](const Group& gr, int64_t ob) {
+    const ExpBlock& pb = blocks[ob];
+    prefetch_lines(B + gr.slot * B_slot + pb.o0, 64, std::min(pb.rw, gr.rank), out * (int64_t)sizeof(T));
+  };
+  auto shrink_item = [&](int64_t it, int64_t it_next) {
+    const ShrinkItem& si = items[it];
+    const Group& gr = groups[si.g];
+    const int64_t r0 = si.r0;
+    const T* ap = A + (gr.slot * R + r0) * in;
+    // the next item's A rows: within the group a line per row per step of the first token tile (spread
+    // over the arithmetic); across groups all at once
+    const bool next_here = it_next < nitems && items[it_next].g == si.g;
+    const int64_t pf = next_here ? (items[it_next].r0 - r0) * in : 0;
+    if (it_next < nitems && !next_here) {
+      const ShrinkItem& nx = items[it_next];
+      prefetch_lines(A + (groups[nx.g].slot * R + nx.r0) * in, (int64_t)nx.rt * in * (int64_t)sizeof(T));
+    }
+    for (int64_t p0 = 0; p0 < gr.len; p0 += 4) {
+      const int tt = (int)std::min<int64_t>(4, gr.len - p0);
+      const T* xp[4];
+      float* hp[4];
+      for (int i = 0; i < tt; ++i) {
+        const int64_t p = gr.start + p0 + i;
+        xp[i] = x + (int64_t)order[p] * xs;
+        hp[i] = hbuf + p * R + r0;
+      }
+      shrink_dispatch<T>(tt, si.rt, xp, ap, in, hp, p0 == 0 ? pf : 0);
+    }
+  };
+  auto round_group = [&](const Group& gr) {  // bf16: h rows of the group to bf16 (RNE)
+    if constexpr (!kF32)
+      for (int64_t i = gr.start * R; i < (gr.start + gr.len) * R; i += 16) {
+        const __mmask16 m = mask16(gr.start * R + gr.len * R - i);
+        store16(hbbuf + i, _mm512_maskz_loadu_ps(m, hbuf + i), m);
+      }
+  };
+  auto expand_block = [&](int64_t g, int64_t ob, int64_t ob_end) {
+    const Group& gr = groups[g];
+    const ExpBlock& eb = blocks[ob];
+    const int64_t rw = std::min(eb.rw, gr.rank);  // real rank rows of this slot
+    const T* bp = B + gr.slot * B_slot + eb.o0;
+    if (ob + PF < ob_end) prefetch_block(gr, ob + PF);
+    for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
+      const int tj = (int)std::min<int64_t>(8, gr.len - p0);
+      T* yp[8];
+      for (int i = 0; i < tj; ++i) yp[i] = y + (int64_t)order[gr.start + p0 + i] * ys + eb.o0;
+      if constexpr (kF32) {
+        const float* hp[8];
+        for (int i = 0; i < tj; ++i) hp[i] = hbuf + (gr.start + p0 + i) * R + eb.rlo;
+        expand_dispatch<T>(tj, bp, out, rw, hp, yp, mask16(eb.nrows));
+      } else {
+        const bf16raw* hp[8];
+        for (int i = 0; i < tj; ++i) hp[i] = hbbuf + (gr.start + p0 + i) * R + eb.rlo;
+        expand_dispatch<T>(tj, bp, out, rw, hp, yp, mask32(eb.nrows));
+      }
+    }
+  };
+  const int64_t* gbeg = pl.gbeg.empty() ? nullptr : pl.gbeg.data();
 
 #pragma omp parallel num_threads(nth) if (nth > 1)
   {
-    // ---- 1. shrink
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < nitems; ++it) {
-      const ShrinkItem& si = items[it];
-      const Group& gr = groups[si.g];
-      const int64_t r0 = si.r0;
-      const int rt = si.rt;
-      const T* ap = A + (gr.slot * R + r0) * in;
-      if (it + 1 < nitems) {  // the next item's A rows (likely this thread's next): fetch them while this one computes
-        const ShrinkItem& nx = items[it + 1];
-        prefetch_lines(A + (groups[nx.g].slot * R + nx.r0) * in, (int64_t)nx.rt * in * (int64_t)sizeof(T));
-      }
-      for (int64_t p0 = 0; p0 < gr.len; p0 += 4) {
-        const int tt = (int)std::min<int64_t>(4, gr.len - p0);
-        const T* xp[4];
-        float* hp[4];
-        for (int i = 0; i < tt; ++i) {
-          const int64_t p = gr.start + p0 + i;
-          xp[i] = x + (int64_t)order[p] * xs;
-          hp[i] = hbuf + p * R + r0;
-        }
-        shrink_dispatch<T>(tt, rt, xp, ap, in, hp);
-      }
-    }
-    // (implicit barrier)
-    // ---- 2. expand: each thread owns a contiguous range of output blocks and walks it once per group
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t ob_begin = nob * tid / nt, ob_end = nob * (tid + 1) / nt;
-    for (int64_t g = 0; g < G; ++g) {
-      const Group& gr = groups[g];
-      for (int64_t ob = ob_begin; ob < ob_end; ++ob) {
-        const ExpBlock& eb = blocks[ob];
-        const __mmask16 om = mask16(eb.nrows);
-        const int64_t rw = std::min(eb.rw, gr.rank);  // real rank rows of this slot
-        const T* bp = B + gr.slot * B_slot + eb.o0;
-        // the next block this thread expands: the next 16 outputs of the same rank rows, or the next group's first
-        if (ob + 1 < ob_end) prefetch_lines(bp + 16, row_bytes, rw, out * (int64_t)sizeof(T));
-        else if (g + 1 < G)
-          prefetch_lines(B + groups[g + 1].slot * B_slot + blocks[ob_begin].o0, row_bytes,
-                         std::min(blocks[ob_begin].rw, groups[g + 1].rank), out * (int64_t)sizeof(T));
-        for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
-          const int tj = (int)std::min<int64_t>(8, gr.len - p0);
-          const float* hp[8];
-          T* yp[8];
-          for (int i = 0; i < tj; ++i) {
-            const int64_t p = gr.start + p0 + i;
-            hp[i] = hbuf + p * R + eb.rlo;
-            yp[i] = y + (int64_t)order[p] * ys + eb.o0;
-          }
-          expand_dispatch<T>(tj, bp, out, rw, hp, yp, om);
-        }
+    if (gbeg) {  // each thread: its own groups, shrink then expand
+      const int64_t g0 = gbeg[tid], g1 = gbeg[tid + 1];
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t it = item_begin[g]; it < item_begin[g + 1]; ++it)
+          shrink_item(it, it + 1 < item_begin[g1] ? it + 1 : nitems);
+        for (int64_t ob = 0; ob < PF && ob < nob; ++ob) prefetch_block(groups[g], ob);
+        round_group(groups[g]);
+        for (int64_t ob = 0; ob < nob; ++ob) expand_block(g, ob, nob);
       }
+    } else {
+      // ---- 1. shrink, split over items
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < nitems; ++it) shrink_item(it, it + 1);
+      // (implicit barrier)
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < G; ++g) round_group(groups[g]);
+      // ---- 2. expand: each thread owns a contiguous range of output blocks and walks it once per group
+      const int64_t ob_begin = nob * tid / nt, ob_end = nob * (tid + 1) / nt;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t ob = ob_begin; ob < ob_end; ++ob) expand_block(g, ob, ob_end);
     }
   }
 }
@@ -265,22 +421,17 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
       TORCH_CHECK(ranks[s] >= 0 && ranks[s] <= R / K, "add_lora: slot_ranks[", s, "] = ", ranks[s],
                   " not in [0, R/K = ", R / K, "]");
   }
-  std::vector<ExpBlock> blocks;
-  int64_t o0 = 0;
-  for (int64_t k = 0; k < K; ++k) {
-    for (int64_t o = 0; o < out_slices[k]; o += 16)
-      blocks.push_back({o0 + o, std::min<int64_t>(16, out_slices[k] - o), k * (R / K), R / K});
-    o0 += out_slices[k];
-  }
-  TORCH_CHECK(o0 == out, "add_lora: out_slices must sum to out");
+  int64_t total = 0;
+  for (int64_t size : out_slices) total += size;
+  TORCH_CHECK(total == out, "add_lora: out_slices must sum to out");
   if (dt == at::kFloat) {
     add_lora_impl<float>(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, K, ranks, blocks);
+                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, K, ranks, out_slices);
   } else {
     add_lora_impl<bf16raw>((bf16raw*)y.data_ptr<at::BFloat16>(), y.stride(0),
                            (const bf16raw*)x.data_ptr<at::BFloat16>(), x.stride(0),
                            (const bf16raw*)lora_a.data_ptr<at::BFloat16>(),
-                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, K, ranks, blocks);
+                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, K, ranks, out_slices);
   }
 }
 
