@@ -48,7 +48,6 @@
 namespace {
 
 // ---------------------------------------------------------------- shrink tiles
-// h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows
 // hp[t][0:4] = the horizontal sums of acc[t][0:4] for t < 4, as one transpose-and-add tree: 45
 // shuffles/adds for the 16 sums instead of ~8 per _mm512_reduce_add_ps (a third of a decode tile's time)
 static inline void store_sums_4x4(__m512 (&acc)[4][4], float* const* hp) {
@@ -125,8 +124,8 @@ static inline void expand_tile_f32(const float* bt, int64_t ld, int64_t rw, cons
 // bf16: y[t, 32 outputs] += sum_r h[t][r] * b[r * ld + 0:32] with h rounded to bf16 (as a bf16 reference
 // rounds A's output). Rank rows r, r+1 interleaved (vpunpck{l,h}wd) form dword pairs (B[r][o], B[r+1][o]),
 // so one vdpbf16ps adds both ranks for 16 outputs: twice the rank rows and 2x the outputs per instruction
-// of an fp32 FMA. hp[t] is token t's h row in bf16, read as pairs. The unpacks work
-// within 128-bit lanes: `lo` holds outputs {0-3, 8-11, 16-19, 24-27}, `hi` the rest, reordered at the end.
+// of an fp32 FMA. hp[t] is token t's h row in bf16, read as pairs. The unpacks work within 128-bit
+// lanes: `lo` holds outputs {0-3, 8-11, 16-19, 24-27}, `hi` the rest, reordered at the end.
 template <int TJ>
 static inline void expand_tile_bf16(const bf16raw* bt, int64_t ld, int64_t rw, const bf16raw* const* hp,
                                     bf16raw* const* yp, __mmask32 om) {
@@ -168,9 +167,9 @@ static inline void expand_dispatch(int tj, const T* bt, int64_t ld, int64_t rw, 
 }
 
 // one block of up to kBlock<T> outputs (one 64-byte line of each B rank row) within one output slice;
-// its rows use the shrunk rows [rlo, rlo + rw) (rlo = slice * r)
+// its rows use the shrunk rows [rlo, rlo + group rank) (rlo = slice * r)
 template <typename T> constexpr int64_t kBlock = 64 / sizeof(T);
-struct ExpBlock { int64_t o0, nrows, rlo, rw; };
+struct ExpBlock { int64_t o0, nrows, rlo; };
 struct Group { int64_t slot, start, len, rank; };  // rank: real rank per slice (<= R/K), > 0
 struct ShrinkItem { int64_t g, r0; int rt; };       // rank rows [r0, r0 + rt) of group g
 
@@ -231,7 +230,7 @@ static bool make_plan(Plan& pl, const int64_t* slots, int64_t N, int64_t L, int6
   int64_t o0 = 0;
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t o = 0; o < out_slices[k]; o += block)
-      pl.blocks.push_back({o0 + o, std::min<int64_t>(block, out_slices[k] - o), k * RK, RK});
+      pl.blocks.push_back({o0 + o, std::min<int64_t>(block, out_slices[k] - o), k * RK});
     o0 += out_slices[k];
   }
   pl.h.assign((size_t)M * R, 0.0f);
@@ -241,19 +240,19 @@ static bool make_plan(Plan& pl, const int64_t* slots, int64_t N, int64_t L, int6
 // Many groups (decode over many adapters): each thread owns a run of whole groups, in slot order, and
 // does their shrink and expand with no barrier, reading a few long streams through A and B. Empty
 // (split every group over all threads) when there are fewer groups than threads or the split is uneven.
-static void own_groups(Plan& pl, int nth, int64_t K, int64_t in, int64_t out) {
+static inline double group_work(const Group& g, int64_t K, int64_t in, int64_t out) {
+  return (double)g.len * (double)(g.rank * K) * (double)(in + out);
+}
+static void own_groups(Plan& pl, int nth, double total, int64_t K, int64_t in, int64_t out) {
   const int64_t G = (int64_t)pl.groups.size();
   pl.gbeg.clear();
   if (nth <= 1 || G < nth) return;
-  auto work = [&](const Group& g) { return (double)g.len * (double)(g.rank * K) * (double)(in + out); };
-  double total = 0.0;
-  for (const Group& g : pl.groups) total += work(g);
   pl.gbeg.assign(nth + 1, G);
   pl.gbeg[0] = 0;
   double acc = 0.0, prev = 0.0, worst = 0.0;
   int t = 1;
   for (int64_t g = 0; g < G && t < nth; ++g) {
-    acc += work(pl.groups[g]);
+    acc += group_work(pl.groups[g], K, in, out);
     if (acc >= total * t / nth) {
       worst = std::max(worst, acc - prev);
       prev = acc;
@@ -274,10 +273,10 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   const int64_t RK = R / K;  // rank per slice = B's rank rows
   const int64_t M = (int64_t)pl.order.size(), G = (int64_t)pl.groups.size();
   double work = 0.0;
-  for (const Group& g : pl.groups) work += (double)g.len * (double)(g.rank * K) * (double)(in + out);
+  for (const Group& g : pl.groups) work += group_work(g, K, in, out);
   int nth = at::get_num_threads();
   if (work < 2.0e5) nth = 1;  // tiny problems: skip the fork/join
-  own_groups(pl, nth, K, in, out);
+  own_groups(pl, nth, work, K, in, out);
   if (!kF32) {
     pl.hb.resize((size_t)M * R + 1);
     pl.hb.back() = 0;  // read (times a zero B row) as the pair partner of the last token's last row
@@ -295,7 +294,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
 
   auto prefetch_block = [&](const Group& gr, int64_t ob) {
     const ExpBlock& pb = blocks[ob];
-    prefetch_lines(B + gr.slot * B_slot + pb.o0, 64, std::min(pb.rw, gr.rank), out * (int64_t)sizeof(T));
+    prefetch_lines(B + gr.slot * B_slot + pb.o0, 64, gr.rank, out * (int64_t)sizeof(T));
   };
   auto shrink_item = [&](int64_t it, int64_t it_next) {
     const ShrinkItem& si = items[it];
@@ -332,7 +331,6 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   auto expand_block = [&](int64_t g, int64_t ob, int64_t ob_end) {
     const Group& gr = groups[g];
     const ExpBlock& eb = blocks[ob];
-    const int64_t rw = std::min(eb.rw, gr.rank);  // real rank rows of this slot
     const T* bp = B + gr.slot * B_slot + eb.o0;
     if (ob + PF < ob_end) prefetch_block(gr, ob + PF);
     for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
@@ -342,11 +340,11 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
       if constexpr (kF32) {
         const float* hp[8];
         for (int i = 0; i < tj; ++i) hp[i] = hbuf + (gr.start + p0 + i) * R + eb.rlo;
-        expand_dispatch<T>(tj, bp, out, rw, hp, yp, mask16(eb.nrows));
+        expand_dispatch<T>(tj, bp, out, gr.rank, hp, yp, mask16(eb.nrows));
       } else {
         const bf16raw* hp[8];
         for (int i = 0; i < tj; ++i) hp[i] = hbbuf + (gr.start + p0 + i) * R + eb.rlo;
-        expand_dispatch<T>(tj, bp, out, rw, hp, yp, mask32(eb.nrows));
+        expand_dispatch<T>(tj, bp, out, gr.rank, hp, yp, mask32(eb.nrows));
       }
     }
   };

@@ -19,13 +19,6 @@ static inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu
 static inline void store16(bf16raw* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
 }
-// the bf16 bits of f, rounded to nearest even (NaN stays NaN)
-static inline uint32_t bf16_bits(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u >> 16) | 0x40u;
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
 // v rounded to the storage type's precision and widened again (identity for fp32): where a reference
 // computes in that dtype step by step, the kernel rounds at the same steps
 static inline __m512 round_as(__m512 v, const float*) { return v; }
