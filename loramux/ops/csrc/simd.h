@@ -58,26 +58,21 @@ static inline __m512 dot_acc(__m512 acc, __m512 a, __m512 b) { return _mm512_fma
 static inline __m512 dot_acc(__m512 acc, __m512bh a, __m512bh b) { return _mm512_dpbf16_ps(acc, a, b); }
 
 template <bool kTail, typename T, typename M, int I, int J>
-static inline void dot_tile_step(const T* const* a, const T* const* b, int64_t d, M m, __m512 (&acc)[I][J],
-                                 int64_t pf) {
+static inline void dot_tile_step(const T* const* a, const T* const* b, int64_t d, M m, __m512 (&acc)[I][J]) {
   decltype(load_lanes<kTail>(b[0], m)) bv[J];
   for (int j = 0; j < J; ++j) bv[j] = load_lanes<kTail>(b[j] + d, m);
-  if (pf)
-    for (int j = 0; j < J; ++j) _mm_prefetch((const char*)(b[j] + d + pf), _MM_HINT_T0);
   for (int i = 0; i < I; ++i) {
     const auto av = load_lanes<kTail>(a[i] + d, m);
     for (int j = 0; j < J; ++j) acc[i][j] = dot_acc(acc[i][j], av, bv[j]);
   }
 }
 
-//   pf != 0: each step also prefetches the line pf elements past each b-row's current one, so a stream of
-//   b-rows (the LoRA shrink's A) is fetched evenly during the arithmetic rather than in bursts.
 template <typename T, int I, int J>
-static inline void dot_tile(const T* const* a, const T* const* b, int64_t n, __m512 (&acc)[I][J], int64_t pf = 0) {
+static inline void dot_tile(const T* const* a, const T* const* b, int64_t n, __m512 (&acc)[I][J]) {
   constexpr bool kF32 = std::is_same<T, float>::value;
   using Mask = std::conditional_t<kF32, __mmask16, __mmask32>;
   constexpr int64_t W = kF32 ? 16 : 32;
   int64_t d = 0;
-  for (; d + W <= n; d += W) dot_tile_step<false>(a, b, d, (Mask)~0u, acc, pf);
-  if (d < n) dot_tile_step<true>(a, b, d, (Mask)(kF32 ? mask16(n - d) : mask32(n - d)), acc, pf);
+  for (; d + W <= n; d += W) dot_tile_step<false>(a, b, d, (Mask)~0u, acc);
+  if (d < n) dot_tile_step<true>(a, b, d, (Mask)(kF32 ? mask16(n - d) : mask32(n - d)), acc);
 }
