@@ -1,6 +1,7 @@
-"""benchmarks/throughput.py end to end on a tiny checkpoint: every row, peers, best-of-N runs, one JSON line."""
+"""benchmarks/throughput.py end to end on a tiny checkpoint: every row, peers, best and median runs, one JSON line."""
 import importlib.util
 import json
+import statistics
 from pathlib import Path
 
 from conftest import save_checkpoint, tiny_llama
@@ -15,7 +16,7 @@ def load_script():
     return module
 
 
-def test_throughput_reports_best_of_repeats_and_ratios(tmp_path, capsys):
+def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, capsys):
     model = save_checkpoint(tiny_llama(), tmp_path / "model")
     load_script().main(["--model", model, "--dtypes", "float32", "--requests", "4", "--prompt-len", "6",
                         "--new-tokens", "3", "--repeats", "2"])
@@ -27,5 +28,9 @@ def test_throughput_reports_best_of_repeats_and_ratios(tmp_path, capsys):
     for label in labels:
         runs = row["runs_tok_s"][label]
         assert len(runs) == 2 and abs(row[label] - max(runs)) <= 0.1  # the best run is the reported one
+        assert abs(row["median_tok_s"][label] - statistics.median(runs)) <= 0.1
     assert row["greedy_rows_equal_to_peft"] == 1.0  # fp32: every mixed row's greedy tokens equal PEFT's
     assert set(report["ratios"]) >= {"float32:mixed8/base", "float32:mixed8/peft_mixed8", "best:mixed8/peft_mixed8"}
+    assert set(report["ratios_median"]) == set(report["ratios"])
+    median = row["median_tok_s"]
+    assert abs(report["ratios_median"]["float32:mixed8/base"] - median["mixed8"] / median["base"]) < 1e-9
