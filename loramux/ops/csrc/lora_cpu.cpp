@@ -319,20 +319,30 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   const int64_t B_slot = RK * out;
   const int64_t row_bytes = in * (int64_t)sizeof(T), out_bytes = out * (int64_t)sizeof(T);
 
-  auto shrink_item = [&](int64_t it) {
-    const ShrinkItem& si = items[it];
-    const Group& gr = groups[si.g];
-    const T* ap = A + (gr.slot * R + si.r0) * in;
+  auto item_lines = [&](int64_t it) { return lines_of(items[it].rt * row_bytes); };
+  auto block_lines = [&](int64_t g, int64_t ob) { return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(T)); };
+  // Loops run token tiles outside, items / blocks inside: a prefill group's A rows (<= ~110 KB) and B
+  // columns stay in L2 across its tiles while x and y are each walked once, row by row (blocks outside
+  // walked y down its columns, a 12 KB stride for gate_up: a DTLB miss per line, y 2x through DRAM).
+  // The cursor advances on the first tile, where the weights are first read.
+  auto shrink_items = [&](Cursor& cur, int64_t g, int64_t i0, int64_t i1) {  // items [i0, i1) of group g
+    const Group& gr = groups[g];
     for (int64_t p0 = 0; p0 < gr.len; p0 += 4) {
       const int tt = (int)std::min<int64_t>(4, gr.len - p0);
       const T* xp[4];
-      float* hp[4];
+      float* hrow[4];
       for (int i = 0; i < tt; ++i) {
         const int64_t p = gr.start + p0 + i;
         xp[i] = x + (int64_t)order[p] * xs;
-        hp[i] = hbuf + p * R + si.r0;
+        hrow[i] = hbuf + p * R;
       }
-      shrink_dispatch<T>(tt, si.rt, xp, ap, in, hp);
+      for (int64_t it = i0; it < i1; ++it) {
+        const ShrinkItem& si = items[it];
+        if (p0 == 0) cur.advance(item_lines(it));
+        float* hp[4];
+        for (int i = 0; i < tt; ++i) hp[i] = hrow[i] + si.r0;
+        shrink_dispatch<T>(tt, si.rt, xp, A + (gr.slot * R + si.r0) * in, in, hp);
+      }
     }
   };
   auto round_group = [&](const Group& gr) {  // bf16: h rows of the group to bf16 (RNE)
@@ -342,22 +352,28 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
         store16(hbbuf + i, _mm512_maskz_loadu_ps(m, hbuf + i), m);
       }
   };
-  auto expand_block = [&](int64_t g, int64_t ob) {
+  using H = std::conditional_t<kF32, float, bf16raw>;  // the expand's h: fp32, or rounded to bf16
+  const H* hsrc;
+  if constexpr (kF32) hsrc = hbuf; else hsrc = hbbuf;
+  auto expand_blocks = [&](Cursor& cur, int64_t g, int64_t ob0, int64_t ob1) {  // output blocks [ob0, ob1)
     const Group& gr = groups[g];
-    const ExpBlock& eb = blocks[ob];
-    const T* bp = B + gr.slot * B_slot + eb.o0;
+    const T* bslot = B + gr.slot * B_slot;
     for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
       const int tj = (int)std::min<int64_t>(8, gr.len - p0);
-      T* yp[8];
-      for (int i = 0; i < tj; ++i) yp[i] = y + (int64_t)order[gr.start + p0 + i] * ys + eb.o0;
-      if constexpr (kF32) {
-        const float* hp[8];
-        for (int i = 0; i < tj; ++i) hp[i] = hbuf + (gr.start + p0 + i) * R + eb.rlo;
-        expand_dispatch<T>(tj, bp, out, gr.rank, hp, yp, mask16(eb.nrows));
-      } else {
-        const bf16raw* hp[8];
-        for (int i = 0; i < tj; ++i) hp[i] = hbbuf + (gr.start + p0 + i) * R + eb.rlo;
-        expand_dispatch<T>(tj, bp, out, gr.rank, hp, yp, mask32(eb.nrows));
+      T* yrow[8];
+      const H* hrow[8];
+      for (int i = 0; i < tj; ++i) {
+        yrow[i] = y + (int64_t)order[gr.start + p0 + i] * ys;
+        hrow[i] = hsrc + (gr.start + p0 + i) * R;
+      }
+      for (int64_t ob = ob0; ob < ob1; ++ob) {
+        const ExpBlock& eb = blocks[ob];
+        if (p0 == 0) cur.advance(block_lines(g, ob));
+        T* yp[8];
+        const H* hp[8];
+        for (int i = 0; i < tj; ++i) yp[i] = yrow[i] + eb.o0, hp[i] = hrow[i] + eb.rlo;
+        if constexpr (kF32) expand_dispatch<T>(tj, bslot + eb.o0, out, gr.rank, hp, yp, mask16(eb.nrows));
+        else expand_dispatch<T>(tj, bslot + eb.o0, out, gr.rank, hp, yp, mask32(eb.nrows));
       }
     }
   };
@@ -371,8 +387,6 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
     const int64_t o0 = blocks[ob0].o0, o1 = blocks[ob1 - 1].o0 + blocks[ob1 - 1].nrows;
     cur.add(B + gr.slot * B_slot + o0, gr.rank, out_bytes, lines_of((o1 - o0) * (int64_t)sizeof(T)));
   };
-  auto item_lines = [&](int64_t it) { return lines_of(items[it].rt * row_bytes); };
-  auto block_lines = [&](int64_t g, int64_t ob) { return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(T)); };
   const int64_t* gbeg = pl.gbeg.empty() ? nullptr : pl.gbeg.data();
 
 #pragma omp parallel num_threads(nth) if (nth > 1)
@@ -388,15 +402,9 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
       }
       cur.advance(Cursor::kAhead);
       for (int64_t g = g0; g < g1; ++g) {
-        for (int64_t it = item_begin[g]; it < item_begin[g + 1]; ++it) {
-          cur.advance(item_lines(it));
-          shrink_item(it);
-        }
+        shrink_items(cur, g, item_begin[g], item_begin[g + 1]);
         round_group(groups[g]);
-        for (int64_t ob = 0; ob < nob; ++ob) {
-          cur.advance(block_lines(g, ob));
-          expand_block(g, ob);
-        }
+        expand_blocks(cur, g, 0, nob);
       }
     } else {
       // ---- 1. shrink, split over items; 2. expand: each thread owns a contiguous range of output blocks
@@ -406,19 +414,14 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
       for (int64_t it = it0; it < it1; ++it) add_item(cur, it);
       for (int64_t g = 0; g < G; ++g) add_columns(cur, groups[g], ob0, ob1);
       cur.advance(Cursor::kAhead);
-      for (int64_t it = it0; it < it1; ++it) {
-        cur.advance(item_lines(it));
-        shrink_item(it);
-      }
+      if (it0 < it1)
+        for (int64_t g = items[it0].g; g <= items[it1 - 1].g; ++g)
+          shrink_items(cur, g, std::max(it0, item_begin[g]), std::min(it1, item_begin[g + 1]));
 #pragma omp barrier
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < G; ++g) round_group(groups[g]);
       // (implicit barrier)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t ob = ob0; ob < ob1; ++ob) {
-          cur.advance(block_lines(g, ob));
-          expand_block(g, ob);
-        }
+      for (int64_t g = 0; g < G; ++g) expand_blocks(cur, g, ob0, ob1);
     }
   }
 }
