@@ -25,6 +25,8 @@
 //      and y[t, block] += acc[t] (bf16: y rounded RNE). Rank-major B is why: an out-major [out, r]
 //      block would need a transpose or a horizontal reduction per block, and a slot of rank r_s < r
 //      reads r_s whole rows instead of r_s of every row's r columns.
+//   Both passes loop over a group's token tiles outside and its items / blocks inside: with many tokens
+//   per adapter (prefill) the adapter's A and B stay in L2 and x and y are each read once, row by row.
 //   Memory: decode reads every active slot's A and B from DRAM once per call (~0.5 MB, 120 calls a step,
 //   between compute-bound base GEMMs that leave them out of cache). Each thread lists the A rows and B
 //   columns it will read, in the order it reads them, and a prefetch cursor walks that list 16 KB ahead
