@@ -1,4 +1,9 @@
 """Every backend against the per-token loop that defines the op."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -158,6 +163,32 @@ def test_cpu_kernel_threaded_paths(dtype, atol, tokens_per_slot):
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
+
+
+SMALLER_TEAM = textwrap.dedent("""
+    import torch
+    from loramux.ops import LoRAMapping, lora_cpu
+    from loramux.ops.lora_torch import add_lora_segmented
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    lora_a, lora_b = torch.randn(8, 16, 256) * 0.1, torch.randn(8, 512, 16) * 0.1
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    mapping = LoRAMapping.from_slots([t % 8 for t in range(64)])
+    x, y, expected = torch.randn(64, 256), torch.zeros(64, 512), torch.zeros(64, 512)
+    lora_cpu.add_lora_cpu(y, x, lora_a, lora_b, mapping)
+    add_lora_segmented(expected, x, lora_a, lora_b, mapping)
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+""")
+
+
+@pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
+def test_cpu_kernel_with_a_smaller_openmp_team_than_torch_asks_for():
+    """OMP_THREAD_LIMIT below torch's thread count gives the kernel fewer threads than it planned whole
+    adapters for: it must still compute every adapter (it once dropped the missing threads' share)."""
+    env = dict(os.environ, OMP_THREAD_LIMIT="1")
+    cmd = [sys.executable, "-c", SMALLER_TEAM]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")

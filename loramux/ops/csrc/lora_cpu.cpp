@@ -322,7 +322,9 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   const int64_t row_bytes = in * (int64_t)sizeof(T), out_bytes = out * (int64_t)sizeof(T);
 
   auto item_lines = [&](int64_t it) { return lines_of(items[it].rt * row_bytes); };
-  auto block_lines = [&](int64_t g, int64_t ob) { return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(T)); };
+  auto block_lines = [&](int64_t g, int64_t ob) {
+    return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(T));
+  };
   // Loops run token tiles outside, items / blocks inside: a prefill group's A rows (<= ~110 KB) and B
   // columns stay in L2 across its tiles while x and y are each walked once, row by row (blocks outside
   // walked y down its columns, a 12 KB stride for gate_up: a DTLB miss per line, y 2x through DRAM).
@@ -396,7 +398,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
     Cursor& cur = thread_cursor();
     cur.reset();
-    if (gbeg) {  // each thread: its own groups, shrink then expand
+    if (gbeg && nt == nth) {  // each thread: its own groups, shrink then expand (a smaller team: split)
       const int64_t g0 = gbeg[tid], g1 = gbeg[tid + 1];
       for (int64_t g = g0; g < g1; ++g) {
         for (int64_t it = item_begin[g]; it < item_begin[g + 1]; ++it) add_item(cur, it);
