@@ -248,15 +248,15 @@ def print_report(report: dict, dtypes: list[str]) -> None:
             print(f"{dtype:<10}{label:<18}{report[dtype][label]:>12.1f}{median:>9.1f}   {runs}")
         if "greedy_rows_equal_to_peft" in report[dtype]:
             print(f"{dtype:<10}greedy rows equal to PEFT's: {report[dtype]['greedy_rows_equal_to_peft']:.0%}")
-    report["ratios"] = ratios(report, dtypes, lambda dtype: report[dtype])
-    report["ratios_median"] = ratios(report, dtypes, lambda dtype: report[dtype]["median_tok_s"])
+    report["ratios"] = ratios(dtypes, lambda dtype: report[dtype])
+    report["ratios_median"] = ratios(dtypes, lambda dtype: report[dtype]["median_tok_s"])
     print(f"\nratios (ours / peer){'best':>32}{'median':>7}")
     for label, value in report["ratios"].items():
         print(f"  {label:<44}{value:6.2f}x{report['ratios_median'][label]:7.2f}x")
     print(json.dumps(report))
 
 
-def ratios(report: dict, dtypes: list[str], tok_s) -> dict:
+def ratios(dtypes: list[str], tok_s) -> dict:
     """The issue's ratios from one statistic of the rows: tok_s(dtype) -> {label: tokens/s}."""
     out = {}
     for dtype in dtypes:
