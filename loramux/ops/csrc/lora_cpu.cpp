@@ -321,6 +321,10 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   const int64_t B_slot = RK * out;
   const int64_t row_bytes = in * (int64_t)sizeof(T), out_bytes = out * (int64_t)sizeof(T);
 
+  // where a shrink item's A rows and a group's B start: both what the arithmetic reads and what the
+  // cursor prefetches
+  auto a_rows = [&](const ShrinkItem& si) { return A + (groups[si.g].slot * R + si.r0) * in; };
+  auto b_slot = [&](const Group& gr) { return B + gr.slot * B_slot; };
   auto item_lines = [&](int64_t it) { return lines_of(items[it].rt * row_bytes); };
   auto block_lines = [&](int64_t g, int64_t ob) {
     return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(T));
@@ -345,7 +349,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
         if (p0 == 0) cur.advance(item_lines(it));
         float* hp[4];
         for (int i = 0; i < tt; ++i) hp[i] = hrow[i] + si.r0;
-        shrink_dispatch<T>(tt, si.rt, xp, A + (gr.slot * R + si.r0) * in, in, hp);
+        shrink_dispatch<T>(tt, si.rt, xp, a_rows(si), in, hp);
       }
     }
   };
@@ -361,7 +365,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   if constexpr (kF32) hsrc = hbuf; else hsrc = hbbuf;
   auto expand_blocks = [&](Cursor& cur, int64_t g, int64_t ob0, int64_t ob1) {  // output blocks [ob0, ob1)
     const Group& gr = groups[g];
-    const T* bslot = B + gr.slot * B_slot;
+    const T* bslot = b_slot(gr);
     for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
       const int tj = (int)std::min<int64_t>(8, gr.len - p0);
       T* yrow[8];
@@ -382,14 +386,11 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
     }
   };
   // the cursor's regions: a shrink item's A rows; a group's B columns for output blocks [ob0, ob1)
-  auto add_item = [&](Cursor& cur, int64_t it) {
-    const ShrinkItem& si = items[it];
-    cur.add(A + (groups[si.g].slot * R + si.r0) * in, 1, 0, lines_of(si.rt * row_bytes));
-  };
+  auto add_item = [&](Cursor& cur, int64_t it) { cur.add(a_rows(items[it]), 1, 0, item_lines(it)); };
   auto add_columns = [&](Cursor& cur, const Group& gr, int64_t ob0, int64_t ob1) {
     if (ob0 >= ob1) return;
     const int64_t o0 = blocks[ob0].o0, o1 = blocks[ob1 - 1].o0 + blocks[ob1 - 1].nrows;
-    cur.add(B + gr.slot * B_slot + o0, gr.rank, out_bytes, lines_of((o1 - o0) * (int64_t)sizeof(T)));
+    cur.add(b_slot(gr) + o0, gr.rank, out_bytes, lines_of((o1 - o0) * (int64_t)sizeof(T)));
   };
   const int64_t* gbeg = pl.gbeg.empty() ? nullptr : pl.gbeg.data();
 
