@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -28,6 +28,41 @@ class HTTPError(Exception):
     def __init__(self, status_code: int, message: str, err_type: str = "invalid_request_error", code: str | None = None):
         super().__init__(message)
         self.status_code, self.message, self.err_type, self.code = status_code, message, err_type, code
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` once a body passes the limit; an HTTPException so that FastAPI's body parsing
+    lets it through instead of turning it into "There was an error parsing the body"."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is over the limit of {limit} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: counts a request's body as it arrives, so that a chunked body (no Content-Length)
+    is held to the limit too; one with a Content-Length over it is refused before anything is read."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            message = f"the request body is {int(length)} bytes; the limit is {self.limit}"
+            return await _error(413, message)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 def _error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
@@ -161,19 +196,22 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
 
 
 def _add_middleware(app: FastAPI, server: Server) -> None:
+    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)  # inside the key check: 401 comes first
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
         key = server.config.api_key
         if key and request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {key}":
             return _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                           "authentication_error", "invalid_api_key")
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > server.config.max_body_bytes:
-            return _error(400, f"the request body is {length} bytes; the limit is {server.config.max_body_bytes}")
         return await call_next(request)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(_, e: BodyTooLarge):
+        return _error(413, e.detail)
+
     @app.exception_handler(HTTPError)
     async def http_error(_, e: HTTPError):
         return _error(e.status_code, e.message, e.err_type, e.code)
