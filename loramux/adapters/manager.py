@@ -27,7 +27,7 @@ from loramux.adapters.checkpoint import (
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.config import LoRAConfig
 from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
-from loramux.ops import RowSlots, UniformSlot, select_backend
+from loramux.ops import RowSlots, UniformSlot, select_backend, wants_grouped_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class LoRAManager:
         self.context = LoRAContext()
         self.cache = AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
         self._add_lora = select_backend(backend, next(model.parameters()).device)
+        self.wants_grouped_tokens = wants_grouped_tokens(self._add_lora)  # see ModelRunner.run
         self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
         self._bindings: dict[str, _Binding] = {}
         self._wrap_targets()

@@ -28,6 +28,17 @@ BACKENDS: dict[str, AddLoRA] = {
 }
 
 
+# LoRA ops whose cost does not depend on the order of the tokens (the C++ kernel groups them by slot
+# itself; the gathered form indexes per token). For the segmented form a batch ordered by slot means
+# fewer, longer runs: one GEMM pair per run.
+ORDER_FREE: frozenset[AddLoRA] = frozenset({lora_cpu.add_lora_cpu, add_lora_gathered})
+
+
+def wants_grouped_tokens(op: AddLoRA) -> bool:
+    """Whether `op` runs faster when the tokens of one slot are next to each other."""
+    return op not in ORDER_FREE
+
+
 def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Callable:
     """backends[name]; "auto" = the C++ CPU kernel where it runs (CPU device, AVX-512 BF16), else torch."""
     if name == "auto":
@@ -59,5 +70,6 @@ def select_pointwise_backend(name: str = "auto", device: str | torch.device = "c
     return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 
-__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "POINTWISE_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot",
-           "select_attention_backend", "select_backend", "select_pointwise_backend"]
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "LoRAMapping", "RowSlots",
+           "UniformSlot", "select_attention_backend", "select_backend", "select_pointwise_backend",
+           "wants_grouped_tokens"]

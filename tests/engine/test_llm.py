@@ -4,7 +4,9 @@ import torch
 
 from conftest import MODEL_FACTORIES, hf_greedy, save_checkpoint, save_peft_adapter
 from loramux import LoRAConfig
+from loramux.engine.model_runner import batch_order
 from loramux.llm import LLM
+from loramux.ops import BACKENDS, wants_grouped_tokens
 from loramux.sampling_params import SamplingParams
 
 ADAPTERS = ("r4", "r8_rslora", "r16_patterns", "r64_qv")
@@ -49,10 +51,12 @@ def make_llm(path, adapters=None, **kw):
     return llm
 
 
-@pytest.mark.parametrize("kind", list(FACTORIES))
-def test_mixed_batch_greedy_equals_hf_peft_alone(kind, checkpoints):
+@pytest.mark.parametrize("kind, backend", [(kind, "auto") for kind in FACTORIES] + [("llama", "torch")])
+def test_mixed_batch_greedy_equals_hf_peft_alone(kind, backend, checkpoints):
+    """"auto" is the C++ kernel where it runs (rows kept in batch order); "torch" the segmented op (rows
+    regrouped by slot for each step)."""
     base, path, adapters = checkpoints[kind]
-    llm = make_llm(path, adapters)
+    llm = make_llm(path, adapters, lora_backend=backend)
     rows = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv", "r16_patterns", "r8_rslora"]
     batch = prompts(len(rows))
     outputs = llm.generate(batch, GREEDY, adapters=rows)
@@ -61,6 +65,14 @@ def test_mixed_batch_greedy_equals_hf_peft_alone(kind, checkpoints):
         assert out.token_ids == expected, f"{adapter}: {out.token_ids} != {expected}"
         assert out.finish_reason == "length" and out.adapter == adapter
     assert len({tuple(o.token_ids) for o in outputs}) > 5  # adapters really changed the outputs
+
+
+def test_rows_keep_their_order_unless_the_lora_op_wants_them_grouped():
+    slots = [2, -1, 0, 2, -1]
+    assert batch_order(slots, grouped=False) == [0, 1, 2, 3, 4]
+    assert batch_order(slots, grouped=True) == [1, 4, 2, 0, 3]  # stable within a slot
+    assert wants_grouped_tokens(BACKENDS["torch"])
+    assert not wants_grouped_tokens(BACKENDS["cpu"]) and not wants_grouped_tokens(BACKENDS["torch-gathered"])
 
 
 def test_base_model_without_lora_equals_hf(checkpoints):
