@@ -7,7 +7,9 @@ of ranks 8/16 on all 7 projections. Rows:
 Prints tokens/s, the ratios (ours / peer) and one JSON line. Every row first runs once untimed (warm-up:
 caches, and each case's adapters loaded into device slots, as a serving engine keeps them resident),
 then is timed --repeats times (rows of one engine interleaved round by round); it reports its best run
-and its median run, and ratios of both, peers included; the JSON line keeps every run.
+and its median run, and ratios of both, peers included; for rows of one engine also the median of the
+per-round ratios ("paired": both rows of a round ran under the same machine conditions). The JSON line
+keeps every run.
 The machine's load is recorded: on 2 cores, any other busy process distorts every number.
 
   .venv/bin/python benchmarks/throughput.py [--dtypes float32 bfloat16] [--skip-hf]
@@ -250,10 +252,27 @@ def print_report(report: dict, dtypes: list[str]) -> None:
             print(f"{dtype:<10}greedy rows equal to PEFT's: {report[dtype]['greedy_rows_equal_to_peft']:.0%}")
     report["ratios"] = ratios(dtypes, lambda dtype: report[dtype])
     report["ratios_median"] = ratios(dtypes, lambda dtype: report[dtype]["median_tok_s"])
-    print(f"\nratios (ours / peer){'best':>32}{'median':>7}")
+    report["ratios_paired"] = paired_ratios(dtypes, lambda dtype: report[dtype]["runs_tok_s"])
+    print(f"\nratios (ours / peer){'best':>32}{'median':>7}{'paired':>8}")
     for label, value in report["ratios"].items():
-        print(f"  {label:<44}{value:6.2f}x{report['ratios_median'][label]:7.2f}x")
+        paired = report["ratios_paired"].get(label)
+        print(f"  {label:<44}{value:6.2f}x{report['ratios_median'][label]:7.2f}x" + (f"{paired:7.2f}x" if paired else ""))
     print(json.dumps(report))
+
+
+# Rows that one engine runs in the same rounds, back to back: the ratio of each round compares them under
+# the same machine conditions; the median of those per-round ratios is the least noisy of the three.
+PAIRED = {"mixed8/base": ("mixed8", "base"), "distinct32/single(max_loras=32)": ("distinct32", "single_max32")}
+
+
+def paired_ratios(dtypes: list[str], runs_of) -> dict:
+    """{dtype:label: median over rounds of row / row} for the PAIRED rows; runs_of(dtype) -> {row: [tok/s]}."""
+    out = {}
+    for dtype in dtypes:
+        runs = runs_of(dtype)
+        for label, (num, den) in PAIRED.items():
+            out[f"{dtype}:{label}"] = statistics.median(a / b for a, b in zip(runs[num], runs[den]))
+    return out
 
 
 def ratios(dtypes: list[str], tok_s) -> dict:

@@ -34,3 +34,7 @@ def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, caps
     assert set(report["ratios_median"]) == set(report["ratios"])
     median = row["median_tok_s"]
     assert abs(report["ratios_median"]["float32:mixed8/base"] - median["mixed8"] / median["base"]) < 1e-9
+    runs = row["runs_tok_s"]  # rounded to 0.1 tok/s in the JSON: compare loosely
+    paired = statistics.median(m / b for m, b in zip(runs["mixed8"], runs["base"]))
+    assert abs(report["ratios_paired"]["float32:mixed8/base"] - paired) < 1e-2 * paired
+    assert set(report["ratios_paired"]) == {"float32:mixed8/base", "float32:distinct32/single(max_loras=32)"}
