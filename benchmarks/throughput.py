@@ -280,8 +280,8 @@ def ratios(dtypes: list[str], tok_s) -> dict:
     out = {}
     for dtype in dtypes:
         r = tok_s(dtype)
-        out[f"{dtype}:mixed8/base"] = r["mixed8"] / r["base"]
-        out[f"{dtype}:distinct32/single(max_loras=32)"] = r["distinct32"] / r["single_max32"]
+        for label, (num, den) in PAIRED.items():
+            out[f"{dtype}:{label}"] = r[num] / r[den]
         if "peft_mixed8" in r:
             out[f"{dtype}:mixed8/peft_mixed8"] = r["mixed8"] / r["peft_mixed8"]
             out[f"{dtype}:base/hf_base"] = r["base"] / r["hf_base"]
