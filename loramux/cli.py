@@ -33,10 +33,14 @@ def serve(args) -> None:
 
     from loramux.server.app import build_app
 
-    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir))
-    app = build_app(_engine_config(args), config, args.lora_modules)
+    app = build_app(_engine_config(args), _server_config(args), args.lora_modules)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _server_config(args) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                        api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
+                        max_body_bytes=args.max_body_bytes)
 
 
 def generate(args) -> None:
@@ -79,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
                    help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
+                   help="larger request bodies get 413 (default: 1 MiB)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=serve)
     g = commands.add_parser("generate", help="generate offline, once per --adapter")

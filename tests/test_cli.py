@@ -33,3 +33,18 @@ def test_bench_prints_a_table_and_writes_a_chart(tiny, tmp_path, capsys):
     assert set(result["by_batch"]) == {"1", "4"} and set(result["by_distinct"]) == {"1", "2", "4"}
     assert all(v > 0 for row in result["by_batch"].values() for v in row.values())
     assert "distinct adapters" in out
+
+
+def test_serve_passes_its_flags_to_the_server(monkeypatch):
+    import uvicorn
+
+    import loramux.server.app as app
+
+    seen = {}
+    monkeypatch.setattr(app, "build_app", lambda engine, server, modules: seen.update(engine=engine, server=server))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.update(port=k["port"]))
+    main(["serve", "--port", "8123", "--max-body-bytes", "2048", "--api-key", "k", "--max-loras", "2"])
+    assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2
+    assert seen["server"].max_body_bytes == 2048 and seen["server"].api_key == "k"
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        main(["serve", "--max-body-bytes", "0"])
