@@ -53,6 +53,7 @@ class ModelRunner:
         for module in self.model.modules():  # RMSNorm, SiluAndMul, RotaryEmbedding name the op they run
             if hasattr(module, "pointwise_op"):
                 module.op = getattr(pointwise, module.pointwise_op)
+        self.argmax = pointwise.argmax  # greedy sampling
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}
@@ -88,7 +89,7 @@ class ModelRunner:
         input_ids, positions, meta, token_counts, last_indices = prepare(ordered)
         hidden = self._forward(input_ids, positions, meta, ordered, slots, token_counts)
         logits = self.model.compute_logits(hidden[last_indices])
-        tokens = sample(logits, [self._sampling_row(s) for s in ordered])
+        tokens = sample(logits, [self._sampling_row(s) for s in ordered], self.argmax)
         result = [0] * len(seqs)
         for i, token in zip(order, tokens):
             result[i] = token

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 import torch
 
+from loramux.ops import pointwise_torch
 from loramux.sampling_params import SamplingParams
 
 
@@ -43,10 +46,11 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """logits: [batch, vocab] float32 -> one token id per row."""
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax) -> list[int]:
+    """logits: [batch, vocab] float32 -> one token id per row. `argmax`: a pointwise backend's (greedy rows)."""
     apply_penalties(logits, rows)
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax(logits).tolist()
     for i, row in enumerate(rows):
         p = row.params
         if p.greedy:

@@ -1,5 +1,5 @@
 """The fast ops and their pure-torch references: the LoRA math, paged decode attention and
-the per-token pointwise ops (RMSNorm, SiLU-and-mul, rotary).
+the per-token pointwise ops (RMSNorm, SiLU-and-mul, rotary, greedy argmax).
 
 Slot -1 means "base model": those tokens are left untouched by every LoRA op.
 
@@ -56,7 +56,7 @@ def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> Ad
 
 
 ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
-# pointwise backends are modules with rms_norm, silu_and_mul and rotary (see pointwise_torch.py)
+# pointwise backends are modules with rms_norm, silu_and_mul, rotary and argmax (see pointwise_torch.py)
 POINTWISE_BACKENDS = {"torch": pointwise_torch, "cpu": pointwise_cpu}
 
 
@@ -66,7 +66,7 @@ def select_attention_backend(name: str = "auto", device: str | torch.device = "c
 
 
 def select_pointwise_backend(name: str = "auto", device: str | torch.device = "cpu"):
-    """The pointwise ops (a module with rms_norm, silu_and_mul, rotary; see pointwise_torch.py)."""
+    """The pointwise ops (a module with rms_norm, silu_and_mul, rotary, argmax; see pointwise_torch.py)."""
     return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 

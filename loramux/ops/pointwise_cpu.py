@@ -4,6 +4,8 @@ go to the torch path. torch runs each of these as a chain of elementwise ops (RM
 32 x 576 bf16, 61 calls per SmolLM2 decode step)."""
 from __future__ import annotations
 
+import torch
+
 from loramux.ops import pointwise_torch
 from loramux.ops.cpu_extension import load_extension
 
@@ -30,3 +32,9 @@ def rotary(q, k, cos, sin):
         return pointwise_torch.rotary(q, k, cos, sin)
     load_extension("pointwise_cpu").rotary_(q, k, cos, sin)
     return q, k
+
+
+def argmax(x):
+    if x.dim() != 2 or x.stride(1) != 1 or x.dtype != torch.float32 or x.shape[1] == 0:
+        return pointwise_torch.argmax(x)
+    return load_extension("pointwise_cpu").argmax(x)

@@ -11,6 +11,9 @@ portable fallback. Each follows HF transformers' order of operations and roundin
       q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim] (last dim contiguous, any
       other strides), cos/sin [num_tokens, head_dim] -> x * cos + rotate_half(x) * sin for both
       (apply_rotary_pos_emb); an op may rotate q and k in place and return them.
+  argmax(x) -> ids
+      x [num_tokens, vocab] float32 logits -> int64 [num_tokens]: the first index of each row's maximum,
+      a NaN counting as the maximum (torch.argmax); greedy sampling
 """
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # in place: one [tokens, d] buffer less
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Every pointwise backend (RMSNorm, SiLU-and-mul, rotary) against HF transformers' formulas, written out."""
+"""Every pointwise backend (RMSNorm, SiLU-and-mul, rotary, argmax) against HF transformers' formulas (argmax: torch's)."""
 import pytest
 import torch
 
@@ -89,3 +89,28 @@ def test_cpu_ops_take_what_the_kernels_cannot_through_torch():
     q_out, k_out = pointwise_cpu.rotary(q, k, cos, sin)
     torch.testing.assert_close(q_out, q.double())
     torch.testing.assert_close(k_out, k.double())
+
+
+@pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
+@pytest.mark.parametrize("rows, vocab", [(1, 7), (5, 40), (32, 49152)])  # 49152: SmolLM2's vocabulary
+def test_argmax_is_torch_argmax(backend, rows, vocab):
+    ops = backend_or_skip(backend)
+    torch.manual_seed(2)
+    x = torch.randn(rows, vocab + 3)[:, :vocab]  # strided rows
+    x[0, vocab // 2] = x[0, vocab - 1] = x[0].max() + 1  # a tie: the first index wins
+    if rows > 1:
+        x[1, -1] = x[1].max() + 1  # the maximum in the last (partial) vector
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
+def test_argmax_nan_and_infinities_as_torch(backend):
+    ops = backend_or_skip(backend)
+    x = torch.randn(4, 37)
+    x[0, 5], x[0, 30] = float("nan"), float("nan")  # the first NaN counts as the maximum
+    x[1] = float("-inf")  # all -inf: index 0
+    x[2, 20], x[2, 36] = float("inf"), float("inf")
+    x[3, 3], x[3, 33] = float("inf"), float("nan")
+    expected = x.argmax(dim=-1)
+    assert expected.tolist() == [5, 0, 20, 33]
+    assert torch.equal(ops.argmax(x), expected)

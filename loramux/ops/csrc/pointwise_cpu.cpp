@@ -7,6 +7,9 @@
 //     out = to_dtype(to_dtype(silu(gate)) * up)                 (gate = x[:, :d], up = x[:, d:])
 //   rotary_(q [T, H, Dh], k [T, KVH, Dh], cos [T, Dh], sin [T, Dh])   in place
 //     x = to_dtype(to_dtype(x * cos) + to_dtype(rotate_half(x) * sin)), rotate_half(x) = [-x2, x1]
+//   argmax(x [N, V] fp32) -> int64 [N]
+//     the first index of each row's maximum, a NaN counting as the maximum (torch.argmax): greedy
+//     sampling over the vocabulary (torch's own argmax does not vectorize: ~1 ms for 32 x 49152)
 // x, q, k: unit last stride, any other strides. Rows (tokens) in parallel when there are many.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -81,6 +84,30 @@ static void rotary_tokens(torch::Tensor& q, torch::Tensor& k, const T* cos, cons
   }
 }
 
+// first index of the row's maximum; a NaN beats every number, so the first NaN wins (as in torch)
+static int64_t argmax_row(const float* x, int64_t V) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 m = mask16(V - v);
+    const __m512 a = _mm512_mask_loadu_ps(best, m, x + v);  // lanes past V keep `best`: they change nothing
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, a);
+  }
+  int64_t first = 0;
+  if (nan) {
+    while (!std::isnan(x[first])) ++first;
+    return first;
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+  for (int64_t v = 0; v < V; v += 16) {
+    const __mmask16 m = mask16(V - v);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + v), top, _CMP_EQ_OQ);
+    if (hit) return v + __builtin_ctz(hit);
+  }
+  return first;  // unreachable: the maximum is one of the row's values
+}
+
 }  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
@@ -135,9 +162,24 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
   });
 }
 
+torch::Tensor argmax(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.size(1) > 0,
+              "argmax: x must be a non-empty fp32 CPU [N, V] with unit column stride");
+  const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
+  auto out = torch::empty({N}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, grain_rows(V), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) op[n] = argmax_row(xp + n * xs, V);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * to_dtype(x * rsqrt(mean(x^2) + eps)) per row", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("argmax", &argmax, "first index of each row's maximum (NaN counts as the maximum)", py::arg("x"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]", py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("rotary_", &rotary_, "rotate q and k in place (HF apply_rotary_pos_emb)", py::arg("q"), py::arg("k"),
         py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
