@@ -18,7 +18,7 @@ from loramux.layers.linear import can_prepack, prepack_linears
 from loramux.layers.sampler import SamplingRow, sample
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
-from loramux.ops import LoRAMapping, select_attention_backend, select_pointwise_backend
+from loramux.ops import LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend
 
 
 def available_memory(device: torch.device) -> int:
@@ -71,8 +71,9 @@ class ModelRunner:
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
         cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
         decode_op = select_attention_backend(self.config.attention_backend, self.device)
+        store_op = select_kv_store_backend(self.config.attention_backend, self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.decode_op = cache[0, i], cache[1, i], decode_op
+            layer.k_cache, layer.v_cache, layer.decode_op, layer.store_op = cache[0, i], cache[1, i], decode_op, store_op
         self.kv_cache = cache
         return num_blocks
 

@@ -4,7 +4,8 @@ The cache of one layer is flat: k_cache / v_cache [num_blocks * block_size, kv_h
 token's K/V live at index block_table[pos // block_size] * block_size + pos % block_size.
 Prefill steps hold only new sequences (recompute preemption, no prefix cache), so they attend within
 their own tokens: padded to [batch, max_len] and run causally. Decode steps call a paged
-decode-attention op (ops.select_attention_backend, chosen once by the model runner).
+decode-attention op, and every step a KV-store op (ops.select_attention_backend and
+select_kv_store_backend, chosen once by the model runner).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loramux.ops.attention_torch import decode_attention_torch
+from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -35,15 +36,15 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.k_cache: torch.Tensor | None = None  # assigned by the model runner, with decode_op
+        self.k_cache: torch.Tensor | None = None  # assigned by the model runner, with decode_op and store_op
         self.v_cache: torch.Tensor | None = None
         self.decode_op = decode_attention_torch
+        self.store_op = store_kv_torch
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] -> [num_tokens, heads * head_dim]."""
         if self.k_cache is not None:
-            self.k_cache.index_copy_(0, meta.slot_mapping, k)
-            self.v_cache.index_copy_(0, meta.slot_mapping, v)
+            self.store_op(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         if meta.is_prefill:
             return self._prefill(q, k, v, meta)
         return self._decode(q, meta)

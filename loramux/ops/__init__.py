@@ -1,5 +1,5 @@
-"""The fast ops and their pure-torch references: the LoRA math, paged decode attention and
-the per-token pointwise ops (RMSNorm, SiLU-and-mul, rotary, greedy argmax).
+"""The fast ops and their pure-torch references: the LoRA math, paged decode attention, the KV-cache
+store and the per-token pointwise ops (RMSNorm, SiLU-and-mul, rotary, greedy argmax).
 
 Slot -1 means "base model": those tokens are left untouched by every LoRA op.
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from loramux.ops import attention_cpu, lora_cpu, pointwise_cpu, pointwise_torch
-from loramux.ops.attention_torch import decode_attention_torch
+from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
 
@@ -56,6 +56,7 @@ def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> Ad
 
 
 ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
+KV_STORE_BACKENDS = {"torch": store_kv_torch, "cpu": attention_cpu.store_kv_cpu}  # chosen with the attention backend
 # pointwise backends are modules with rms_norm, silu_and_mul, rotary and argmax (see pointwise_torch.py)
 POINTWISE_BACKENDS = {"torch": pointwise_torch, "cpu": pointwise_cpu}
 
@@ -65,11 +66,17 @@ def select_attention_backend(name: str = "auto", device: str | torch.device = "c
     return _choose("attention", ATTENTION_BACKENDS, attention_cpu.available, name, device)
 
 
+def select_kv_store_backend(name: str = "auto", device: str | torch.device = "cpu"):
+    """The KV-cache store op (see attention_torch.py) for attention backend `name` on `device`."""
+    return _choose("attention", KV_STORE_BACKENDS, attention_cpu.available, name, device)
+
+
 def select_pointwise_backend(name: str = "auto", device: str | torch.device = "cpu"):
     """The pointwise ops (a module with rms_norm, silu_and_mul, rotary, argmax; see pointwise_torch.py)."""
     return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 
-__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "LoRAMapping", "RowSlots",
-           "UniformSlot", "select_attention_backend", "select_backend", "select_pointwise_backend",
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "LoRAMapping",
+           "RowSlots", "UniformSlot", "select_attention_backend", "select_backend", "select_kv_store_backend",
+           "select_pointwise_backend",
            "wants_grouped_tokens"]

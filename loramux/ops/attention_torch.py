@@ -1,4 +1,5 @@
-"""Paged decode attention in pure torch: the specification, the oracle and the portable fallback.
+"""Paged decode attention and the KV-cache store in pure torch: the specification, the oracle and the
+portable fallback.
 
 Every decode-attention op has the signature
     op(q, k_cache, v_cache, block_tables, context_lens, block_size, scale) -> out
@@ -8,6 +9,11 @@ Every decode-attention op has the signature
   block_tables: [batch, max_blocks] int64 (padding: any block id)
   context_lens: [batch] int64, >= 1: keys 0..len-1 are attended
   out:          [batch, heads, head_dim]; GQA: head h uses kv head h // (heads // kv_heads)
+
+Every KV-store op has the signature
+    store(k_cache, v_cache, k, v, slot_mapping) -> None, in place
+  k, v:         [num_tokens, kv_heads, head_dim] the new tokens' keys and values (any strides)
+  slot_mapping: [num_tokens] int64, the cache row of each token: k_cache[slot_mapping[t]] = k[t], same for v
 """
 from __future__ import annotations
 
@@ -26,3 +32,8 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, bloc
     pad = torch.arange(context, device=q.device) >= context_lens[:, None, None, None]
     scores.masked_fill_(pad, float("-inf"))
     return torch.matmul(scores.softmax(-1).to(q.dtype), v).reshape(batch, num_heads, head_dim)
+
+
+def store_kv_torch(k_cache, v_cache, k, v, slot_mapping) -> None:
+    k_cache.index_copy_(0, slot_mapping, k)
+    v_cache.index_copy_(0, slot_mapping, v)

@@ -1,10 +1,11 @@
-"""Every paged decode-attention backend against a per-sequence loop that defines the op."""
+"""Every paged decode-attention backend against a per-sequence loop that defines the op; every KV store
+against a per-token copy."""
 import math
 
 import pytest
 import torch
 
-from loramux.ops import ATTENTION_BACKENDS, select_attention_backend
+from loramux.ops import ATTENTION_BACKENDS, KV_STORE_BACKENDS, attention_cpu, select_attention_backend
 
 
 def per_sequence_loop(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
@@ -53,3 +54,33 @@ def test_backend_matches_per_sequence_loop(backend, dtype, atol, case):
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         select_attention_backend("flash")
+
+
+@pytest.mark.parametrize("backend", list(KV_STORE_BACKENDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 32, 600])  # 600: the kernel's parallel path (prefill)
+def test_kv_store_writes_each_token_to_its_slot(backend, dtype, tokens):
+    if backend == "cpu" and not attention_cpu.available():
+        pytest.skip("needs the C++ CPU kernel")
+    torch.manual_seed(3)
+    kv_heads, head_dim, slots = 3, 64, 1024
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, dtype=dtype)  # k, v: strided views, as in the model
+    k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    k_cache, v_cache = torch.randn(2, slots, kv_heads, head_dim, dtype=dtype)
+    slot_mapping = torch.randperm(slots)[:tokens]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        expected_k[slot], expected_v[slot] = k[t], v[t]
+    KV_STORE_BACKENDS[backend](k_cache, v_cache, k, v, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_cpu_kv_store_refuses_a_slot_outside_the_cache():
+    if not attention_cpu.available():
+        pytest.skip("needs the C++ CPU kernel")
+    k_cache, v_cache = torch.zeros(2, 16, 2, 8)
+    k = v = torch.ones(2, 2, 8)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 16 outside \[0, 16\)"):
+        attention_cpu.store_kv_cpu(k_cache, v_cache, k, v, torch.tensor([3, 16]))
+    assert not k_cache.any()  # checked before anything is written
