@@ -50,9 +50,9 @@ class ModelRunner:
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
-        for module in self.model.modules():  # RMSNorm, SiluAndMul, RotaryEmbedding name the op they run
-            if hasattr(module, "pointwise_op"):
-                module.op = getattr(pointwise, module.pointwise_op)
+        for module in self.model.modules():  # RMSNorm, SiluAndMul, RotaryEmbedding name the ops they run
+            for attr, name in getattr(module, "pointwise_ops", {}).items():
+                setattr(module, attr, getattr(pointwise, name))
         self.argmax = pointwise.argmax  # greedy sampling
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)

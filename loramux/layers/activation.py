@@ -8,7 +8,7 @@ from loramux.ops import pointwise_torch
 
 
 class SiluAndMul(nn.Module):
-    pointwise_op = "silu_and_mul"  # the model runner sets self.op to the backend's op of this name
+    pointwise_ops = {"op": "silu_and_mul"}  # the model runner sets self.op to the backend's op of this name
 
     def __init__(self):
         super().__init__()

@@ -27,7 +27,7 @@ class Rope:
 
 
 class RotaryEmbedding(nn.Module):
-    pointwise_op = "rotary"  # the model runner sets self.op to the backend's op of this name
+    pointwise_ops = {"op": "rotary"}  # the model runner sets self.op to the backend's op of this name
 
     def __init__(self):
         super().__init__()

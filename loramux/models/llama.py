@@ -72,9 +72,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata):
+        """hidden: the previous layer's MLP output (the embeddings in layer 0, residual None); residual: the
+        stream it adds to. Returns (this layer's MLP output, the stream). HF's adds, in HF's order, each fused
+        into the next norm."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -86,11 +94,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        hidden, residual = self.embed_tokens(input_ids), None  # [num_tokens, hidden]
         rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            hidden = layer(rope, hidden, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, meta)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

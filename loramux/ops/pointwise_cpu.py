@@ -20,6 +20,14 @@ def rms_norm(x, weight, eps: float):
     return load_extension("pointwise_cpu").rms_norm(x, weight, float(eps))
 
 
+def add_rms_norm(x, residual, weight, eps: float):
+    fits = x.dim() == 2 and x.shape == residual.shape and x.stride(1) == 1 and residual.stride(1) == 1
+    if not (fits and weight.dtype == x.dtype and residual.dtype == x.dtype):
+        return pointwise_torch.add_rms_norm(x, residual, weight, eps)
+    out, new_residual = load_extension("pointwise_cpu").add_rms_norm(x, residual, weight, float(eps))
+    return out, new_residual
+
+
 def silu_and_mul(x):
     if x.dim() != 2 or x.stride(1) != 1 or x.shape[1] % 2:
         return pointwise_torch.silu_and_mul(x)

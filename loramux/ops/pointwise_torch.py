@@ -4,6 +4,8 @@ portable fallback. Each follows HF transformers' order of operations and roundin
   rms_norm(x, weight, eps) -> out
       x [num_tokens, dim] (any strides), weight [dim] -> [num_tokens, dim]:
       weight * to_dtype(x * rsqrt(mean(x^2) + eps)), normalized in float32 (LlamaRMSNorm)
+  add_rms_norm(x, residual, weight, eps) -> (out, new_residual)
+      new_residual = residual + x in x's dtype (a decoder layer's residual add), out = rms_norm(new_residual)
   silu_and_mul(x) -> out
       x [num_tokens, 2 * d] = gate | up (a fused gate_up projection) -> silu(gate) * up, [num_tokens, d]
       (LlamaMLP: the activation rounded to x's dtype, then the product)
@@ -24,6 +26,11 @@ import torch.nn.functional as F
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

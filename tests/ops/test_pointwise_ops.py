@@ -1,4 +1,4 @@
-"""Every pointwise backend (RMSNorm, SiLU-and-mul, rotary, argmax) against HF transformers' formulas (argmax: torch's)."""
+"""Every pointwise backend (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary, argmax) against HF transformers' formulas (argmax: torch's)."""
 import pytest
 import torch
 
@@ -45,6 +45,21 @@ def test_rms_norm_matches_hf(backend, dtype, rows, dim):
     x = (torch.randn(rows, dim + 24, dtype=dtype) * 3)[:, 5 : 5 + dim]  # strided rows, as a fused output's slice
     weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
     assert_matches(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+
+
+@pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, dim", [(1, 16), (7, 40), (300, 576)])
+def test_add_rms_norm_is_hf_residual_add_then_norm(backend, dtype, rows, dim):
+    ops = backend_or_skip(backend)
+    torch.manual_seed(4)
+    x = (torch.randn(rows, dim + 8, dtype=dtype) * 2)[:, 3 : 3 + dim]  # strided, as an MLP output's view
+    residual = torch.randn(rows, dim, dtype=dtype) * 5
+    weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
+    out, new_residual = ops.add_rms_norm(x, residual, weight, 1e-5)
+    hidden = residual + x  # LlamaDecoderLayer: hidden_states = residual + hidden_states, in the model's dtype
+    assert torch.equal(new_residual, hidden)
+    assert_matches(out, hf_rms_norm(hidden, weight, 1e-5))
 
 
 @pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))

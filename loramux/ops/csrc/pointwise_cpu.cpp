@@ -3,6 +3,8 @@
 //
 //   rms_norm(x [N, D], weight [D], eps) -> out [N, D]
 //     out = weight * to_dtype(x * rsqrt(mean(x^2) + eps))      (normalized in fp32, rounded, scaled)
+//   add_rms_norm(x [N, D], residual [N, D], weight [D], eps) -> (out [N, D], sum [N, D])
+//     sum = to_dtype(residual + x) (a decoder layer's residual add), out = rms_norm(sum): one pass per row
 //   silu_and_mul(x [N, 2d]) -> out [N, d]
 //     out = to_dtype(to_dtype(silu(gate)) * up)                 (gate = x[:, :d], up = x[:, d:])
 //   rotary_(q [T, H, Dh], k [T, KVH, Dh], cos [T, Dh], sin [T, Dh])   in place
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "simd.h"
 
@@ -41,6 +44,15 @@ static void rms_norm_rows(const T* x, int64_t xs, const T* w, T* out, int64_t n0
       store16(orow + d, _mm512_mul_ps(load16(w + d, m), normed), m);
     }
   }
+}
+
+template <typename T>
+static void add_rows(const T* x, int64_t xs, const T* r, int64_t rs, T* sum, int64_t n0, int64_t n1, int64_t D) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 m = mask16(D - d);
+      store16(sum + n * D + d, _mm512_add_ps(load16(r + n * rs + d, m), load16(x + n * xs + d, m)), m);  // rounds as torch
+    }
 }
 
 template <typename T>
@@ -128,6 +140,32 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && residual.sizes() == x.sizes() &&
+              residual.stride(1) == 1 && residual.device().is_cpu() && residual.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x and residual must be CPU [N, D] of one dtype with unit column stride");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+              weight.scalar_type() == x.scalar_type(), "add_rms_norm: weight must be [D], contiguous, x's dtype");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "add_rms_norm: fp32 or bf16 only");
+  const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  auto sum = torch::empty({N, D}, x.options());
+  auto out = torch::empty({N, D}, x.options());
+  at::parallel_for(0, N, grain_rows(D), [&](int64_t n0, int64_t n1) {  // each chunk: add, then norm while in L1
+    if (dt == at::kFloat) {
+      add_rows<float>(x.data_ptr<float>(), xs, residual.data_ptr<float>(), rs, sum.data_ptr<float>(), n0, n1, D);
+      rms_norm_rows<float>(sum.data_ptr<float>(), D, weight.data_ptr<float>(), out.data_ptr<float>(), n0, n1, D, (float)eps);
+    } else {
+      auto* s = (bf16raw*)sum.data_ptr<at::BFloat16>();
+      add_rows<bf16raw>((const bf16raw*)x.data_ptr<at::BFloat16>(), xs, (const bf16raw*)residual.data_ptr<at::BFloat16>(), rs,
+                        s, n0, n1, D);
+      rms_norm_rows<bf16raw>(s, D, (const bf16raw*)weight.data_ptr<at::BFloat16>(), (bf16raw*)out.data_ptr<at::BFloat16>(),
+                             n0, n1, D, (float)eps);
+    }
+  });
+  return {out, sum};
+}
+
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.device().is_cpu(),
               "silu_and_mul: x must be a CPU [N, 2d] with unit column stride");
@@ -177,6 +215,8 @@ torch::Tensor argmax(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * to_dtype(x * rsqrt(mean(x^2) + eps)) per row", py::arg("x"),
+        py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "(rms_norm(residual + x), residual + x)", py::arg("x"), py::arg("residual"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("argmax", &argmax, "first index of each row's maximum (NaN counts as the maximum)", py::arg("x"),
         py::call_guard<py::gil_scoped_release>());
