@@ -64,9 +64,11 @@ class EngineConfig:
     lora_backend: str = "auto"
     """LoRA op backend (loramux.ops.BACKENDS); "auto" picks the fastest for the device."""
     attention_backend: str = "auto"
-    """Decode-attention op (loramux.ops.ATTENTION_BACKENDS); "auto" picks the fastest for the device."""
+    """Decode-attention and KV-store ops (loramux.ops.ATTENTION_BACKENDS, KV_STORE_BACKENDS); "auto" picks the
+    fastest for the device."""
     pointwise_backend: str = "auto"
-    """RMSNorm / SiLU-and-mul / rotary ops (loramux.ops.POINTWISE_BACKENDS); "auto" = the fastest for the device."""
+    """RMSNorm (+ residual add) / SiLU-and-mul / rotary / greedy argmax ops (loramux.ops.POINTWISE_BACKENDS);
+    "auto" = the fastest for the device."""
     max_num_seqs: int = 64
     """Requests in one decode step at most."""
     max_model_len: int | None = None

@@ -5,9 +5,8 @@ tokens do not depend on which requests share its batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

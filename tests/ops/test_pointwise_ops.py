@@ -54,7 +54,7 @@ def test_add_rms_norm_is_hf_residual_add_then_norm(backend, dtype, rows, dim):
     ops = backend_or_skip(backend)
     torch.manual_seed(4)
     x = (torch.randn(rows, dim + 8, dtype=dtype) * 2)[:, 3 : 3 + dim]  # strided, as an MLP output's view
-    residual = torch.randn(rows, dim, dtype=dtype) * 5
+    residual = (torch.randn(rows, dim + 8, dtype=dtype) * 5)[:, 8:]  # strided too
     weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
     out, new_residual = ops.add_rms_norm(x, residual, weight, 1e-5)
     hidden = residual + x  # LlamaDecoderLayer: hidden_states = residual + hidden_states, in the model's dtype
@@ -104,6 +104,13 @@ def test_cpu_ops_take_what_the_kernels_cannot_through_torch():
     q_out, k_out = pointwise_cpu.rotary(q, k, cos, sin)
     torch.testing.assert_close(q_out, q.double())
     torch.testing.assert_close(k_out, k.double())
+    residual = torch.randn(3, 4, 8)
+    out, new_residual = pointwise_cpu.add_rms_norm(x, residual, weight, 1e-6)  # 3-D
+    torch.testing.assert_close(out, hf_rms_norm(residual + x, weight, 1e-6))
+    assert pointwise_cpu.add_rms_norm(bf16_x, bf16_x.float(), weight, 1e-6)[1].dtype == torch.float32  # mixed dtypes
+    logits = torch.randn(3, 50, dtype=torch.bfloat16)  # not fp32
+    assert torch.equal(pointwise_cpu.argmax(logits), logits.argmax(dim=-1))
+    assert pointwise_cpu.argmax(torch.randn(0, 50)).shape == (0,)
 
 
 @pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
@@ -121,11 +128,13 @@ def test_argmax_is_torch_argmax(backend, rows, vocab):
 @pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
 def test_argmax_nan_and_infinities_as_torch(backend):
     ops = backend_or_skip(backend)
-    x = torch.randn(4, 37)
+    x = torch.randn(5, 37)
     x[0, 5], x[0, 30] = float("nan"), float("nan")  # the first NaN counts as the maximum
     x[1] = float("-inf")  # all -inf: index 0
     x[2, 20], x[2, 36] = float("inf"), float("inf")
     x[3, 3], x[3, 33] = float("inf"), float("nan")
+    x[4] = -1.0
+    x[4, 9], x[4, 30] = -0.0, 0.0  # equal maxima: the first
     expected = x.argmax(dim=-1)
-    assert expected.tolist() == [5, 0, 20, 33]
+    assert expected.tolist() == [5, 0, 20, 33, 9]
     assert torch.equal(ops.argmax(x), expected)
