@@ -45,6 +45,8 @@ def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Call
         name = "cpu" if torch.device(device).type == "cpu" and cpu_available() else "torch"
     if name not in backends:
         raise ValueError(f"unknown {what} backend {name!r}; choose one of: auto, {', '.join(backends)}")
+    if name == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"the 'cpu' {what} backend runs on CPU tensors; the device is {device}")
     if name == "cpu" and not cpu_available():
         raise ValueError(f"the 'cpu' {what} backend needs an x86 CPU with AVX-512 BF16, a C++ compiler and ninja")
     return backends[name]

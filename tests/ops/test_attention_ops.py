@@ -56,6 +56,11 @@ def test_unknown_backend_is_named():
         select_attention_backend("flash")
 
 
+def test_cpu_backend_on_another_device_is_refused():
+    with pytest.raises(ValueError, match="the 'cpu' attention backend runs on CPU tensors; the device is cuda"):
+        select_attention_backend("cpu", "cuda")
+
+
 @pytest.mark.parametrize("backend", list(KV_STORE_BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 32, 600])  # 600: the kernel's parallel path (prefill)
