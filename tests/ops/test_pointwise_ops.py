@@ -39,27 +39,21 @@ def hf_rotate_half(x):
 @pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, dim", [(1, 16), (7, 40), (300, 576)])  # 300 rows: the kernels' parallel path
-def test_rms_norm_matches_hf(backend, dtype, rows, dim):
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_hf(backend, dtype, rows, dim, with_residual):
+    """rms_norm(x); add_rms_norm(x, residual): LlamaDecoderLayer's `hidden_states = residual + hidden_states` in
+    the model's dtype, then the norm of that."""
     ops = backend_or_skip(backend)
     torch.manual_seed(0)
     x = (torch.randn(rows, dim + 24, dtype=dtype) * 3)[:, 5 : 5 + dim]  # strided rows, as a fused output's slice
     weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
-    assert_matches(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
-
-
-@pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, dim", [(1, 16), (7, 40), (300, 576)])
-def test_add_rms_norm_is_hf_residual_add_then_norm(backend, dtype, rows, dim):
-    ops = backend_or_skip(backend)
-    torch.manual_seed(4)
-    x = (torch.randn(rows, dim + 8, dtype=dtype) * 2)[:, 3 : 3 + dim]  # strided, as an MLP output's view
+    if not with_residual:
+        assert_matches(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+        return
     residual = (torch.randn(rows, dim + 8, dtype=dtype) * 5)[:, 8:]  # strided too
-    weight = (torch.randn(dim) * 0.5 + 1).to(dtype)
     out, new_residual = ops.add_rms_norm(x, residual, weight, 1e-5)
-    hidden = residual + x  # LlamaDecoderLayer: hidden_states = residual + hidden_states, in the model's dtype
-    assert torch.equal(new_residual, hidden)
-    assert_matches(out, hf_rms_norm(hidden, weight, 1e-5))
+    assert torch.equal(new_residual, residual + x)
+    assert_matches(out, hf_rms_norm(residual + x, weight, 1e-5))
 
 
 @pytest.mark.parametrize("backend", list(POINTWISE_BACKENDS))
