@@ -80,5 +80,4 @@ def select_pointwise_backend(name: str = "auto", device: str | torch.device = "c
 
 __all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "LoRAMapping",
            "RowSlots", "UniformSlot", "select_attention_backend", "select_backend", "select_kv_store_backend",
-           "select_pointwise_backend",
-           "wants_grouped_tokens"]
+           "select_pointwise_backend", "wants_grouped_tokens"]

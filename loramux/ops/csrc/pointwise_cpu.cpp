@@ -106,10 +106,10 @@ static int64_t argmax_row(const float* x, int64_t V) {
     nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
     best = _mm512_max_ps(best, a);
   }
-  int64_t first = 0;
   if (nan) {
-    while (!std::isnan(x[first])) ++first;
-    return first;
+    int64_t i = 0;
+    while (!std::isnan(x[i])) ++i;
+    return i;
   }
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   for (int64_t v = 0; v < V; v += 16) {
@@ -117,51 +117,52 @@ static int64_t argmax_row(const float* x, int64_t V) {
     const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, _mm512_maskz_loadu_ps(m, x + v), top, _CMP_EQ_OQ);
     if (hit) return v + __builtin_ctz(hit);
   }
-  return first;  // unreachable: the maximum is one of the row's values
+  return 0;  // unreachable: the maximum is one of the row's values
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "rms_norm: x must be a CPU [N, D] with unit column stride");
+// x [N, D] and weight [D] as both norms take them; op names the caller in the messages
+static void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), op, ": x must be a CPU [N, D] with unit column stride");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-              weight.scalar_type() == x.scalar_type(), "rms_norm: weight must be [D], contiguous, x's dtype");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rms_norm: fp32 or bf16 only");
+              weight.scalar_type() == x.scalar_type(), op, ": weight must be [D], contiguous, x's dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op, ": fp32 or bf16 only");
+}
+
+// t's data as T (float, or bf16raw for a bf16 tensor)
+template <typename T>
+static inline T* data_as(const torch::Tensor& t) { return (T*)t.data_ptr(); }
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_norm_args(x, weight, "rms_norm");
   const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0);
   auto out = torch::empty({N, D}, x.options());
+  auto rows = [&](auto zero, int64_t n0, int64_t n1) {
+    using T = decltype(zero);
+    rms_norm_rows<T>(data_as<T>(x), xs, data_as<T>(weight), data_as<T>(out), n0, n1, D, (float)eps);
+  };
   at::parallel_for(0, N, grain_rows(D), [&](int64_t n0, int64_t n1) {
-    if (dt == at::kFloat)
-      rms_norm_rows<float>(x.data_ptr<float>(), xs, weight.data_ptr<float>(), out.data_ptr<float>(), n0, n1, D, (float)eps);
-    else
-      rms_norm_rows<bf16raw>((const bf16raw*)x.data_ptr<at::BFloat16>(), xs, (const bf16raw*)weight.data_ptr<at::BFloat16>(),
-                             (bf16raw*)out.data_ptr<at::BFloat16>(), n0, n1, D, (float)eps);
+    if (x.scalar_type() == at::kFloat) rows(float{}, n0, n1); else rows(bf16raw{}, n0, n1);
   });
   return out;
 }
 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && residual.sizes() == x.sizes() &&
-              residual.stride(1) == 1 && residual.device().is_cpu() && residual.scalar_type() == x.scalar_type(),
-              "add_rms_norm: x and residual must be CPU [N, D] of one dtype with unit column stride");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
-              weight.scalar_type() == x.scalar_type(), "add_rms_norm: weight must be [D], contiguous, x's dtype");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "add_rms_norm: fp32 or bf16 only");
+  check_norm_args(x, weight, "add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.device().is_cpu() &&
+              residual.scalar_type() == x.scalar_type(), "add_rms_norm: residual must be x's shape, dtype and device, "
+              "with unit column stride");
   const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0), rs = residual.stride(0);
   auto sum = torch::empty({N, D}, x.options());
   auto out = torch::empty({N, D}, x.options());
-  at::parallel_for(0, N, grain_rows(D), [&](int64_t n0, int64_t n1) {  // each chunk: add, then norm while in L1
-    if (dt == at::kFloat) {
-      add_rows<float>(x.data_ptr<float>(), xs, residual.data_ptr<float>(), rs, sum.data_ptr<float>(), n0, n1, D);
-      rms_norm_rows<float>(sum.data_ptr<float>(), D, weight.data_ptr<float>(), out.data_ptr<float>(), n0, n1, D, (float)eps);
-    } else {
-      auto* s = (bf16raw*)sum.data_ptr<at::BFloat16>();
-      add_rows<bf16raw>((const bf16raw*)x.data_ptr<at::BFloat16>(), xs, (const bf16raw*)residual.data_ptr<at::BFloat16>(), rs,
-                        s, n0, n1, D);
-      rms_norm_rows<bf16raw>(s, D, (const bf16raw*)weight.data_ptr<at::BFloat16>(), (bf16raw*)out.data_ptr<at::BFloat16>(),
-                             n0, n1, D, (float)eps);
-    }
+  auto rows = [&](auto zero, int64_t n0, int64_t n1) {  // add, then norm the rows while they are in L1
+    using T = decltype(zero);
+    add_rows<T>(data_as<T>(x), xs, data_as<T>(residual), rs, data_as<T>(sum), n0, n1, D);
+    rms_norm_rows<T>(data_as<T>(sum), D, data_as<T>(weight), data_as<T>(out), n0, n1, D, (float)eps);
+  };
+  at::parallel_for(0, N, grain_rows(D), [&](int64_t n0, int64_t n1) {
+    if (x.scalar_type() == at::kFloat) rows(float{}, n0, n1); else rows(bf16raw{}, n0, n1);
   });
   return {out, sum};
 }
