@@ -24,6 +24,12 @@ def tiny_qwen2(seed: int = 0, **overrides):
 MODEL_FACTORIES = {"llama": tiny_llama, "qwen2": tiny_qwen2}
 
 
+def backend_params(backends, cpu_available) -> list:
+    """pytest params for every backend name; "cpu" (the C++ kernels) is skipped where it cannot run."""
+    skip_cpu = pytest.mark.skipif(not cpu_available(), reason="needs the C++ CPU kernel (AVX-512 BF16)")
+    return [pytest.param(name, marks=skip_cpu if name == "cpu" else ()) for name in backends]
+
+
 def save_peft_adapter(base, path, seed: int = 0, **lora_kwargs) -> str:
     """Train-free PEFT adapter: random A and B (init_lora_weights=False), saved as PEFT saves it."""
     from peft import LoraConfig, get_peft_model

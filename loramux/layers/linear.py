@@ -1,6 +1,7 @@
 """PackedLinear: one Linear computing several projections side by side (q|k|v, gate|up)."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +39,20 @@ class PrepackedLinear(nn.Module):
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_packs(dtype)
+
+
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN prepacks `dtype` weights on this CPU: bf16 needs AVX-512 (bw, vl, dq) or AVX-NE-CONVERT,
+    and without them the reorder raises (an AVX2-only CPU then runs bf16 through plain nn.Linear)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from conftest import backend_params
 from loramux.ops import ATTENTION_BACKENDS, KV_STORE_BACKENDS, attention_cpu, select_attention_backend
 
 
@@ -31,7 +32,7 @@ CASES = [  # batch, heads, kv_heads, head_dim, block_size, context lengths
 ]
 
 
-@pytest.mark.parametrize("backend", list(ATTENTION_BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(ATTENTION_BACKENDS, attention_cpu.available))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("case", CASES)
 def test_backend_matches_per_sequence_loop(backend, dtype, atol, case):

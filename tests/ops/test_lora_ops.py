@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 
+from conftest import backend_params
 from loramux.ops import BACKENDS, LoRAMapping, RowSlots, UniformSlot, lora_cpu
 from loramux.ops.cpu_extension import load_extension
 from loramux.ops.mapping import segments_of
@@ -32,7 +33,7 @@ def test_segments(slots, segments):
     assert segments_of(slots) == segments
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS, lora_cpu.available))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("order", ["sorted", "shuffled"])
 @pytest.mark.parametrize("b_layout", ["out-major", "rank-major"])  # rank-major: as LoRALinear stores it
@@ -80,7 +81,7 @@ def block_diagonal(lora_b, slices):
     return full
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS, lora_cpu.available))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("rank", [4, 5])  # bf16: the kernel's expand pairs rank rows; odd ranks end on half a pair
 @pytest.mark.parametrize("per_slot", [1, 4, 11])  # the kernel's token tiles: 1, 4, 8 + 3
@@ -106,14 +107,14 @@ def test_packed_output_slices(backend, dtype, atol, rank, per_slot, with_ranks):
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS, lora_cpu.available))
 def test_packed_shapes_are_checked(backend):
     lora_a, lora_b = torch.zeros(2, 12, 8), torch.zeros(2, 20, 4)  # 12 rows of A: 3 slices of rank 4, not 2
     with pytest.raises((ValueError, RuntimeError), match="do not fit|lora_b must be"):
         BACKENDS[backend](torch.zeros(1, 20), torch.zeros(1, 8), lora_a, lora_b, LoRAMapping.from_slots([0]), (10, 10))
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("backend", backend_params(BACKENDS, lora_cpu.available))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_slot_ranks_hint_on_zero_padded_slots(backend, dtype, atol):
     """Slots padded with zeros beyond their real rank (0 = free): the hint may skip the padding."""
