@@ -13,8 +13,8 @@ _PUBLIC = {
     "EngineConfig": "loramux.config",
     "LoRAConfig": "loramux.config",
     "LoRAManager": "loramux.adapters.manager",
-    "LoRAResult": "loramux.adapters.manager",
-    "LoRAStatus": "loramux.adapters.manager",
+    "LoRAResult": "loramux.adapters.status",
+    "LoRAStatus": "loramux.adapters.status",
     "RequestOutput": "loramux.engine.output",
 }
 __all__ = list(_PUBLIC)

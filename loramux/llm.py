@@ -5,7 +5,7 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
-from loramux.adapters.manager import LoRAResult
+from loramux.adapters.status import LoRAResult
 from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.output import RequestOutput

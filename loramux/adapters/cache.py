@@ -24,6 +24,10 @@ class AdapterInUseError(RuntimeError):
     """The adapter is referenced by in-flight requests."""
 
 
+class AdapterPinnedError(RuntimeError):
+    """The adapter is pinned, and the operation would take its slot."""
+
+
 @dataclass(frozen=True)
 class SlotUpdate:
     slot: int
@@ -141,13 +145,15 @@ class AdapterCache:
         return slot, changes
 
     def deactivate(self, name: str) -> Changes:
-        """Take `name` out of its slot (it stays in host memory). Refused while requests use it."""
+        """Take `name` out of its slot (it stays in host memory). Refused while requests use it or while it
+        is pinned (a pin promises a slot: unpin first)."""
         self._require_known(name)
         if self._refs[name]:
             raise AdapterInUseError(f"adapter {name!r} is used by {self._refs[name]} running request(s)")
+        if name in self._pinned:
+            raise AdapterPinnedError(f"adapter {name!r} is pinned; unpin it before deactivating it")
         if name not in self._slots:
             return Changes()
-        self._pinned.discard(name)
         return Changes(slots=[self._free_slot_of(name)])
 
     # ---- pins and references ---------------------------------------------------------------

@@ -8,7 +8,6 @@ is a LoRAStatus and whose message says why, for users (the HTTP server shows it 
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -16,15 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loramux.adapters.cache import AdapterCache, AdapterInUseError, CacheFullError, Changes
-from loramux.adapters.checkpoint import (
-    AdapterPathError,
-    AdapterWeights,
-    build_adapter,
-    parse_adapter_arg,
-    read_adapter_dir,
-)
+from loramux.adapters.cache import AdapterCache, CacheFullError, Changes
+from loramux.adapters.checkpoint import AdapterPathError, AdapterWeights, build_adapter, read_adapter_dir
+from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
 from loramux.adapters.peft_config import InvalidAdapterError
+from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
 from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
 from loramux.ops import RowSlots, UniformSlot, select_backend, wants_grouped_tokens
@@ -32,38 +27,14 @@ from loramux.ops import RowSlots, UniformSlot, select_backend, wants_grouped_tok
 logger = logging.getLogger(__name__)
 
 
-class LoRAStatus(enum.Enum):
-    SUCCESS = "success"
-    LOAD_NAME_EXISTS = "load_name_exists"
-    LOAD_INVALID_PATH = "load_invalid_path"
-    LOAD_INVALID_ADAPTER = "load_invalid_adapter"
-    LOAD_ERROR = "load_error"
-    UNLOAD_NAME_NONEXISTENT = "unload_name_nonexistent"
-    UNLOAD_IN_USE = "unload_in_use"
-    PIN_NAME_NONEXISTENT = "pin_name_nonexistent"
-    PIN_ERROR = "pin_error"
-
-
 @dataclass(frozen=True)
-class LoRAResult:
-    """A LoRAStatus with its human reason. Compares equal to its status: `result == LoRAStatus.SUCCESS`."""
+class _Source:
+    """Where an adapter's weights come from, and the rules they were read under: a reload from disk (after
+    host eviction) reads them again under the same rules."""
 
-    status: LoRAStatus
-    message: str = ""
-
-    def __eq__(self, other) -> bool:
-        if isinstance(other, LoRAStatus):
-            return self.status is other
-        return isinstance(other, LoRAResult) and (self.status, self.message) == (other.status, other.message)
-
-    def __hash__(self) -> int:
-        return hash(self.status)
-
-    def __bool__(self) -> bool:
-        return self.status is LoRAStatus.SUCCESS
-
-    def __str__(self) -> str:
-        return f"{self.status.name}: {self.message}" if self.message else self.status.name
+    path: str
+    allow_pickle: bool
+    allowed_dirs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +43,9 @@ class _Binding:
 
     layer: LoRALinear
     slice_index: int
+
+
+_OUTPUT_HEADS = ("lm_head", "embed_out", "output")  # PEFT's "all-linear" leaves the output layer out
 
 
 class LoRAManager:
@@ -86,7 +60,7 @@ class LoRAManager:
         self._bindings: dict[str, _Binding] = {}
         self._wrap_targets()
         self._weights: dict[str, AdapterWeights] = {}  # host tier
-        self._paths: dict[str, str] = {}  # disk tier: name -> adapter directory
+        self._sources: dict[str, _Source] = {}  # disk tier: name -> where to read it again
         self._uniform: dict[int, UniformSlot] = {}
         self.active_adapter_name: str | None = None
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
@@ -97,8 +71,11 @@ class LoRAManager:
         packed = getattr(self.model, "packed_modules_mapping", {})
         targets = set(self.config.targets)
         found = []
+        linear = set()  # what PEFT's "all-linear" stands for here: every Linear but the output head
         for name, module in self.model.named_modules():
             attr = name.rsplit(".", 1)[-1]
+            if isinstance(module, (nn.Linear, LoRALinear)) and attr not in _OUTPUT_HEADS:
+                linear.update(packed.get(attr, (attr,)))
             if not isinstance(module, nn.Linear):
                 continue  # a LoRALinear is no nn.Linear, so nothing is wrapped twice
             if attr in targets or targets & set(packed.get(attr, ())):
@@ -107,6 +84,7 @@ class LoRAManager:
             raise ValueError(f"no Linear module of the model matches target_modules {sorted(targets)}")
         for name, module, sub_names in found:
             self._wrap(name, module, sub_names)
+        self.all_linear = tuple(sorted(linear))
 
     def _wrap(self, name: str, base: nn.Linear, sub_names: Sequence[str] | None) -> None:
         prefix, _, attr = name.rpartition(".")
@@ -130,28 +108,44 @@ class LoRAManager:
     def _module_shapes(self) -> dict[str, tuple[int, int]]:
         return {m: (b.layer.in_features, b.layer.output_slices[b.slice_index]) for m, b in self._bindings.items()}
 
+    def _max_weight_bytes(self) -> int:
+        """The most bytes a weights file of a servable adapter can need: every wrapped module at max rank in
+        fp32, with room for a header and for weights of modules PEFT would ignore (x2)."""
+        rank = self.config.max_lora_rank
+        return 2 * sum(4 * rank * (i + o) for i, o in self._module_shapes().values()) + (1 << 20)
+
     # ---- loading ---------------------------------------------------------------------------------
-    def load_adapter(self, spec: str, allow_pickle: bool | None = None) -> LoRAResult:
-        """Load a PEFT adapter directory given as "name=path" or a bare path (named after itself)."""
+    def load_adapter(self, spec: str, path: str | None = None, allow_pickle: bool | None = None,
+                     allowed_dirs: Sequence[str] = ()) -> LoRAResult:
+        """Load a PEFT adapter directory: `load_adapter("name=path")`, a bare path (named after itself), or
+        `load_adapter(name, path)` (the name is never parsed). allowed_dirs: every file read, now and on a
+        reload from disk, must resolve inside one of them. allow_pickle: None = LoRAConfig.allow_pickle."""
         try:
-            name, path = parse_adapter_arg(spec)
+            name, path = (check_adapter_name(spec), path) if path is not None else parse_adapter_arg(spec)
+        except InvalidAdapterNameError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
         except ValueError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
         if name in self.cache:
             return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
         allow = self.config.allow_pickle if allow_pickle is None else allow_pickle
-        return self._guarded_load(name, lambda: self._read(name, path, allow), path)
+        source = _Source(path, allow, tuple(allowed_dirs))
+        return self._guarded_load(name, lambda: self._read(name, source), source)
 
     def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
         """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterNameError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
         if name in self.cache:
             return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
         return self._guarded_load(name, lambda: self._build(name, peft_config, tensors, None), None)
 
-    def _guarded_load(self, name: str, read, path: str | None) -> LoRAResult:
+    def _guarded_load(self, name: str, read, source: _Source | None) -> LoRAResult:
         try:
             weights = read()
-            self._apply(self.cache.add(name, on_disk=path is not None))
+            self._apply(self.cache.add(name, on_disk=source is not None))
         except AdapterPathError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
         except InvalidAdapterError as e:
@@ -163,31 +157,33 @@ class LoRAManager:
             return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
         self._weights[name] = weights
         self.stats["loads"] += 1
-        if path is not None:
-            self._paths[name] = path
+        if source is not None:
+            self._sources[name] = source
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} loaded")
 
-    def _read(self, name: str, path: str, allow_pickle: bool) -> AdapterWeights:
-        config, tensors = read_adapter_dir(path, allow_pickle)
-        return self._build(name, config, tensors, path)
+    def _read(self, name: str, source: _Source) -> AdapterWeights:
+        config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
+                                           self._max_weight_bytes())
+        return self._build(name, config, tensors, source.path)
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
         layer = next(iter(self._layers.values()))[0]
         return build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
-                             dtype=layer.lora_a.dtype, path=path)
+                             dtype=layer.lora_a.dtype, path=path, all_linear=self.all_linear)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """Forget the adapter: frees its host copy and its slot. Refused while requests use it."""
         if name not in self.cache:
             return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
-        if name == self.active_adapter_name:
+        held_by_switch = name == self.active_adapter_name
+        if self.cache.refs(name) > held_by_switch:  # before any change: a refused unload changes nothing
+            return LoRAResult(LoRAStatus.UNLOAD_IN_USE,
+                              f"adapter {name!r} is used by {self.cache.refs(name) - held_by_switch} running request(s)")
+        if held_by_switch:
             self.reset()
-        try:
-            self._apply(self.cache.remove(name))
-        except AdapterInUseError as e:
-            return LoRAResult(LoRAStatus.UNLOAD_IN_USE, str(e))
+        self._apply(self.cache.remove(name))
         self._weights.pop(name, None)
-        self._paths.pop(name, None)
+        self._sources.pop(name, None)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
 
     # ---- tiers -----------------------------------------------------------------------------------
@@ -216,7 +212,7 @@ class LoRAManager:
         if name not in self.cache:
             raise KeyError(f"adapter {name!r} is not loaded")
         if not self.cache.in_host(name):
-            weights = self._read(name, self._paths[name], self.config.allow_pickle)  # the disk tier
+            weights = self._read(name, self._sources[name])  # the disk tier, under the rules it was loaded with
             self._apply(self.cache.add(name))
             self._weights[name] = weights
             self.stats["loads"] += 1
@@ -257,7 +253,7 @@ class LoRAManager:
     @property
     def paths(self) -> dict[str, str | None]:
         """Every loaded adapter's directory (None for adapters added from tensors)."""
-        return {name: self._paths.get(name) for name in self.cache.names}
+        return {name: self._sources[name].path if name in self._sources else None for name in self.cache.names}
 
     def binding_names(self) -> list[str]:
         """The module names an adapter can carry weights for (PEFT naming, sub-modules of packed layers)."""

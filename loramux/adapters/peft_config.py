@@ -48,12 +48,60 @@ def unsupported_features(config: dict) -> list[str]:
     return found
 
 
-def _as_tuple(value) -> tuple | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, int):
-        return (value,)
-    return tuple(value)
+def _rank(value, field: str) -> int:
+    # JSON gives 8.7 or true as easily as 8; PEFT would build nn.Linear(in, 8.7) (an error) or scale by alpha/8.7
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _number(value, field: str) -> float:
+    # NaN and 1e400 (inf, as JSON reads it) would be folded into every B and poison the logits
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _regex(pattern: str, field: str) -> str:
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"{field} {pattern!r} is not a valid regular expression ({e})") from e
+    return pattern
+
+
+def _modules(value, field: str) -> tuple[str, ...] | str:
+    """A list of module-name suffixes, or one regex string (PEFT's two forms)."""
+    if isinstance(value, str):
+        return _regex(value, field)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"{field} must be a list of module names or a regex string, got {value!r}")
+
+
+def _layers(value) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    values = [value] if isinstance(value, int) else value
+    if (not isinstance(values, (list, tuple))
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)):
+        raise ValueError(f"layers_to_transform must be a layer index or a list of them, got {value!r}")
+    return tuple(values) or None
+
+
+def _patterns(value, field: str, check) -> dict:
+    if not value:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must map module-name patterns to values, got {value!r}")
+    return {_regex(k, field): check(v, f"{field}[{k!r}]") for k, v in value.items()}
+
+
+def _flag(config: dict, field: str) -> bool:
+    value = config.get(field, False)
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{field} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _matches_list(names: tuple[str, ...], key: str) -> bool:
@@ -105,27 +153,32 @@ class AdapterSpec:
             raise InvalidAdapterError("unsupported PEFT features: " + "; ".join(problems))
         try:
             return cls._parse(config)
-        except (KeyError, TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:
             raise InvalidAdapterError(f"malformed adapter_config.json: {e}") from e
 
     @classmethod
     def _parse(cls, config: dict) -> AdapterSpec:
+        if "r" not in config:
+            raise ValueError("missing field 'r' (the rank)")
         targets = config.get("target_modules")
         if not targets:
             raise ValueError("target_modules is missing or empty")
         layers_pattern = config.get("layers_pattern")
+        if layers_pattern:
+            layers_pattern = _modules(layers_pattern, "layers_pattern")
+            layers_pattern = (layers_pattern,) if isinstance(layers_pattern, str) else layers_pattern
+        excluded = config.get("exclude_modules")
         return cls(
-            r=int(config["r"]),
-            lora_alpha=float(config.get("lora_alpha", 8)),
-            target_modules=_as_tuple(targets),
-            use_rslora=bool(config.get("use_rslora", False)),
-            rank_pattern=dict(config.get("rank_pattern") or {}),
-            alpha_pattern=dict(config.get("alpha_pattern") or {}),
-            exclude_modules=_as_tuple(config.get("exclude_modules")) or None,
-            layers_to_transform=_as_tuple(config.get("layers_to_transform")) or None,
-            layers_pattern=((layers_pattern,) if isinstance(layers_pattern, str) else tuple(layers_pattern))
-            if layers_pattern else None,
-            fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+            r=_rank(config["r"], "r"),
+            lora_alpha=_number(config.get("lora_alpha", 8), "lora_alpha"),
+            target_modules=_modules(targets, "target_modules"),
+            use_rslora=_flag(config, "use_rslora"),
+            rank_pattern=_patterns(config.get("rank_pattern"), "rank_pattern", _rank),
+            alpha_pattern=_patterns(config.get("alpha_pattern"), "alpha_pattern", _number),
+            exclude_modules=_modules(excluded, "exclude_modules") if excluded else None,
+            layers_to_transform=_layers(config.get("layers_to_transform")),
+            layers_pattern=layers_pattern or None,
+            fan_in_fan_out=_flag(config, "fan_in_fan_out"),
         )
 
     def targets(self, module: str, all_linear: tuple[str, ...] = ()) -> bool:
@@ -154,10 +207,10 @@ class AdapterSpec:
         return _matches_list(self.exclude_modules, module)
 
     def rank(self, module: str) -> int:
-        return int(self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r))
+        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
 
     def scaling(self, module: str) -> float:
         """alpha / r, or alpha / sqrt(r) with rsLoRA (Kalajdzievski 2023), per-module patterns applied."""
-        alpha = float(self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha))
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
         r = self.rank(module)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loramux.adapters.manager import LoRAResult, LoRAStatus
+from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import Detokenizer
@@ -151,8 +151,9 @@ class LLMEngine:
                     yield output
 
     # ---- adapters (between steps) ----------------------------------------------------------------------
-    def load_adapter(self, spec: str) -> LoRAResult:
-        return self.lora_manager.load_adapter(spec)
+    def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
+        """LoRAManager.load_adapter: "name=path", a bare path, or (name, path)."""
+        return self.lora_manager.load_adapter(spec, path, **kwargs)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         return self.lora_manager.unload_adapter(name)

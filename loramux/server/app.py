@@ -15,6 +15,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
 from loramux.server.engine_client import EngineClient, EngineDeadError, RequestError
@@ -292,10 +293,15 @@ def _add_admin_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: p.LoadLoRAAdapterRequest):
         name = request.lora_name
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterNameError as e:
+            raise HTTPError(400, str(e), code="invalid_adapter_name") from e
         if name == server.model_name or name in server.adapters:
             raise HTTPError(409, f"The lora adapter '{name}' has already been loaded.", code="adapter_exists")
         path = _allowed_adapter_path(server.config, request.lora_path)
-        result = await server.client.control("load", name=name, path=path)
+        result = await server.client.control("load", name=name, path=path,
+                                             allowed_dirs=server.config.allowed_adapter_dirs)
         if result["status"] == "SUCCESS":
             server.adapters[name] = path
             return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
@@ -332,6 +338,8 @@ def _allowed_adapter_path(config: ServerConfig, path: str) -> str:
     """The real path of a runtime-loaded adapter: under an allowed directory, safetensors only."""
     if not config.allowed_adapter_dirs:
         raise HTTPError(400, "runtime adapter loading is off; start the server with --allowed-adapter-dir DIR")
+    if "\x00" in path:
+        raise HTTPError(400, "lora_path must not contain a NUL byte")
     real = os.path.realpath(path)  # symlinks and `..` resolved before the check
     allowed = [os.path.realpath(d) for d in config.allowed_adapter_dirs]
     if not any(os.path.commonpath([real, d]) == d for d in allowed):

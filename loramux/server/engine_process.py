@@ -141,10 +141,12 @@ class EngineLoop:
     def _status(result) -> dict:
         return {"status": result.status.name, "message": result.message}
 
-    def _op_load(self, msg, name: str, path: str) -> dict:
+    def _op_load(self, msg, name: str, path: str, allowed_dirs: tuple[str, ...] = ()) -> dict:
         if name in self.unloading:
             return {"status": "LOAD_NAME_EXISTS", "message": f"adapter {name!r} is still being unloaded"}
-        return self._status(self.engine.load_adapter(f"{name}={path}"))
+        # name and path stay apart (a name is never parsed as "name=path"); runtime loads: safetensors only,
+        # every file inside the allowed directories
+        return self._status(self.engine.load_adapter(name, path, allow_pickle=False, allowed_dirs=allowed_dirs))
 
     def _op_pin(self, msg, name: str) -> dict:
         return self._status(self.engine.pin_adapter(name))

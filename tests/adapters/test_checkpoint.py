@@ -8,12 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import save_peft_adapter, tiny_llama
-from loramux.adapters.checkpoint import (
-    AdapterPathError,
-    build_adapter,
-    parse_adapter_arg,
-    read_adapter_dir,
-)
+from loramux.adapters.checkpoint import AdapterPathError, build_adapter, read_adapter_dir
+from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
 from loramux.adapters.peft_config import InvalidAdapterError
 
 SHAPES = {f"model.layers.{i}.self_attn.{p}": (64, 64 if p in ("q_proj", "o_proj") else 32)
@@ -28,10 +24,28 @@ def test_parse_adapter_arg(arg, expected):
     assert parse_adapter_arg(arg) == expected
 
 
-@pytest.mark.parametrize("arg", ["=/a", "name="])
-def test_parse_adapter_arg_refuses_empty_parts(arg):
+@pytest.mark.parametrize("arg", ["=/a", "name=", "", "/a,b", "/a\x00b"])
+def test_parse_adapter_arg_refuses_empty_parts_and_unusable_paths(arg):
     with pytest.raises(ValueError, match="name=path"):
         parse_adapter_arg(arg)
+
+
+@pytest.mark.parametrize("name", ["pirate", "org/adapter-v1.2", "a_b:c@d+e", "7"])
+def test_adapter_names_allowed(name):
+    assert check_adapter_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "x=/elsewhere/e", "a,b", "a b", "tab\t", "nul\x00", "/abs", "../up", "a/../b",
+                                  ".hidden", "~home", "é", "x" * 129, 5, None])
+def test_adapter_names_refused(name):
+    with pytest.raises(InvalidAdapterNameError, match="adapter name"):
+        check_adapter_name(name)
+
+
+def test_name_in_name_path_form_is_checked_but_the_path_may_hold_equals():
+    with pytest.raises(InvalidAdapterNameError):
+        parse_adapter_arg("a,b=/p")
+    assert parse_adapter_arg("x=/a=b") == ("x", "/a=b")
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +74,10 @@ def test_reads_safetensors_and_folds_scaling(adapter):
     assert len(weights.modules) == 4
 
 
-@pytest.mark.parametrize("path, words", [("/nonexistent/x", ["not a directory"]), ("{empty}", ["no adapter_config.json"])])
+@pytest.mark.parametrize("path, words", [("/nonexistent/x", ["does not exist"]), ("{empty}", ["no adapter_config.json"]),
+                                              ("{empty}/file", ["is a file", "adapter's directory"]), ("a\x00b", ["invalid"])])
 def test_bad_paths(tmp_path, path, words):
+    (tmp_path / "file").write_text("x")
     with pytest.raises(AdapterPathError) as err:
         read_adapter_dir(path.format(empty=tmp_path))
     assert all(w in str(err.value) for w in words)
@@ -99,7 +115,7 @@ def test_pickle_is_refused_unless_allowed_and_then_weights_only(adapter, tmp_pat
 def test_unreadable_safetensors(adapter, tmp_path):
     path = copy_adapter(adapter, tmp_path)
     (path / "adapter_model.safetensors").write_bytes(b"garbage" * 10)
-    with pytest.raises(InvalidAdapterError, match="unreadable safetensors"):
+    with pytest.raises(InvalidAdapterError, match="not a safetensors file"):
         read_adapter_dir(str(path))
 
 
@@ -138,3 +154,115 @@ def test_embedding_lora_and_missing_pair_are_refused(adapter, tmp_path):
     save_file(tensors, path / "adapter_model.safetensors")
     with pytest.raises(InvalidAdapterError, match="lora_A but not its pair"):
         build(str(path))
+
+
+def write_tensors(path, tensors):
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.float64])
+def test_weights_of_a_non_float_or_double_dtype_are_refused_naming_the_tensor(adapter, tmp_path, dtype):
+    path = copy_adapter(adapter, tmp_path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"
+    tensors[key] = tensors[key].to(dtype)
+    write_tensors(path, tensors)
+    with pytest.raises(InvalidAdapterError) as err:
+        build(str(path))
+    assert key in str(err.value) and str(dtype).removeprefix("torch.") in str(err.value)
+
+
+def test_duplicate_header_keys_and_bad_length_fields_are_refused(adapter, tmp_path):
+    path = copy_adapter(adapter, tmp_path)
+    file = path / "adapter_model.safetensors"
+    data = file.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    key = next(k for k in header if k != "__metadata__")
+    text = json.dumps(header)
+    doubled = text[:-1] + f', "{key}": ' + json.dumps(header[key]) + "}"  # the same key twice
+    doubled = doubled.encode().ljust(len(text.encode()) + len(doubled) - len(text))
+    file.write_bytes(len(doubled).to_bytes(8, "little") + doubled + data[8 + length:])
+    with pytest.raises(InvalidAdapterError, match="duplicate keys"):
+        read_adapter_dir(str(path))
+    for prefix in (b"", b"\x01\x02", (10**15).to_bytes(8, "little"), (0).to_bytes(8, "little")):
+        file.write_bytes(prefix + data[8:])
+        with pytest.raises(InvalidAdapterError, match="not a safetensors file"):
+            read_adapter_dir(str(path))
+
+
+@pytest.mark.parametrize("value, words", [(float("nan"), "NaN"), (float("inf"), "Inf"), (1e18, "e+18")])
+@pytest.mark.parametrize("which", ["A", "B"])
+def test_non_finite_or_huge_weights_are_refused(adapter, tmp_path, value, words, which):
+    path = copy_adapter(adapter, tmp_path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    key = f"base_model.model.model.layers.0.self_attn.q_proj.lora_{which}.weight"
+    tensors[key][0, 0] = value
+    write_tensors(path, tensors)
+    with pytest.raises(InvalidAdapterError) as err:
+        build(str(path))
+    assert words in str(err.value) and f"q_proj.lora_{which}.weight" in str(err.value)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(r=8.7), "r must be a positive integer, got 8.7"),
+    (dict(r=0), "r must be a positive integer, got 0"),
+    (dict(r=True), "r must be a positive integer"),
+    (dict(r="8"), "r must be a positive integer"),
+    (dict(lora_alpha=float("nan")), "lora_alpha must be a finite number"),
+    (dict(lora_alpha=float("inf")), "lora_alpha must be a finite number"),
+    (dict(lora_alpha="16"), "lora_alpha must be a finite number"),
+    (dict(target_modules=5), "target_modules must be a list of module names or a regex string"),
+    (dict(target_modules=["q_proj", 3]), "target_modules must be a list"),
+    (dict(target_modules="(unclosed"), "not a valid regular expression"),
+    (dict(rank_pattern={"q_proj": 0}), "rank_pattern['q_proj'] must be a positive integer"),
+    (dict(alpha_pattern={"q_proj": float("nan")}), "alpha_pattern['q_proj'] must be a finite number"),
+    (dict(rank_pattern=[1]), "rank_pattern must map"),
+    (dict(layers_to_transform=["0"]), "layers_to_transform must be"),
+    (dict(use_rslora="yes"), "use_rslora must be true or false"),
+])
+def test_malformed_config_values_name_the_field(adapter, changes, words):
+    with pytest.raises(InvalidAdapterError) as err:
+        build(adapter, **changes)
+    assert words in str(err.value)
+
+
+def test_all_linear_and_the_list_form_are_refused_alike_when_a_module_is_not_wrapped(tmp_path):
+    """"all-linear" means every Linear of the model (as in PEFT), not only the wrapped ones: an adapter with
+    weights for an unwrapped module is refused in both forms, never served without them."""
+    base = tiny_llama()
+    listed = save_peft_adapter(base, tmp_path / "listed", target_modules=["q_proj", "down_proj"])
+    every = save_peft_adapter(base, tmp_path / "every", target_modules="all-linear")
+    edit_config(every, target_modules="all-linear")  # PEFT saves the expanded list; older configs hold the word
+    wrapped = {k: v for k, v in SHAPES.items() if "q_proj" in k}  # serving with target_modules=("q_proj",)
+    all_linear = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+    for path in (listed, every):
+        config, tensors = read_adapter_dir(path)
+        with pytest.raises(InvalidAdapterError, match="down_proj.*does not wrap"):
+            build_adapter("a", config, tensors, wrapped, max_rank=64, all_linear=all_linear)
+
+
+def test_files_are_resolved_inside_the_allowed_dirs_one_by_one(adapter, tmp_path):
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    shutil.copytree(adapter, outside)
+    inside = allowed / "pirate"
+    inside.mkdir(parents=True)
+    shutil.copy(outside / "adapter_config.json", inside)
+    os.symlink(outside / "adapter_model.safetensors", inside / "adapter_model.safetensors")
+    with pytest.raises(AdapterPathError, match="outside the allowed adapter directories"):
+        read_adapter_dir(str(inside), allowed_dirs=(str(allowed),))
+    os.remove(inside / "adapter_model.safetensors")
+    shutil.copy(outside / "adapter_model.safetensors", inside)
+    os.remove(inside / "adapter_config.json")
+    os.symlink(outside / "adapter_config.json", inside / "adapter_config.json")
+    with pytest.raises(AdapterPathError, match="adapter_config.json resolves to"):
+        read_adapter_dir(str(inside), allowed_dirs=(str(allowed),))
+    assert read_adapter_dir(str(outside))[1]  # no rule given: read as before
+
+
+def test_a_weights_file_larger_than_any_adapter_for_the_model_is_refused_unread(adapter, tmp_path):
+    path = copy_adapter(adapter, tmp_path)
+    with open(path / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(2 << 30)  # a sparse 2 GB file: nothing is allocated, and nothing may be read
+    with pytest.raises(InvalidAdapterError, match="at most 1000"):
+        read_adapter_dir(str(path), max_weight_bytes=1000)

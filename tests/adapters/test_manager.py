@@ -183,3 +183,74 @@ def test_unload_then_load_200_adapters_keeps_host_memory_flat(tmp_path):
     gc.collect()
     assert manager.loras == [] and manager._weights == {}
     assert _rss_bytes() - start < 40 * 2**20
+
+
+def set_config(path, **changes):
+    import json
+
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({**config, **changes}, f)
+
+
+def test_a_per_call_allow_pickle_holds_for_reloads_from_disk(adapter_dirs, tmp_path):
+    from safetensors.torch import load_file
+
+    base = MODEL_FACTORIES["llama"]()
+    pickled = shutil.copytree(adapter_dirs["llama", "r4"], tmp_path / "pickled")
+    torch.save(load_file(pickled / "adapter_model.safetensors"), pickled / "adapter_model.bin")
+    os.remove(pickled / "adapter_model.safetensors")
+    model, manager = manager_for(base, max_loras=1, max_cpu_loras=1)
+    assert manager.load_adapter("p", str(pickled), allow_pickle=True) == LoRAStatus.SUCCESS
+    assert manager.load_adapter(f"q={adapter_dirs['llama', 'r8_rslora']}") == LoRAStatus.SUCCESS
+    assert not manager.cache.in_host("p")  # evicted from host memory: the next use reads the .bin again
+    input_ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad(), manager.batch(["p"]):
+        out = model(input_ids).logits
+    torch.testing.assert_close(out, peft_logits(base, adapter_dirs["llama", "r4"], input_ids), atol=ATOL, rtol=1e-4)
+
+
+def test_a_refused_unload_changes_nothing(adapter_dirs):
+    model, manager = manager_for(MODEL_FACTORIES["llama"](), max_loras=2)
+    manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
+    manager.switch("a")
+    with manager.using(["a"]):  # a running request holds it too
+        assert manager.unload_adapter("a") == LoRAStatus.UNLOAD_IN_USE
+        assert manager.active_adapter_name == "a" and manager.context.mapping is not None  # switch() kept
+    assert manager.unload_adapter("a") == LoRAStatus.SUCCESS  # the switch() hold alone does not block it
+    assert manager.active_adapter_name is None and manager.loras == []
+
+
+def test_a_pinned_adapter_is_not_deactivated_silently(adapter_dirs):
+    from loramux.adapters.cache import AdapterPinnedError
+
+    model, manager = manager_for(MODEL_FACTORIES["llama"](), max_loras=2)
+    manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
+    assert manager.pin_adapter("a") == LoRAStatus.SUCCESS
+    with pytest.raises(AdapterPinnedError, match="unpin"):
+        manager.deactivate_adapter("a")
+    assert manager.cache.is_pinned("a") and manager.is_active_lora("a")
+
+
+@pytest.mark.parametrize("name", ["x=/elsewhere/e", "a,b", "../up", "tab\t"])
+def test_names_are_never_parsed_as_paths(adapter_dirs, name):
+    model, manager = manager_for(MODEL_FACTORIES["llama"]())
+    result = manager.load_adapter(name, adapter_dirs["llama", "r4"])
+    assert result == LoRAStatus.LOAD_INVALID_NAME and "adapter name" in result.message and manager.loras == []
+    assert manager.add_adapter(name, {}, {}) == LoRAStatus.LOAD_INVALID_NAME
+
+
+def test_all_linear_adapter_with_weights_for_an_unwrapped_module_is_refused(tmp_path):
+    base = MODEL_FACTORIES["llama"]()
+    path = save_peft_adapter(base, tmp_path / "every", target_modules="all-linear")
+    set_config(path, target_modules="all-linear")  # PEFT saves the expanded list; older configs hold the word
+    model, manager = manager_for(base, target_modules=("q_proj", "v_proj"))
+    result = manager.load_adapter("every", path)
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "does not wrap" in result.message
+    model, manager = manager_for(base)  # all seven wrapped: served, and equal to PEFT
+    assert manager.load_adapter("every", path) == LoRAStatus.SUCCESS
+    input_ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad(), manager.batch(["every"]):
+        out = model(input_ids).logits
+    torch.testing.assert_close(out, peft_logits(base, path, input_ids), atol=ATOL, rtol=1e-4)

@@ -1,0 +1,47 @@
+"""Adapter names: what a user may call an adapter, and the "name=path" argument form. Stdlib only (the HTTP
+front end checks names too).
+
+A name is what clients send as `model` and what /metrics lists, so it is never read as a path and never
+holds a character that other formats give a meaning to: "=" (the name=path form), "," (the adapter
+lists of `lora_requests_info`), whitespace or control characters (headers, logs, label values). "/" is
+allowed inside (Hub-style "org/adapter" ids, as vLLM users name them), but a name may not look like a
+path (start with "/", ".", "~" or hold a ".." segment).
+"""
+from __future__ import annotations
+
+import re
+
+MAX_NAME_LENGTH = 128
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+/-]*")
+RULE = (f"1-{MAX_NAME_LENGTH} characters from letters, digits and _ . : @ + / -, starting with a letter, digit "
+        "or _, with no '..' segment")
+
+
+class InvalidAdapterNameError(ValueError):
+    """The name breaks the naming rule (RULE)."""
+
+
+def check_adapter_name(name) -> str:
+    """`name` if it is a valid adapter name, else InvalidAdapterNameError saying what is wrong."""
+    if not isinstance(name, str):
+        raise InvalidAdapterNameError(f"an adapter name must be a string, got {type(name).__name__}")
+    if not name:
+        raise InvalidAdapterNameError("an adapter name must not be empty")
+    shown = name if len(name) <= 80 else name[:77] + "..."
+    if len(name) > MAX_NAME_LENGTH or not _NAME.fullmatch(name) or ".." in name.split("/"):
+        raise InvalidAdapterNameError(f"invalid adapter name {shown!r}: use {RULE}")
+    return name
+
+
+def parse_adapter_arg(arg: str) -> tuple[str, str]:
+    """`"name=path"` -> (name, path), the name checked; a bare path names the adapter after itself (as MAX
+    does), so only the name=path form is held to the naming rule. The first "=" splits: paths may hold "="."""
+    if "=" not in arg:
+        if not arg or "," in arg or any(ord(c) < 32 for c in arg):
+            raise ValueError(f"a bare path names the adapter after itself, so it may not hold ',' or control "
+                             f"characters; use 'name=path' (got {arg!r})")
+        return arg, arg
+    name, path = arg.split("=", 1)
+    if not name or not path:
+        raise ValueError(f"expected 'name=path' or a path, got {arg!r}")
+    return check_adapter_name(name), path

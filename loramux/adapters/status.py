@@ -1,0 +1,41 @@
+"""LoRAStatus / LoRAResult: how an adapter operation ended, and why. Stdlib only, so the HTTP front end
+compares statuses as enums, not strings."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class LoRAStatus(enum.Enum):
+    SUCCESS = "success"
+    LOAD_NAME_EXISTS = "load_name_exists"
+    LOAD_INVALID_NAME = "load_invalid_name"
+    LOAD_INVALID_PATH = "load_invalid_path"
+    LOAD_INVALID_ADAPTER = "load_invalid_adapter"
+    LOAD_ERROR = "load_error"
+    UNLOAD_NAME_NONEXISTENT = "unload_name_nonexistent"
+    UNLOAD_IN_USE = "unload_in_use"
+    PIN_NAME_NONEXISTENT = "pin_name_nonexistent"
+    PIN_ERROR = "pin_error"
+
+
+@dataclass(frozen=True)
+class LoRAResult:
+    """A LoRAStatus with its human reason. Compares equal to its status: `result == LoRAStatus.SUCCESS`."""
+
+    status: LoRAStatus
+    message: str = ""
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, LoRAStatus):
+            return self.status is other
+        return isinstance(other, LoRAResult) and (self.status, self.message) == (other.status, other.message)
+
+    def __hash__(self) -> int:
+        return hash(self.status)
+
+    def __bool__(self) -> bool:
+        return self.status is LoRAStatus.SUCCESS
+
+    def __str__(self) -> str:
+        return f"{self.status.name}: {self.message}" if self.message else self.status.name
