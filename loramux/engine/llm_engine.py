@@ -7,6 +7,7 @@ steps, on the same thread, so no step ever sees an adapter change under it.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,11 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.models.loader import load_model
 from loramux.sampling_params import SamplingParams
+
+
+logger = logging.getLogger(__name__)
+NON_FINITE = ("the model produced NaN or Inf logits for this request (check its adapter's weights and "
+              "scaling); it was stopped")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,10 +102,23 @@ class LLMEngine:
                    for s in batch.failed]
         seqs = self._drop_failed_adapters(batch.seqs, outputs)
         if seqs:
-            tokens = self.runner.run(seqs, batch.is_prefill)
-            outputs += [self._append(seq, token) for seq, token in zip(seqs, tokens)]
+            for seq, token in zip(seqs, self._run(seqs, batch.is_prefill)):
+                outputs.append(self._append(seq, token) if isinstance(token, int) else self._fail(seq, token))
         return outputs
 
+    def _run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | str]:
+        """Each sequence's next token, or the error that fails it. A step that raises is run again one
+        sequence at a time (each one's step is independent of its batch mates: rerunning rewrites the same
+        K/V), so that only a request that causes the error fails; sampling never raises."""
+        try:
+            tokens = self.runner.run(seqs, is_prefill)
+        except Exception as e:
+            if len(seqs) > 1:
+                logger.warning("a step of %d requests failed (%s); running them one by one", len(seqs), e)
+                return [t for seq in seqs for t in self._run([seq], is_prefill)]
+            logger.exception("request %s failed in a step", seqs[0].request_id)
+            return [f"the engine failed on this request: {type(e).__name__}: {e}"]
+        return [NON_FINITE if t is None else t for t in tokens]
     def _drop_failed_adapters(self, seqs: list[Sequence], outputs: list[RequestOutput]) -> list[Sequence]:
         """Activate the step's adapters; requests whose adapter cannot be activated fail alone."""
         errors = self.runner.activate_adapters(seqs)
@@ -124,10 +143,14 @@ class LLMEngine:
             self._forget(seq)
         return self._output(request, reason, delta, [token])
 
-    def _aborted(self, seq: Sequence, error: str) -> RequestOutput:
+    def _aborted(self, seq: Sequence, error: str, reason: str = "abort") -> RequestOutput:
         request = self._requests[seq.request_id]
         self._forget(seq)
-        return self._output(request, "abort", "", [], error)
+        return self._output(request, reason, "", [], error)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        self.scheduler.finish(seq, "error")
+        return self._aborted(seq, error, "error")
 
     def _forget(self, seq: Sequence) -> None:
         self._requests.pop(seq.request_id, None)

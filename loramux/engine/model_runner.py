@@ -79,8 +79,9 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """Run one step over `seqs` (adapters activated first); returns their next tokens in order."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
+        """Run one step over `seqs` (adapters activated first); returns their next tokens in order (None
+        where a row's logits were not finite)."""
         slots = {s.adapter: self.manager.cache.slot_of(s.adapter) for s in seqs if s.adapter is not None}
         slots[None] = -1
         grouped = self.manager is not None and self.manager.wants_grouped_tokens
@@ -155,7 +156,8 @@ class ModelRunner:
         else:
             generator = self._generators.get(seq.seq_id)
             if generator is None:
-                generator = self._generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+                seed = params.seed % 2**64  # torch takes [-2**63, 2**64); one signed range maps onto it 1:1
+                generator = self._generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(seed)
         return SamplingRow(params, seq.output_token_ids, generator)
 
     def release(self, seq: Sequence) -> None:

@@ -12,7 +12,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     adapter: str | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # why an aborted request was aborted

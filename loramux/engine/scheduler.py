@@ -17,7 +17,7 @@ from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import Sequence, SequenceStatus
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled or adapter gone; error: failed in a step
 
 
 @dataclass(frozen=True)

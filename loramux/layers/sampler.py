@@ -46,15 +46,27 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax) -> list[int]:
-    """logits: [batch, vocab] float32 -> one token id per row. `argmax`: a pointwise backend's (greedy rows)."""
+           argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax) -> list[int | None]:
+    """logits: [batch, vocab] float32 -> one token id per row. `argmax`: a pointwise backend's (greedy rows).
+
+    None for a row whose logits are not all finite (NaN or Inf, from its adapter or its inputs): no token
+    can be trusted there, and that request fails alone; the other rows are sampled as usual."""
     apply_penalties(logits, rows)
-    tokens = argmax(logits).tolist()
+    finite = torch.isfinite(logits.sum(-1)).tolist()  # one pass over [batch, vocab]; inf - inf gives NaN
+    tokens: list[int | None] = argmax(logits).tolist()
     for i, row in enumerate(rows):
-        p = row.params
-        if p.greedy:
-            continue
-        filtered = filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = filtered.softmax(-1).cpu()  # generators live on the CPU, whatever the device
-        tokens[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
+        if not finite[i]:
+            tokens[i] = None
+        elif not row.params.greedy:
+            tokens[i] = _draw(logits[i], row)
     return tokens
+
+
+def _draw(logits: torch.Tensor, row: SamplingRow) -> int | None:
+    p = row.params
+    filtered = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+    probs = filtered.softmax(-1).cpu()  # generators live on the CPU, whatever the device
+    try:
+        return int(torch.multinomial(probs, 1, generator=row.generator).item())
+    except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
+        return None

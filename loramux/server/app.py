@@ -107,8 +107,11 @@ class Server:
         self.check_limits(request)
         adapter = self.resolve(request.model)
         max_tokens = request.max_completion_tokens if chat and request.max_completion_tokens else request.max_tokens
+        if max_tokens is None and not chat:
+            max_tokens = 16  # OpenAI's default for completions, also when a client sends null
         try:
-            params = [request.sampling_params(max_tokens or 1, seed_offset=i) for i in range(request.n)]
+            params = [request.sampling_params(16 if max_tokens is None else max_tokens, seed_offset=i)
+                      for i in range(request.n)]
         except ValueError as e:
             raise HTTPError(400, str(e)) from e
         rid = p.new_id("req")

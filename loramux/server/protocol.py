@@ -10,7 +10,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loramux.sampling_params import SamplingParams
+from loramux.sampling_params import SamplingParams, choice_seed
 
 
 class _Request(BaseModel):
@@ -42,7 +42,7 @@ class _Request(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=-1 if self.top_k is None else self.top_k,
-            seed=None if self.seed is None else self.seed + seed_offset,
+            seed=choice_seed(self.seed, seed_offset),
             stop=tuple(self.stop_list()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,

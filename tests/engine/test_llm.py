@@ -180,3 +180,39 @@ def test_kv_budget_too_small_is_refused(checkpoints):
     _, path, _ = checkpoints["llama"]
     with pytest.raises(ValueError, match="fewer than one max_model_len=64 sequence needs"):
         make_llm(path, kv_cache_memory=1024, max_model_len=64)
+
+
+def test_a_request_whose_logits_go_non_finite_fails_alone(checkpoints):
+    """An adapter that slipped past the load checks (its slot poisoned by hand here) stops its own requests
+    with an error; the engine keeps serving and every other row is exact."""
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, {"r4": adapters["r4"], "bad": adapters["r8_rslora"]})
+    inputs = prompts(4)
+    alone = [llm.generate(inputs[i], GREEDY, adapters=a)[0].token_ids for i, a in ((0, "r4"), (2, None))]
+    slot = llm.activate_adapter("bad")
+    for layer, _ in llm.engine.manager._layers.values():
+        layer.lora_b[slot].fill_(float("inf"))
+    rows = ["r4", "bad", None, "bad"]
+    params = [GREEDY, GREEDY, GREEDY, SamplingParams(max_tokens=8, temperature=0.9, seed=3)]
+    outs = llm.generate(inputs, params, adapters=rows)
+    assert [o.token_ids for o in outs[::2]] == alone
+    for out in outs[1::2]:
+        assert out.finish_reason == "error" and "NaN or Inf" in out.error and out.token_ids == []
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_step_that_raises_fails_only_the_request_that_makes_it_raise(checkpoints, monkeypatch):
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, {"r4": adapters["r4"]})
+    alone = [llm.generate(p, GREEDY, adapters="r4")[0].token_ids for p in prompts(3)]
+    runner, real_run = llm.engine.runner, llm.engine.runner.run
+
+    def run(seqs, is_prefill):  # the second prompt's request breaks every step it is in
+        if any(s.token_ids[: s.num_prompt_tokens] == prompts(3)[1] for s in seqs):
+            raise RuntimeError("boom")
+        return real_run(seqs, is_prefill)
+
+    monkeypatch.setattr(runner, "run", run)
+    outs = llm.generate(prompts(3), GREEDY, adapters="r4")
+    assert [outs[0].token_ids, outs[2].token_ids] == [alone[0], alone[2]]
+    assert outs[1].finish_reason == "error" and "RuntimeError: boom" in outs[1].error

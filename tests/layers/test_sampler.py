@@ -37,3 +37,20 @@ def test_seeded_rows_are_reproducible_and_greedy_is_argmax():
     first = draw()
     assert first == draw()
     assert first[0] == logits[0].argmax() and first[2] == logits[2].argmax()
+
+
+def test_rows_with_non_finite_logits_get_none_and_the_others_are_sampled():
+    logits = torch.randn(4, 50)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    rows = [SamplingRow(SamplingParams(temperature=0), [], None), SamplingRow(SamplingParams(temperature=0), [], None),
+            SamplingRow(SamplingParams(temperature=1.0), [], torch.Generator()),
+            SamplingRow(SamplingParams(temperature=0.7, seed=1), [], torch.Generator().manual_seed(1))]
+    tokens = sample(logits.clone(), rows)
+    assert tokens[0] == logits[0].argmax() and tokens[1] is None and tokens[2] is None and isinstance(tokens[3], int)
+
+
+def test_a_tiny_temperature_is_greedy():
+    logits = torch.randn(1, 50)
+    assert sample(logits.clone(), [SamplingRow(SamplingParams(temperature=1e-40), [], torch.Generator())]) == \
+        [int(logits.argmax())]
