@@ -33,14 +33,37 @@ def serve(args) -> None:
 
     from loramux.server.app import build_app
 
-    app = build_app(_engine_config(args), _server_config(args), args.lora_modules)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    config = _server_config(args)
+    app = build_app(_engine_config(args), config, args.lora_modules)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM / Ctrl-C: new requests are refused and running ones get shutdown_timeout to finish (uvicorn
+            # waits for their connections); a second signal exits at once
+            loop = getattr(self, "_loop", None)
+            if loop is not None and not self.should_exit:
+                loop.call_soon_threadsafe(app.state.server.begin_drain)
+            super().handle_exit(sig, frame)
+
+        async def serve(self, sockets=None) -> None:
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=int(config.shutdown_timeout) + 5))
+    server.run()
+    if not server.started:
+        sys.exit(3)  # as uvicorn.run: the server never started (the engine failed, the port was taken, ...)
 
 
 def _server_config(args) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                         api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
-                        max_body_bytes=args.max_body_bytes)
+                        max_body_bytes=args.max_body_bytes, max_pending_requests=args.max_pending_requests,
+                        max_pending_tokens=args.max_pending_tokens, max_pending_per_client=args.max_pending_per_client,
+                        max_prompts_per_request=args.max_prompts_per_request, shutdown_timeout=args.shutdown_timeout)
 
 
 def generate(args) -> None:
@@ -85,6 +108,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
                    help="larger request bodies get 413 (default: 1 MiB)")
+    p.add_argument("--max-pending-requests", type=int, default=ServerConfig.max_pending_requests,
+                   help="engine requests in flight at most; past it, 429 with Retry-After")
+    p.add_argument("--max-pending-tokens", type=int, default=ServerConfig.max_pending_tokens,
+                   help="prompt tokens + max_tokens in flight at most; past it, 429 with Retry-After")
+    p.add_argument("--max-pending-per-client", type=int, default=0,
+                   help="requests in flight per client (API key or address); 0 = no limit")
+    p.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts_per_request,
+                   help="prompts x n in one HTTP request at most (400 past it)")
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
+                   help="on SIGTERM, seconds running requests get to finish before they end with an error")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=serve)
     g = commands.add_parser("generate", help="generate offline, once per --adapter")

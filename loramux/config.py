@@ -118,11 +118,33 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_n: int = 8
     max_stop: int = 4
+    max_prompts_per_request: int = 64
+    """Engine requests one HTTP request may start (prompts x n); more is a 400."""
+    max_pending_requests: int = 256
+    """Engine requests in flight (running or queued) at most; a request past it gets 429 with Retry-After."""
+    max_pending_tokens: int = 1 << 20
+    """Prompt tokens + max_tokens of the requests in flight, at most (429 past it)."""
+    max_pending_per_client: int = 0
+    """Requests in flight per client (its API key, else its address); 0 = no per-client limit."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM, running requests get this long to finish; then they end with an error and the server exits."""
     engine_start_timeout: float = 600.0
+    engine_unresponsive_s: float = 5.0
+    """No engine heartbeat for this long: /health answers 503."""
+    engine_kill_s: float = 30.0
+    """No engine heartbeat for this long: the engine is frozen; it is killed and restarted."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_adapter_dirs", tuple(self.allowed_adapter_dirs))
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "max_n", "max_stop"):
+        for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts_per_request", "max_pending_requests",
+                     "max_pending_tokens"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.max_pending_per_client, int) or self.max_pending_per_client < 0:
+            raise ValueError(f"max_pending_per_client must be an integer >= 0, got {self.max_pending_per_client!r}")
+        for name in ("shutdown_timeout", "engine_start_timeout", "engine_unresponsive_s", "engine_kill_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.engine_kill_s <= self.engine_unresponsive_s:
+            raise ValueError("engine_kill_s must be longer than engine_unresponsive_s")

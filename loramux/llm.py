@@ -57,15 +57,13 @@ class LLM:
         return self.generate(prompts, sampling_params, adapters, use_tqdm)
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; use generate() with plain prompts")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, return_dict=False)
-        return list(ids)
+        """The conversation's token ids through the model's chat template (messages checked first)."""
+        return self.engine.chat_ids(conversation, add_generation_prompt)
 
     # ---- the adapter API -------------------------------------------------------------------------
-    def load_adapter(self, spec: str) -> LoRAResult:
-        return self.engine.load_adapter(spec)
+    def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
+        """"name=path", a bare path, or (name, path); kwargs: allow_pickle, allowed_dirs (LoRAManager)."""
+        return self.engine.load_adapter(spec, path, **kwargs)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         return self.engine.unload_adapter(name)
@@ -77,7 +75,7 @@ class LLM:
         return self.engine.lora_manager.activate_adapter(name)
 
     def is_lora(self, name: str) -> bool:
-        return self.engine.manager is not None and self.engine.manager.is_lora(name)
+        return self.engine.is_lora(name)
 
     def is_active_lora(self, name: str) -> bool:
         return self.engine.manager is not None and self.engine.manager.is_active_lora(name)

@@ -40,11 +40,27 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
 
     import loramux.server.app as app
 
+    from fastapi import FastAPI
+
     seen = {}
-    monkeypatch.setattr(app, "build_app", lambda engine, server, modules: seen.update(engine=engine, server=server))
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: seen.update(port=k["port"]))
-    main(["serve", "--port", "8123", "--max-body-bytes", "2048", "--api-key", "k", "--max-loras", "2"])
-    assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2
-    assert seen["server"].max_body_bytes == 2048 and seen["server"].api_key == "k"
+
+    def build_app(engine, server, modules):
+        seen.update(engine=engine, server=server)
+        return FastAPI()
+
+    def run(self):
+        seen.update(port=self.config.port, grace=self.config.timeout_graceful_shutdown)
+        self.started = True
+
+    monkeypatch.setattr(app, "build_app", build_app)
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    main(["serve", "--port", "8123", "--max-body-bytes", "2048", "--api-key", "k", "--max-loras", "2",
+          "--max-pending-requests", "9", "--max-pending-tokens", "999", "--max-pending-per-client", "3",
+          "--max-prompts-per-request", "5", "--shutdown-timeout", "7"])
+    assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2 and seen["grace"] == 12
+    server = seen["server"]
+    assert server.max_body_bytes == 2048 and server.api_key == "k" and server.shutdown_timeout == 7
+    assert (server.max_pending_requests, server.max_pending_tokens, server.max_pending_per_client,
+            server.max_prompts_per_request) == (9, 999, 3, 5)
     with pytest.raises(ValueError, match="max_body_bytes"):
         main(["serve", "--max-body-bytes", "0"])

@@ -49,11 +49,17 @@ _OUTPUT_HEADS = ("lm_head", "embed_out", "output")  # PEFT's "all-linear" leaves
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig | None = None, backend: str = "auto"):
+    def __init__(self, model: nn.Module, config: LoRAConfig | None = None, backend: str = "auto",
+                 cache: AdapterCache | None = None):
+        """cache: the AdapterCache that decides where adapters live (an engine shares it with its scheduler);
+        None = a new one sized by `config`."""
         self.model = model
         self.config = config or LoRAConfig()
         self.context = LoRAContext()
-        self.cache = AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
+        self.cache = cache or AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
+        if (self.cache.max_loras, self.cache.max_cpu_loras) != (self.config.max_loras, self.config.max_cpu_loras):
+            raise ValueError(f"the AdapterCache holds {self.cache.max_loras} slots / {self.cache.max_cpu_loras} host "
+                             f"adapters but the LoRAConfig says {self.config.max_loras} / {self.config.max_cpu_loras}")
         self._add_lora = select_backend(backend, next(model.parameters()).device)
         self.wants_grouped_tokens = wants_grouped_tokens(self._add_lora)  # see ModelRunner.run
         self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
@@ -207,6 +213,13 @@ class LoRAManager:
         except (CacheFullError, InvalidAdapterError, AdapterPathError) as e:
             return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
+
+    def unpin_adapter(self, name: str) -> LoRAResult:
+        """Let the adapter be evicted again (it stays loaded, and in its slot until the LRU needs it)."""
+        if name not in self.cache:
+            return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot unpin adapter {name!r}: it is not loaded")
+        self.cache.unpin(name)
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unpinned")
 
     def _ensure_in_host(self, name: str) -> None:
         if name not in self.cache:

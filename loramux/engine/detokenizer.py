@@ -1,39 +1,49 @@
-"""Detokenizer: one request's text, released as it becomes final, cut at the first stop string.
+"""Detokenizer: one request's text, released as it becomes final, cut at the first stop string. No torch.
 
-Text is held back while it could still change: a trailing replacement character (a UTF-8 sequence
-split across tokens) or a tail that may be the start of a stop string.
+Tokens are decoded incrementally with the `tokenizers` library's DecodeStream (each token once; a character
+split across tokens comes out whole when its last byte arrives), so a request's text costs O(tokens), not
+O(tokens^2) as re-decoding all of it every step did. Text that may be the start of a stop string is held
+back until it is not, or until the request ends.
 """
 from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
     def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend  # a loramux.tokenizer.Tokenizer's tokenizers.Tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
-        self.skip_special_tokens = skip_special_tokens
-        self.text = ""  # released so far
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.decoded = ""  # all text so far
+        self.text = ""  # released so far (a prefix of `decoded`, cut at a stop string)
 
-    def update(self, token_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Decode `token_ids` (all output tokens); returns (newly released text, hit a stop string)."""
-        full = self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
-        stop_at = self._find_stop(full)
+    def update(self, new_token_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Add this step's tokens; returns (newly released text, hit a stop string). After a stop string
+        nothing more is released."""
+        for token_id in new_token_ids:
+            piece = self.stream.step(self.backend, token_id)
+            if piece:
+                self.decoded += piece
+        stop_at = self._find_stop()
         if stop_at is not None:
-            full, final = full[:stop_at], True
-        end = len(full) if final else len(full) - self._holdback(full)
-        delta = full[len(self.text):end] if end > len(self.text) else ""
+            self.decoded, final = self.decoded[:stop_at], True
+        end = len(self.decoded) if final else len(self.decoded) - self._holdback()
+        delta = self.decoded[len(self.text):end] if end > len(self.text) else ""
         self.text += delta
         return delta, stop_at is not None
 
-    def _find_stop(self, text: str) -> int | None:
+    def _find_stop(self) -> int | None:
         # Only text not yet released can hold a new stop string (plus the overlap at its start).
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        start = max(0, len(self.text) - self._longest_stop + 1)
+        hits = [i for i in (self.decoded.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
-    def _holdback(self, text: str) -> int:
-        if text.endswith("\ufffd"):
-            return len(text) - len(text.rstrip("\ufffd"))
-        for n in range(max((len(s) for s in self.stop), default=1) - 1, 0, -1):
-            if any(s.startswith(text[-n:]) for s in self.stop) and len(text) >= n:
+    def _holdback(self) -> int:
+        """The longest tail of the decoded text that is a proper prefix of some stop string."""
+        for n in range(min(self._longest_stop - 1, len(self.decoded)), 0, -1):
+            tail = self.decoded[-n:]
+            if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0

@@ -1,7 +1,7 @@
 """ModelRunner: one scheduled batch -> tensors -> forward pass -> one sampled token per sequence.
 
-It owns the model, the paged KV cache and the LoRAManager. Within a step, sequences are ordered by
-adapter slot, so every adapter's tokens are one contiguous segment for the LoRA ops.
+It owns the model, the paged KV cache and the LoRAManager (built over the engine's AdapterCache). Each step
+comes with every sequence's adapter slot; the runner never looks adapters up itself.
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from loramux.adapters.cache import AdapterCache
 from loramux.adapters.manager import LoRAManager
 from loramux.config import EngineConfig
 from loramux.engine.sequence import Sequence
@@ -41,11 +42,11 @@ def batch_order(row_slots: list[int], grouped: bool) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, cache: AdapterCache | None):
         self.model, self.config, self.device = loaded.model, config, device
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
-        self.manager = LoRAManager(self.model, config.lora, config.lora_backend) if config.lora else None
+        self.manager = LoRAManager(self.model, config.lora, config.lora_backend, cache) if cache else None
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
@@ -79,38 +80,26 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int | None]:
-        """Run one step over `seqs` (adapters activated first); returns their next tokens in order (None
-        where a row's logits were not finite)."""
-        slots = {s.adapter: self.manager.cache.slot_of(s.adapter) for s in seqs if s.adapter is not None}
-        slots[None] = -1
+    def run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool) -> list[int | None]:
+        """Run one step over `seqs`, slots[i] being seqs[i]'s adapter slot (-1 = base; activated by the
+        engine); returns their next tokens in order (None where a row's logits were not finite)."""
         grouped = self.manager is not None and self.manager.wants_grouped_tokens
-        order = batch_order([slots[s.adapter] for s in seqs], grouped)
-        ordered = [seqs[i] for i in order]
+        order = batch_order(slots, grouped)
+        ordered, ordered_slots = [seqs[i] for i in order], [slots[i] for i in order]
         prepare = self._prepare_prefill if is_prefill else self._prepare_decode
         input_ids, positions, meta, token_counts, last_indices = prepare(ordered)
-        hidden = self._forward(input_ids, positions, meta, ordered, slots, token_counts)
+        hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
         logits = self.model.compute_logits(hidden[last_indices])
         tokens = sample(logits, [self._sampling_row(s) for s in ordered], self.argmax)
-        result = [0] * len(seqs)
+        result: list[int | None] = [0] * len(seqs)
         for i, token in zip(order, tokens):
             result[i] = token
         return result
 
-    def activate_adapters(self, seqs: list[Sequence]) -> dict[str, str]:
-        """Give every adapter of the step a slot; {adapter: error} for those that could not get one."""
-        errors = {}
-        for adapter in {s.adapter for s in seqs} - {None}:
-            try:
-                self.manager.activate_adapter(adapter)
-            except Exception as e:  # a broken adapter fails its own requests, nobody else's
-                errors[adapter] = f"adapter {adapter!r} could not be activated: {e}"
-        return errors
-
-    def _forward(self, input_ids, positions, meta, seqs, slots, token_counts):
-        if self.manager is None or all(s.adapter is None for s in seqs):
+    def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
+        if self.manager is None or all(s < 0 for s in slots):
             return self.model(input_ids, positions, meta)
-        token_slots = [slots[s.adapter] for s, n in zip(seqs, token_counts) for _ in range(n)]
+        token_slots = [slot for slot, n in zip(slots, token_counts) for _ in range(n)]
         with self.manager.mapping(LoRAMapping.from_slots(token_slots, self.device)):
             return self.model(input_ids, positions, meta)
 

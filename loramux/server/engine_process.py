@@ -1,130 +1,155 @@
-"""The engine's own process: receive requests over ZMQ, step the engine, send outputs back.
+"""The engine's own process: receive requests over ZMQ, step the EngineCore, send new tokens back.
 
-Only `run_engine` (called in the child) imports torch and the model; this module's top level stays
-torch-free so the HTTP process can name it as the child's entry point.
+It only steps: prompts arrive as token ids and outputs leave as token ids (the front end tokenizes and
+detokenizes). It lives only as long as its parent: a parent-death signal and a heartbeat thread that
+watches the parent's pid end it (and remove its IPC directory) when the server is killed, and the heartbeat
+it writes lets the front end tell a frozen engine from a busy one. Only `run_engine` (in the child)
+imports torch and the model; this module's top level stays torch-free so that the HTTP process can name it
+as the child's entry point.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
 import traceback
 
 import zmq
 
 from loramux.config import EngineConfig
-from loramux.server.ipc import (Abort, Control, ControlResult, Generate, Outputs, Ready, RequestFailed,
-                                StartupFailed)
+from loramux.server.wire import (Abort, AddRequest, AdapterSource, Control, ControlResult, Outputs, Ready,
+                                 StartupFailed, decode_to_engine, encode)
 
 logger = logging.getLogger("loramux.engine")
-IDLE_POLL_MS = 50
+IDLE_POLL_MS = 50  # an idle engine blocks this long on its inbox at most (a message wakes it at once)
+HEARTBEAT_S = 0.25
 
 
-def run_engine(config: EngineConfig, lora_modules: list[str], inbox_addr: str, outbox_addr: str) -> None:
-    """Child process entry point: build the engine, then serve until the parent goes away."""
+def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str, heartbeat, parent_pid: int) -> None:
+    """Child process entry point: build the engine, then serve until told to stop or the parent goes away."""
+    _live_with_parent(parent_pid, ipc_dir, heartbeat)
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-    inbox.connect(inbox_addr)
-    outbox.connect(outbox_addr)
+    inbox.connect(f"ipc://{ipc_dir}/to_engine")
+    outbox.connect(f"ipc://{ipc_dir}/from_engine")
     try:
-        loop = EngineLoop(_build_engine(config, lora_modules), outbox)
+        loop = EngineLoop(_build_engine(config), outbox)
+        outbox.send(encode(loop.ready(adapters, os.path.join(ipc_dir, "tokenizer"))))
     except Exception as e:
-        outbox.send_pyobj(StartupFailed(f"{type(e).__name__}: {e}"))
-        raise
-    outbox.send_pyobj(loop.ready())
-    while True:
-        busy = loop.busy
-        if inbox.poll(0 if busy else IDLE_POLL_MS):
-            while inbox.poll(0):
-                loop.handle(inbox.recv_pyobj())
-        loop.step()
+        logger.error("the engine failed to start: %s", traceback.format_exc())
+        outbox.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        outbox.close(linger=2000)  # let the message reach the front end before the process ends
+        raise SystemExit(1) from e
+    try:
+        while True:
+            if inbox.poll(0 if loop.busy else IDLE_POLL_MS):
+                while inbox.poll(0):
+                    loop.handle(decode_to_engine(inbox.recv()))
+            loop.step()
+    except SystemExit:  # SIGTERM: the front end stops us, or the parent died
+        ctx.destroy(linger=0)
 
 
-def _build_engine(config: EngineConfig, lora_modules: list[str]):
-    from loramux.engine.llm_engine import LLMEngine
+def _live_with_parent(parent_pid: int, ipc_dir: str, heartbeat) -> None:
+    """Exit on SIGTERM (and with the parent: Linux sends SIGTERM when it dies), ignore SIGINT (a Ctrl-C
+    reaches the whole process group; the parent decides), and beat while alive."""
+    def stop(*_):
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise SystemExit(0)
 
-    engine = LLMEngine(config)
-    for spec in lora_modules:
-        result = engine.load_adapter(spec)
-        if not result:
-            raise ValueError(f"--lora-modules {spec}: {result.message}")
-    return engine
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    def beat():
+        while True:
+            heartbeat.value = time.monotonic()
+            if os.getppid() != parent_pid:  # the parent died before the death signal was set up
+                shutil.rmtree(ipc_dir, ignore_errors=True)
+                os._exit(0)
+            time.sleep(HEARTBEAT_S)
+
+    if os.getppid() != parent_pid:
+        stop()
+    threading.Thread(target=beat, name="loramux-heartbeat", daemon=True).start()
+
+
+def _build_engine(config: EngineConfig):
+    from loramux.engine.engine_core import EngineCore
+
+    return EngineCore(config)
 
 
 class EngineLoop:
-    """Dispatches messages and steps the engine. Unloads of adapters in use wait here for their
-    running requests; meanwhile the adapter takes no new requests."""
+    """Dispatches messages and steps the core. Unloads of adapters in use wait here for their running
+    requests; meanwhile the adapter takes no new requests."""
 
-    def __init__(self, engine, outbox):
-        self.engine, self.outbox = engine, outbox
+    def __init__(self, core, outbox):
+        self.core, self.outbox = core, outbox
         self.unloading: dict[str, list[int]] = {}  # adapter -> control ids waiting for its unload
+        self._pending: list = []  # outputs of refused requests, sent with the next step's
 
     @property
     def busy(self) -> bool:
-        return self.engine.has_unfinished_requests() or bool(self.unloading)
+        return self.core.has_unfinished_requests() or bool(self.unloading) or bool(self._pending)
 
-    def ready(self) -> Ready:
-        manager = self.engine.manager
-        return Ready(self.engine.model_name, self.engine.max_model_len, manager.paths if manager else {})
+    def ready(self, adapters: list[AdapterSource], tokenizer_dir: str) -> Ready:
+        """Load the start-up adapters (a failing one is reported, not fatal after a restart) and describe the
+        engine; saves the tokenizer for the front end."""
+        self.core.hf_tokenizer.save_pretrained(tokenizer_dir)
+        loaded, failed = [], {}
+        for source in adapters:
+            result = self._load(source)
+            (loaded.append(source) if result else failed.__setitem__(source.name, result.message))
+        limits = self.core.limits
+        return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed)
+
+    def _load(self, source: AdapterSource):
+        result = self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs)
+        if result and source.pinned:
+            result = self.core.pin_adapter(source.name)
+        return result
 
     def handle(self, msg) -> None:
-        if isinstance(msg, Generate):
-            self._generate(msg)
+        if isinstance(msg, AddRequest):
+            self._add(msg)
         elif isinstance(msg, Abort):
-            self.engine.abort_request(msg.request_id)
+            for request_id in msg.request_ids:
+                self.core.abort_request(request_id)
         elif isinstance(msg, Control):
             self._control(msg)
 
     def step(self) -> None:
         self._retry_unloads()
-        if not self.engine.has_unfinished_requests():
-            return
-        outputs = self.engine.step()
+        outputs, self._pending = self._pending, []
+        if self.core.has_unfinished_requests():
+            outputs += self.core.step()
         if outputs:
-            self.outbox.send_pyobj(Outputs([dataclasses.asdict(o) for o in outputs]))
+            self.outbox.send(encode(Outputs(outputs)))
 
     # ---- generation ------------------------------------------------------------------------------
-    def _generate(self, msg: Generate) -> None:
+    def _add(self, msg: AddRequest) -> None:
+        from loramux.engine.output import CoreOutput
+
         try:
-            self._add(msg)
+            if msg.adapter in self.unloading:
+                raise LookupError(f"The model `{msg.adapter}` does not exist.")
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.adapter)
         except LookupError as e:
-            self.outbox.send_pyobj(RequestFailed(msg.request_id, str(e).strip("'\""), 404))
+            self._pending.append(CoreOutput(msg.request_id, [], "error", str(e).strip("'\""), 404))
         except ValueError as e:
-            self.outbox.send_pyobj(RequestFailed(msg.request_id, str(e), 400))
+            self._pending.append(CoreOutput(msg.request_id, [], "error", str(e), 400))
         except Exception as e:  # a bad request must never take the engine down
             logger.error("request %s failed: %s", msg.request_id, traceback.format_exc())
-            self.outbox.send_pyobj(RequestFailed(msg.request_id, f"{type(e).__name__}: {e}", 500))
-
-    def _add(self, msg: Generate) -> None:
-        engine = self.engine
-        if msg.adapter is not None and (msg.adapter in self.unloading or engine.manager is None
-                                        or not engine.manager.is_lora(msg.adapter)):
-            raise LookupError(f"The model `{msg.adapter}` does not exist.")
-        token_ids = self._prompt_ids(msg)
-        params = msg.params
-        if not msg.max_tokens_given:
-            params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(token_ids)))
-        if len(token_ids) + params.max_tokens > engine.max_model_len:
-            raise ValueError(f"This model's maximum context length is {engine.max_model_len} tokens. However, you "
-                             f"requested {len(token_ids) + params.max_tokens} tokens ({len(token_ids)} in the "
-                             f"prompt, {params.max_tokens} in the completion).")
-        engine.add_request(token_ids, params, msg.adapter, msg.request_id)
-
-    def _prompt_ids(self, msg: Generate) -> list[int]:
-        tokenizer = self.engine.tokenizer
-        if msg.messages is not None:
-            if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("this model has no chat template; use /v1/completions")
-            ids = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False)
-            return list(ids)
-        prompt = msg.prompt
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = getattr(self.engine.hf_config, "vocab_size", None)
-        if vocab is not None and any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        return ids
+            self._pending.append(CoreOutput(msg.request_id, [], "error", f"{type(e).__name__}: {e}", 500))
 
     # ---- control ------------------------------------------------------------------------------
     def _control(self, msg: Control) -> None:
@@ -135,24 +160,33 @@ class EngineLoop:
             logger.error("control %s failed: %s", msg.op, traceback.format_exc())
             result = {"status": "ERROR", "message": f"{type(e).__name__}: {e}"}
         if result is not None:  # None: answered later (an unload waiting for running requests)
-            self.outbox.send_pyobj(ControlResult(msg.control_id, result))
+            self.outbox.send(encode(ControlResult(msg.control_id, result)))
 
     @staticmethod
     def _status(result) -> dict:
         return {"status": result.status.name, "message": result.message}
 
-    def _op_load(self, msg, name: str, path: str, allowed_dirs: tuple[str, ...] = ()) -> dict:
+    def _op_load(self, msg, name: str, path: str, allowed_dirs: list[str] = (), pinned: bool = False) -> dict:
         if name in self.unloading:
             return {"status": "LOAD_NAME_EXISTS", "message": f"adapter {name!r} is still being unloaded"}
         # name and path stay apart (a name is never parsed as "name=path"); runtime loads: safetensors only,
         # every file inside the allowed directories
-        return self._status(self.engine.load_adapter(name, path, allow_pickle=False, allowed_dirs=allowed_dirs))
+        result = self.core.load_adapter(name, path, allow_pickle=False, allowed_dirs=tuple(allowed_dirs))
+        if result and pinned:
+            pin = self.core.pin_adapter(name)
+            if not pin:
+                self.core.unload_adapter(name)
+                return self._status(pin)
+        return self._status(result)
 
     def _op_pin(self, msg, name: str) -> dict:
-        return self._status(self.engine.pin_adapter(name))
+        return self._status(self.core.pin_adapter(name))
+
+    def _op_unpin(self, msg, name: str) -> dict:
+        return self._status(self.core.lora_manager.unpin_adapter(name))
 
     def _op_unload(self, msg, name: str) -> dict | None:
-        if self.engine.manager is None or not self.engine.manager.is_lora(name):
+        if self.core.manager is None or not self.core.manager.is_lora(name):
             return {"status": "UNLOAD_NAME_NONEXISTENT", "message": f"no adapter named {name!r} is loaded"}
         self._fail_waiting(name)
         self.unloading.setdefault(name, []).append(msg.control_id)
@@ -160,32 +194,34 @@ class EngineLoop:
         return None
 
     def _op_list(self, msg) -> dict:
-        return {"status": "SUCCESS", "adapters": self.engine.manager.paths if self.engine.manager else {}}
+        manager = self.core.manager
+        return {"status": "SUCCESS", "adapters": manager.paths if manager else {}}
 
     def _op_stats(self, msg) -> dict:
-        engine, scheduler = self.engine, self.engine.scheduler
-        manager = engine.manager
+        core, scheduler = self.core, self.core.scheduler
+        manager = core.manager
         return {
             "status": "SUCCESS", "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
             "running_adapters": sorted(scheduler.running_adapters()),
             "waiting_adapters": sorted(scheduler.waiting_adapters()),
-            "max_loras": engine.config.max_loras, "lora": dict(manager.stats) if manager else {},
-            "num_adapters": len(manager.loras) if manager else 0,
-            "kv_blocks_total": engine.block_manager.num_blocks, "kv_blocks_free": engine.block_manager.num_free_blocks,
+            "max_loras": core.config.max_loras, "lora": dict(manager.stats) if manager else {},
+            "num_adapters": len(manager.loras) if manager else 0, "pinned": sorted(manager.cache.pinned) if manager else [],
+            "kv_blocks_total": core.block_manager.num_blocks, "kv_blocks_free": core.block_manager.num_free_blocks,
         }
 
     def _fail_waiting(self, adapter: str) -> None:
         """Requests for `adapter` that have not started yet fail now; started ones (running, or preempted
         and waiting to resume) finish first."""
-        waiting = self.engine.scheduler.waiting
-        for seq in [s for s in waiting if s.adapter == adapter and s.num_output_tokens == 0]:
-            self.engine.abort_request(seq.request_id)
-            self.outbox.send_pyobj(RequestFailed(seq.request_id, f"The model `{adapter}` was unloaded.", 404))
+        from loramux.engine.output import CoreOutput
+
+        for seq in [s for s in self.core.scheduler.waiting if s.adapter == adapter and s.num_output_tokens == 0]:
+            self.core.abort_request(seq.request_id)
+            self._pending.append(CoreOutput(seq.request_id, [], "error", f"The model `{adapter}` was unloaded.", 404))
 
     def _retry_unloads(self) -> None:
         for name in list(self.unloading):
-            result = self.engine.unload_adapter(name)
+            result = self.core.unload_adapter(name)
             if result.status.name == "UNLOAD_IN_USE":
                 continue
             for control_id in self.unloading.pop(name):
-                self.outbox.send_pyobj(ControlResult(control_id, self._status(result)))
+                self.outbox.send(encode(ControlResult(control_id, self._status(result))))

@@ -48,14 +48,21 @@ class Metrics:
         self.kv_usage = Gauge("loramux:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", registry=r)
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
+        self.engine_healthy = Gauge("loramux:engine_healthy", "1 when the engine answers its heartbeat", registry=r)
+        self.pending_requests = Gauge("loramux:pending_requests", "Engine requests in flight (admission)", registry=r)
+        self.pending_tokens = Gauge("loramux:pending_tokens", "Prompt + max_tokens in flight (admission)", registry=r)
         self._engine = _EngineCounters()
         r.register(self._engine)
 
     def track(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)
 
-    def render(self, stats: dict | None) -> bytes:
+    def render(self, stats: dict | None, admission=None) -> bytes:
         """The exposition text; `stats` is the engine's latest state (None when it is down)."""
+        if admission is not None:
+            self.pending_requests.set(admission.requests)
+            self.pending_tokens.set(admission.tokens)
         if stats:
             self.running.set(stats["num_running"])
             self.waiting.set(stats["num_waiting"])
@@ -69,23 +76,24 @@ class Metrics:
 
 
 class RequestTimer:
-    """Times one request's outputs as they arrive."""
+    """Times one choice (one engine request) as its outputs arrive."""
 
     def __init__(self, metrics: Metrics, model: str):
         self.metrics, self.model = metrics, model
         self.start = time.monotonic()
         self.first: float | None = None
 
-    def on_output(self, output: dict) -> None:
+    def update(self, choice) -> None:
+        """After a server.generation.Choice took an output."""
         now = time.monotonic()
-        if self.first is None and output["delta_token_ids"]:
+        if self.first is None and choice.num_tokens:
             self.first = now
             self.metrics.ttft.labels(self.model).observe(now - self.start)
-        if output["finish_reason"] is None:
+        if choice.finish_reason is None:
             return
-        m, n = self.metrics, len(output["token_ids"])
-        m.requests.labels(output["finish_reason"], self.model).inc()
-        m.prompt_tokens.labels(self.model).inc(len(output["prompt_token_ids"]))
+        m, n = self.metrics, choice.num_tokens
+        m.requests.labels(choice.finish_reason, self.model).inc()
+        m.prompt_tokens.labels(self.model).inc(choice.prompt_tokens)
         m.generation_tokens.labels(self.model).inc(n)
         m.e2e.labels(self.model).observe(now - self.start)
         if self.first is not None and n > 1:

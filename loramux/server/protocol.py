@@ -13,7 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from loramux.sampling_params import SamplingParams, choice_seed
 
 
-class _Request(BaseModel):
+class GenerationRequest(BaseModel):
+    """Fields both generation endpoints take. Types are checked here; ranges by SamplingParams (one place)."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str
@@ -28,12 +30,18 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     ignore_eos: bool = False
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def max_tokens_for(self, chat: bool) -> int | None:
+        """The request's max_tokens; None = up to the model's length (chat without one)."""
+        if chat:
+            return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default, also for an explicit null
 
     def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
@@ -46,8 +54,8 @@ class _Request(BaseModel):
             stop=tuple(self.stop_list()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
         )
 
     @property
@@ -55,29 +63,36 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
 
     def prompts(self) -> list:
+        """The prompts: one string or token-id list, or a list of them (each checked by the InputProcessor)."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
         return list(p)
 
 
-class ChatCompletionRequest(_Request):
-    messages: list[dict] = Field(min_length=1)
+class ChatCompletionRequest(GenerationRequest):
+    messages: list = Field(min_length=1)  # each message is checked by the InputProcessor (one place for both APIs)
 
 
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
+    pinned: bool = False  # as SGLang: never evicted from host memory or its device slot until unpinned or unloaded
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
+
+
+class PinLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", code: str | None = None,

@@ -146,7 +146,7 @@ def test_eos_stops_unless_ignored(checkpoints):
     _, path, _ = checkpoints["qwen2"]
     llm = make_llm(path)
     free = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
-    llm.engine.eos_token_ids = {free[2]}  # pretend the third greedy token is the model's eos
+    llm.engine.core.eos_token_ids = {free[2]}  # pretend the third greedy token is the model's eos
     stopped = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0))[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids == free[: free.index(free[2]) + 1]
     forced = llm.generate([5, 6, 7], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
@@ -158,7 +158,7 @@ def test_bad_requests_are_refused_with_the_cause(checkpoints):
     llm = make_llm(path, {"r4": adapters["r4"]}, max_model_len=32)
     with pytest.raises(ValueError, match="unknown adapter 'ghost'; loaded adapters: r4"):
         llm.generate("hi", GREEDY, adapters="ghost")
-    with pytest.raises(ValueError, match="40 tokens; max_model_len=32"):
+    with pytest.raises(ValueError, match="40 tokens; this model.s maximum context length is 32"):
         llm.generate([5] * 40, GREEDY)
     with pytest.raises(ValueError, match="2 adapters for 3 prompts"):
         llm.generate(["a", "b", "c"], GREEDY, adapters=["r4", None])
@@ -207,10 +207,10 @@ def test_a_step_that_raises_fails_only_the_request_that_makes_it_raise(checkpoin
     alone = [llm.generate(p, GREEDY, adapters="r4")[0].token_ids for p in prompts(3)]
     runner, real_run = llm.engine.runner, llm.engine.runner.run
 
-    def run(seqs, is_prefill):  # the second prompt's request breaks every step it is in
+    def run(seqs, slots, is_prefill):  # the second prompt's request breaks every step it is in
         if any(s.token_ids[: s.num_prompt_tokens] == prompts(3)[1] for s in seqs):
             raise RuntimeError("boom")
-        return real_run(seqs, is_prefill)
+        return real_run(seqs, slots, is_prefill)
 
     monkeypatch.setattr(runner, "run", run)
     outs = llm.generate(prompts(3), GREEDY, adapters="r4")

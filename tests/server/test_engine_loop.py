@@ -4,64 +4,90 @@ import pytest
 from conftest import save_checkpoint, save_peft_adapter, tiny_llama
 from loramux import LoRAConfig, SamplingParams
 from loramux.config import EngineConfig
-from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.engine_core import EngineCore
 from loramux.server.engine_process import EngineLoop
-from loramux.server.ipc import Control, ControlResult, Generate, Outputs, RequestFailed
+from loramux.server.wire import (AddRequest, AdapterSource, Control, ControlResult, Outputs, decode_from_engine,
+                                 decode_to_engine, encode)
 
 
 class Outbox:
+    """Stands in for the PUSH socket: keeps what was sent, decoded as the front end would decode it."""
+
     def __init__(self):
         self.sent = []
 
-    def send_pyobj(self, message):
-        self.sent.append(message)
+    def send(self, data: bytes):
+        self.sent.append(decode_from_engine(data))
+
+    def outputs(self):
+        return [o for m in self.sent if isinstance(m, Outputs) for o in m.outputs]
+
+    def results(self):
+        return [m for m in self.sent if isinstance(m, ControlResult)]
 
 
 @pytest.fixture()
 def loop(tmp_path):
     base = tiny_llama()
-    engine = LLMEngine(EngineConfig(model=save_checkpoint(base, tmp_path / "m"), dtype="float32",
-                                    lora=LoRAConfig(max_loras=2, max_lora_rank=8), kv_cache_memory=2**22,
-                                    max_model_len=64))
-    assert engine.load_adapter(f"a={save_peft_adapter(base, tmp_path / 'a', r=8)}")
-    return EngineLoop(engine, Outbox())
+    core = EngineCore(EngineConfig(model=save_checkpoint(base, tmp_path / "m"), dtype="float32",
+                                   lora=LoRAConfig(max_loras=2, max_lora_rank=8), kv_cache_memory=2**22,
+                                   max_model_len=64))
+    loop = EngineLoop(core, Outbox())
+    ready = loop.ready([AdapterSource("a", save_peft_adapter(base, tmp_path / "a", r=8)),
+                        AdapterSource("gone", str(tmp_path / "missing"))], str(tmp_path / "tok"))
+    assert [a.name for a in ready.adapters] == ["a"] and "does not exist" in ready.failed_adapters["gone"]
+    assert (tmp_path / "tok" / "tokenizer.json").is_file() and ready.max_model_len == 64
+    return loop
 
 
-def generate(request_id, adapter="a", max_tokens=12):
-    return Generate(request_id, adapter, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                    True, prompt=[5, 6, 7])
+def add(request_id, adapter="a", max_tokens=12, prompt=(5, 6, 7)):
+    # through the wire format, as the front end sends it
+    msg = AddRequest(request_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                     adapter)
+    return decode_to_engine(encode(msg))
 
 
 def test_unload_waits_for_running_requests_and_fails_waiting_ones(loop):
-    loop.handle(generate("running"))
+    loop.handle(add("running"))
     loop.step()  # prefill: "running" holds the adapter now
-    loop.handle(generate("not-started"))
+    loop.handle(add("not-started"))
     loop.handle(Control(1, "unload", {"name": "a"}))
-    assert not [m for m in loop.outbox.sent if isinstance(m, ControlResult)]  # still waiting
-    failed = [m for m in loop.outbox.sent if isinstance(m, RequestFailed)]
-    assert [(m.request_id, m.status_code) for m in failed] == [("not-started", 404)]
-    loop.handle(generate("late"))  # new requests for an adapter being unloaded are refused
-    assert loop.outbox.sent[-1].request_id == "late" and loop.outbox.sent[-1].status_code == 404
+    assert not loop.outbox.results()  # still waiting
+    loop.handle(add("late"))  # new requests for an adapter being unloaded are refused
+    loop.step()
+    failed = {o.request_id: o.status for o in loop.outbox.outputs() if o.finish_reason == "error"}
+    assert failed == {"not-started": 404, "late": 404}
     finished_at = None
     for _ in range(20):
         loop.step()
         for i, m in enumerate(loop.outbox.sent):
-            if isinstance(m, Outputs) and any(o["finish_reason"] for o in m.outputs) and finished_at is None:
-                finished_at = i
+            if isinstance(m, Outputs) and any(o.request_id == "running" and o.finished for o in m.outputs):
+                finished_at = finished_at if finished_at is not None else i
     results = [i for i, m in enumerate(loop.outbox.sent) if isinstance(m, ControlResult)]
     assert finished_at is not None and results and results[0] > finished_at  # answered after the finish
     assert loop.outbox.sent[results[0]].result["status"] == "SUCCESS"
-    assert not loop.engine.manager.is_lora("a")
+    assert not loop.core.manager.is_lora("a")
 
 
-def test_bad_requests_fail_alone(loop):
-    loop.handle(generate("ok", adapter=None))
-    loop.handle(Generate("long", None, SamplingParams(max_tokens=100), True, prompt=[5, 6, 7]))
-    loop.handle(Generate("ghost", "ghost", SamplingParams(max_tokens=2), True, prompt=[5]))
-    loop.handle(Generate("bad-id", None, SamplingParams(max_tokens=2), True, prompt=[999]))
-    codes = {m.request_id: m.status_code for m in loop.outbox.sent if isinstance(m, RequestFailed)}
-    assert codes == {"long": 400, "ghost": 404, "bad-id": 400}
+def test_bad_requests_fail_alone_and_outputs_are_deltas(loop):
+    loop.handle(add("ok", adapter=None, max_tokens=5))
+    loop.handle(add("ghost", adapter="ghost"))
+    loop.handle(add("dup", adapter=None))
+    loop.handle(add("dup", adapter=None))
     while loop.busy:
         loop.step()
-    outputs = [o for m in loop.outbox.sent if isinstance(m, Outputs) for o in m.outputs]
-    assert outputs[-1]["request_id"] == "ok" and outputs[-1]["finish_reason"] == "length"
+    outputs = loop.outbox.outputs()
+    assert {o.request_id: o.status for o in outputs if o.finish_reason == "error"} == {"ghost": 404, "dup": 400}
+    ok = [o for o in outputs if o.request_id == "ok"]
+    assert all(len(o.new_token_ids) == 1 for o in ok) and len(ok) == 5 and ok[-1].finish_reason == "length"
+
+
+def test_pin_and_unpin_through_control_ops(loop):
+    loop.handle(Control(1, "pin", {"name": "a"}))
+    loop.handle(Control(2, "stats", {}))
+    loop.handle(Control(3, "unpin", {"name": "a"}))
+    loop.handle(Control(4, "unpin", {"name": "ghost"}))
+    results = {m.control_id: m.result for m in loop.outbox.results()}
+    assert results[1]["status"] == "SUCCESS" and results[2]["pinned"] == ["a"]
+    assert results[3]["status"] == "SUCCESS" and not loop.core.manager.cache.is_pinned("a")
+    assert results[4]["status"] == "PIN_NAME_NONEXISTENT"

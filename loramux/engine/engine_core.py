@@ -1,0 +1,173 @@
+"""EngineCore: token ids in, new token ids out. Continuous batching over mixed adapters.
+
+One step = schedule (Scheduler, no torch) -> give the step's adapters device slots (LoRAManager) -> run
+(ModelRunner) -> append tokens, finish by EOS / stop token / length -> CoreOutputs (deltas only).
+It never tokenizes or formats text: the offline LLMEngine and the HTTP front end do that around it, and
+they validate requests before they get here (InputProcessor). Adapter control (load/unload/pin) happens
+between steps, on the same thread, so no step ever sees an adapter change under it.
+
+Ownership: the core builds the AdapterCache (policy) and hands the same object to the Scheduler (which
+admits requests whose adapters fit max_loras and takes in-flight references) and, through the ModelRunner,
+to the LoRAManager (which writes slot buffers when the cache says so).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+
+from loramux.adapters.cache import AdapterCache
+from loramux.adapters.status import LoRAResult
+from loramux.config import EngineConfig
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.input_processor import EngineLimits
+from loramux.engine.model_runner import ModelRunner
+from loramux.engine.output import CoreOutput
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+from loramux.models.loader import load_model
+from loramux.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+NON_FINITE = ("the model produced NaN or Inf logits for this request (check its adapter's weights and "
+              "scaling); it was stopped")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.device = resolve_device(config.device)
+        loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
+        self.config = replace(config, max_model_len=loaded.max_model_len)
+        self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
+        lora = self.config.lora
+        self.cache = AdapterCache(lora.max_loras, lora.max_cpu_loras) if lora else None
+        self.runner = ModelRunner(loaded, self.config, self.device, self.cache)
+        self.manager = self.runner.manager
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager, self.cache)
+        self.eos_token_ids = self._eos_token_ids()
+        self.limits = EngineLimits(max_model_len=loaded.max_model_len,
+                                   vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
+        self._seqs: dict[str, Sequence] = {}
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = {self.hf_tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None)}
+        flat = set()
+        for i in ids:
+            flat.update(i if isinstance(i, (list, tuple)) else [i])
+        return {i for i in flat if i is not None}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    adapter: str | None = None) -> None:
+        """Queue a validated request (InputProcessor). LookupError: its adapter is not loaded (unloaded after
+        the caller looked); ValueError: the id is in use, or the request could never run."""
+        if adapter is not None and (self.manager is None or not self.manager.is_lora(adapter)):
+            raise LookupError(f"The model `{adapter}` does not exist.")
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(prompt_token_ids, params, adapter, request_id)
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is; False if it is not here (finished already, or never added)."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self._forget(seq)
+        return seq is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        return self._seqs.get(request_id)
+
+    # ---- the step loop ---------------------------------------------------------------------------
+    def step(self) -> list[CoreOutput]:
+        """One scheduler step: an output for every request that progressed or finished."""
+        batch = self.scheduler.schedule()
+        outputs = [self._ended(s, "abort", f"adapter {s.adapter!r} was unloaded before the request started")
+                   for s in batch.failed]
+        seqs, slots = self._activate(batch.seqs, outputs)
+        if seqs:
+            for seq, token in zip(seqs, self._run(seqs, slots, batch.is_prefill)):
+                outputs.append(self._append(seq, token) if isinstance(token, int) else self._fail(seq, token))
+        return outputs
+
+    def _activate(self, seqs: list[Sequence], outputs: list[CoreOutput]) -> tuple[list[Sequence], list[int]]:
+        """Give the step's adapters device slots; requests whose adapter cannot get one fail alone.
+        Returns the runnable sequences and each one's slot (-1 = base model)."""
+        slots: dict[str | None, int] = {None: -1}
+        for adapter in dict.fromkeys(s.adapter for s in seqs if s.adapter is not None):
+            try:
+                slots[adapter] = self.manager.activate_adapter(adapter)
+            except Exception as e:  # a broken adapter (e.g. its file changed on disk) fails its own requests
+                logger.warning("adapter %r could not be activated: %s", adapter, e)
+                for seq in [s for s in seqs if s.adapter == adapter]:
+                    outputs.append(self._fail(seq, f"adapter {adapter!r} could not be activated: {e}"))
+        runnable = [s for s in seqs if s.adapter in slots]
+        return runnable, [slots[s.adapter] for s in runnable]
+
+    def _run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool) -> list[int | str]:
+        """Each sequence's next token, or the error that fails it. A step that raises is run again one
+        sequence at a time (each one's step is independent of its batch mates: rerunning rewrites the same
+        K/V), so that only a request that causes the error fails; sampling never raises."""
+        try:
+            tokens = self.runner.run(seqs, slots, is_prefill)
+        except Exception as e:
+            if len(seqs) > 1:
+                logger.warning("a step of %d requests failed (%s); running them one by one", len(seqs), e)
+                return [t for seq, slot in zip(seqs, slots) for t in self._run([seq], [slot], is_prefill)]
+            logger.exception("request %s failed in a step", seqs[0].request_id)
+            return [f"the engine failed on this request: {type(e).__name__}: {e}"]
+        return [NON_FINITE if t is None else t for t in tokens]
+
+    def _append(self, seq: Sequence, token: int) -> CoreOutput:
+        seq.append_token(token)
+        params = seq.params
+        by_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        reason = "stop" if by_token else None
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq) >= self.limits.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        return CoreOutput(seq.request_id, [token], reason)
+
+    def _ended(self, seq: Sequence, reason: str, error: str) -> CoreOutput:
+        """The output of a request the scheduler has already finished."""
+        self._forget(seq)
+        return CoreOutput(seq.request_id, [], reason, error)
+
+    def _fail(self, seq: Sequence, error: str) -> CoreOutput:
+        self.scheduler.finish(seq, "error")
+        return self._ended(seq, "error", error)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._seqs.pop(seq.request_id, None)
+        self.runner.release(seq)
+
+    # ---- adapters (between steps) ----------------------------------------------------------------------
+    def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
+        """LoRAManager.load_adapter: "name=path", a bare path, or (name, path)."""
+        return self.lora_manager.load_adapter(spec, path, **kwargs)
+
+    def unload_adapter(self, name: str) -> LoRAResult:
+        return self.lora_manager.unload_adapter(name)
+
+    def pin_adapter(self, name: str) -> LoRAResult:
+        return self.lora_manager.pin_adapter(name)
+
+    @property
+    def lora_manager(self):
+        if self.manager is None:
+            raise RuntimeError("this engine was built with lora=None; adapters are off")
+        return self.manager

@@ -1,0 +1,121 @@
+"""InputProcessor: prompts and chat messages -> checked token ids. No torch.
+
+This is the one place a request's input is validated, with one message per cause: the offline LLM calls
+it, and so does the HTTP front end (in its own process, with the limits the engine reported). The engine
+behind it only asserts what it was promised.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loramux.sampling_params import SamplingParams
+from loramux.tokenizer import CHAT_ROLES, Tokenizer
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What one request may hold, as the running engine computed them."""
+
+    max_model_len: int
+    """Prompt + generated tokens at most."""
+    vocab_size: int
+    """Prompt token ids must be below this."""
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, limits: EngineLimits):
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    # ---- prompts ---------------------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """A text prompt's token ids, or a list of token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(_text(prompt, "the prompt"))
+        else:
+            ids = list(prompt)
+            vocab = self.limits.vocab_size
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    def chat_ids(self, messages: Sequence, add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation through the model's chat template (messages checked first)."""
+        conversation = [_message(m, i) for i, m in enumerate(_list(messages, "messages"))]
+        if not conversation:
+            raise ValueError("messages must hold at least one message")
+        try:
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+        except (TypeError, ValueError, LookupError) as e:
+            raise ValueError(f"the chat template could not render these messages: {e}") from e
+        except Exception as e:  # jinja2's TemplateError (raise_exception in a template), sandbox errors, ...
+            raise ValueError(f"the chat template refused these messages: {type(e).__name__}: {e}") from e
+
+    # ---- lengths ---------------------------------------------------------------------------------
+    def check_length(self, prompt_len: int, params: SamplingParams, strict: bool) -> None:
+        """Whether a prompt and its max_tokens fit. strict (the HTTP API, as vLLM): prompt + max_tokens must
+        fit max_model_len; otherwise (offline) generation just ends there, with finish_reason "length"."""
+        limit = self.limits.max_model_len
+        if prompt_len >= limit:
+            raise ValueError(f"the prompt has {prompt_len} tokens; this model's maximum context length is {limit} "
+                             "tokens, which leaves no room for a new token")
+        if strict and prompt_len + params.max_tokens > limit:
+            raise ValueError(f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
+                             "in the completion).")
+        # Nothing else to check: the engine sizes its prefill budget and its KV cache for one max_model_len
+        # request, so whatever passes here fits an otherwise empty engine.
+
+    def max_tokens_left(self, prompt_len: int) -> int:
+        """max_tokens when a chat request gives none: up to the model's length."""
+        return max(1, self.limits.max_model_len - prompt_len)
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{what} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _text(value: str, what: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") is valid JSON but no text
+        raise ValueError(f"{what} is not valid Unicode text ({e.reason} at position {e.start})") from e
+    return value
+
+
+def _message(message, index: int) -> dict:
+    """One chat message, normalized: OpenAI's list-of-parts content becomes one string (text parts joined
+    with newlines, as vLLM does for text-only models); anything else a text model cannot take is refused."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+    if "content" not in message:
+        raise ValueError(f"{where} has no 'content'")
+    normalized = dict(message)
+    normalized["content"] = _content(message["content"], where, role)
+    return normalized
+
+
+def _content(content, where: str, role: str) -> str | None:
+    if isinstance(content, str):
+        return _text(content, f"{where}.content")
+    if content is None and role == "assistant":
+        return None
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "
+                                 f"supported by this text model, got {kind!r}")
+            texts.append(_text(part["text"], f"{where}.content[{j}].text"))
+        return "\n".join(texts)
+    raise ValueError(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}")

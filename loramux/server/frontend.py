@@ -1,0 +1,262 @@
+"""Frontend: the HTTP process's state and work — the adapter registry, request validation and tokenization,
+admission, the engine client, draining on shutdown, metrics. The routes (app.py) call into it. No torch.
+
+The registry (adapter name -> where it was loaded from) is the front end's record of what the engine serves:
+it answers /v1/models and 404s, and it is what a restarted engine loads again.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import Request
+
+from loramux.adapters.names import parse_adapter_arg
+from loramux.config import EngineConfig, ServerConfig
+from loramux.engine.input_processor import EngineLimits, InputProcessor
+from loramux.server import protocol as p
+from loramux.server.admission import Admission, Ticket
+from loramux.server.engine_client import EngineClient, EngineDeadError, Supervision
+from loramux.server.generation import Choice, new_choices, run_choices
+from loramux.server.metrics import Metrics, RequestTimer
+from loramux.server.wire import AddRequest, AdapterSource, Ready
+from loramux.tokenizer import Tokenizer
+
+logger = logging.getLogger("loramux.server")
+
+
+class HTTPError(Exception):
+    def __init__(self, status_code: int, message: str, err_type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status_code, self.message, self.err_type, self.code, self.headers = status_code, message, err_type, code, headers
+
+
+class ShuttingDown(Exception):
+    """The server is draining: no new work, and what still runs at the deadline is stopped."""
+
+
+def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
+    registry = {}
+    for spec in lora_modules:
+        try:
+            name, path = parse_adapter_arg(spec)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {spec}: {e}") from e
+        registry[name] = AdapterSource(name, path)
+    return registry
+
+
+class Frontend:
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str]):
+        self.config = config
+        self.registry = _registry(lora_modules)
+        supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
+        self.client = EngineClient(engine_config, lambda: list(self.registry.values()), self._on_ready, supervision)
+        self.metrics = Metrics()
+        self.admission = Admission(config.max_pending_requests, config.max_pending_tokens,
+                                   config.max_pending_per_client)
+        self.tokenizer: Tokenizer | None = None
+        self.inputs: InputProcessor | None = None
+        self.model_name = self.model_root = ""
+        self.max_model_len = 0
+        self.draining = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="loramux-tokenize")
+        self._ids = itertools.count()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        ready = await self.client.start()
+        if ready.failed_adapters:
+            await self.client.shutdown()
+            raise RuntimeError("; ".join(f"--lora-modules {name}: {why}" for name, why in ready.failed_adapters.items()))
+
+    def _on_ready(self, ready: Ready) -> None:
+        """After every engine (re)start: the first one sets the tokenizer and names; a restart's adapters
+        that no longer load are dropped from the registry (their requests get 404 from now on)."""
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir)
+            self.inputs = InputProcessor(self.tokenizer, EngineLimits(ready.max_model_len, ready.vocab_size))
+            self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
+            self.model_name = self.config.served_model_name or os.path.basename(ready.model_name.rstrip("/"))
+        for name, why in ready.failed_adapters.items():
+            logger.error("adapter %r did not load into the engine: %s", name, why)
+            self.registry.pop(name, None)
+        self.metrics.engine_restarts.set(self.client.restarts)
+
+    async def stop(self) -> None:
+        await self.client.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """SIGTERM: take no new requests; those still running after the grace period end with an error."""
+        if self.draining:
+            return
+        self.draining = True
+        grace = self.config.shutdown_timeout if grace_s is None else grace_s
+        logger.warning("shutting down: running requests have %.0f s to finish", grace)
+
+        async def deadline():
+            await asyncio.sleep(grace)
+            self.client.fail_in_flight(ShuttingDown(f"the server shut down before this request finished "
+                                                    f"(shutdown_timeout {grace:.0f} s)"))
+
+        asyncio.get_running_loop().create_task(deadline())
+
+    def health(self) -> str | None:
+        if self.draining:
+            return "the server is shutting down"
+        return self.client.health()
+
+    # ---- requests -------------------------------------------------------------------------------
+    def resolve(self, model: str) -> str | None:
+        """The adapter a `model` field names (None = the base model); 404 for anything else."""
+        if model == self.model_name:
+            return None
+        if model in self.registry:
+            return model
+        raise HTTPError(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found")
+
+    async def engine_requests(self, request: p.GenerationRequest, chat: bool) -> list[AddRequest]:
+        """One engine request per (prompt, choice), every field checked and every prompt tokenized first."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
+        self._check_counts(request)
+        adapter = self.resolve(request.model)
+        sources = [request.messages] if chat else self._check(request.prompts)
+        if len(sources) * request.n > self.config.max_prompts_per_request:
+            raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
+                                 f"{self.config.max_prompts_per_request} per request", code="too_many_prompts")
+        self._sampling_params(request, 1, 0)  # every sampling field checked before any tokenizing
+        ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, chat)
+        rid = p.new_id("req")
+        requests = []
+        for i, prompt_ids in enumerate(ids):
+            max_tokens = request.max_tokens_for(chat)
+            max_tokens = self.inputs.max_tokens_left(len(prompt_ids)) if max_tokens is None else max_tokens
+            for j in range(request.n):
+                params = self._sampling_params(request, max_tokens, j)
+                self._check(lambda: self.inputs.check_length(len(prompt_ids), params, strict=True))
+                requests.append(AddRequest(f"{rid}-{i}-{j}", prompt_ids, params, adapter))
+        return requests
+
+    def _check_counts(self, request) -> None:
+        if not 1 <= request.n <= self.config.max_n:
+            raise HTTPError(400, f"n must be between 1 and {self.config.max_n}, got {request.n}", code="n")
+        if len(request.stop_list()) > self.config.max_stop:
+            raise HTTPError(400, f"at most {self.config.max_stop} stop sequences are allowed", code="stop")
+
+    def _sampling_params(self, request, max_tokens: int, index: int):
+        return self._check(lambda: request.sampling_params(max_tokens, seed_offset=index))
+
+    @staticmethod
+    def _check(make):
+        try:
+            return make()
+        except ValueError as e:
+            raise HTTPError(400, str(e)) from e
+
+    def _tokenize(self, sources: list, chat: bool) -> list[list[int]]:
+        """In the tokenizer thread: the event loop keeps streaming other requests meanwhile."""
+        make = self.inputs.chat_ids if chat else self.inputs.prompt_ids
+        return [self._check(lambda s=s: make(s)) for s in sources]
+
+    def admit(self, requests: list[AddRequest], raw: Request) -> Ticket:
+        """Count the requests in (TooBusy -> 429 past a limit); release the ticket when they are done."""
+        client = raw.headers.get("authorization") or (raw.client.host if raw.client else "?")
+        tokens = sum(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
+        return self.admission.admit(client, len(requests), tokens)
+
+    def timers(self, choices: list[Choice]) -> list[RequestTimer]:
+        model = choices[0].request.adapter or self.model_name
+        return [self.metrics.track(model) for _ in choices]
+
+    async def complete(self, requests: list[AddRequest], raw: Request) -> list[Choice]:
+        """Run the requests to the end (a non-streaming response); a client that goes away aborts them."""
+        ticket = self.admit(requests, raw)
+        try:
+            stream = await self.client.generate(requests)
+            choices = new_choices(requests, self.tokenizer)
+            timers = self.timers(choices)
+            try:
+                await _until_disconnected(raw, self._drain(stream, choices, timers))
+            finally:
+                await stream.close()
+        finally:
+            self.admission.release(ticket)
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise HTTPError(failed.status or 500, failed.error or "the request failed",
+                            "invalid_request_error" if failed.status in (400, 404) else "server_error")
+        return choices
+
+    async def _drain(self, stream, choices: list[Choice], timers: list[RequestTimer]) -> None:
+        async for choice, _ in run_choices(stream, choices, self.admission.generated):
+            timers[choice.index].update(choice)
+
+    # ---- adapters ---------------------------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str, pinned: bool) -> None:
+        source = AdapterSource(name, path, self.config.allowed_adapter_dirs, pinned)
+        result = await self.client.control("load", name=name, path=path, allowed_dirs=list(source.allowed_dirs),
+                                           pinned=pinned)
+        if result["status"] != "SUCCESS":
+            raise HTTPError(409 if result["status"] == "LOAD_NAME_EXISTS" else 400, result["message"])
+        self.registry[name] = source
+
+    async def unload_adapter(self, name: str) -> None:
+        """Waits while running requests finish with it; meanwhile it takes no new ones (the engine refuses
+        them). It leaves the registry only when the engine has let it go."""
+        if name not in self.registry:
+            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
+        result = await self.client.control("unload", name=name)
+        if result["status"] in ("SUCCESS", "UNLOAD_NAME_NONEXISTENT"):
+            self.registry.pop(name, None)
+        if result["status"] == "UNLOAD_NAME_NONEXISTENT":
+            raise HTTPError(404, result["message"], "not_found_error")
+        if result["status"] != "SUCCESS":
+            raise HTTPError(400, result["message"])
+
+    async def pin_adapter(self, name: str, pinned: bool) -> None:
+        if name not in self.registry:
+            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
+        result = await self.client.control("pin" if pinned else "unpin", name=name)
+        if result["status"] != "SUCCESS":
+            raise HTTPError(400, result["message"])
+        source = self.registry[name]
+        self.registry[name] = AdapterSource(source.name, source.path, source.allowed_dirs, pinned)
+
+    # ---- metrics ------------------------------------------------------------------------------------
+    async def render_metrics(self) -> bytes:
+        stats = None
+        if self.client.health() is None:
+            try:
+                stats = await self.client.control("stats", timeout=2.0)
+            except (EngineDeadError, asyncio.TimeoutError):
+                stats = None
+        self.metrics.engine_healthy.set(self.health() is None)
+        return self.metrics.render(stats, self.admission)
+
+
+async def _until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:
+    """Run `work`; cancel it if the client disconnects first (Starlette does not, for a plain response)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                break
+        await task
+    except asyncio.CancelledError:
+        if not task.done():
+            task.cancel()
+        raise
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+__all__ = ["Frontend", "HTTPError", "ShuttingDown"]

@@ -1,0 +1,67 @@
+"""One HTTP generation request in the front end: its choices (one engine request each), their text as the
+engine's new tokens arrive, and how it ends. No torch.
+
+The engine sends token ids; each choice's Detokenizer turns them into text here, in the HTTP process, and a
+stop string found there cancels that engine request (the text is cut at the stop string).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from loramux.engine.detokenizer import Detokenizer
+from loramux.engine.output import CoreOutput
+from loramux.server.engine_client import EngineStream
+from loramux.server.wire import AddRequest
+
+
+@dataclass
+class Choice:
+    index: int
+    request: AddRequest
+    detokenizer: Detokenizer
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    status: int = 0  # a request refused by the engine when added: its HTTP status (400, 404)
+
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    def update(self, out: CoreOutput) -> tuple[str, bool]:
+        """Take one engine output; returns (new text, a stop string ended it here)."""
+        self.num_tokens += len(out.new_token_ids)
+        reason = out.finish_reason
+        # an engine "stop" is a stop token: kept in the count, left out of the text
+        text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
+        delta, hit_stop = self.detokenizer.update(text_ids, final=reason is not None)
+        if hit_stop and reason is None:
+            reason = "stop"
+        self.finish_reason, self.error, self.status = reason, out.error, out.status
+        return delta, hit_stop and out.finish_reason is None
+
+
+def new_choices(requests: list[AddRequest], tokenizer) -> list[Choice]:
+    return [Choice(i, r, Detokenizer(tokenizer, r.params.stop, r.params.skip_special_tokens))
+            for i, r in enumerate(requests)]
+
+
+async def run_choices(stream: EngineStream, choices: list[Choice], on_tokens=None) -> AsyncIterator[tuple[Choice, str]]:
+    """Drive the choices from the engine's outputs: yields (choice, new text) whenever a choice progressed
+    or finished. A choice that hits a stop string is cancelled in the engine. on_tokens(n): output tokens seen.
+    The caller closes the stream when it stops early (that aborts what still runs)."""
+    by_id = {c.request.request_id: c for c in choices}
+    async for out in stream:
+        choice = by_id[out.request_id]
+        delta, stopped_here = choice.update(out)
+        if on_tokens is not None and out.new_token_ids:
+            on_tokens(len(out.new_token_ids))
+        if stopped_here:
+            await stream.cancel([out.request_id])
+        if delta or choice.finish_reason is not None:
+            yield choice, delta
