@@ -44,6 +44,7 @@ def serve(args) -> None:
             if loop is not None and not self.should_exit:
                 loop.call_soon_threadsafe(app.state.server.begin_drain)
             super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a drained shutdown is a clean exit (0), not a death by the signal
 
         async def serve(self, sockets=None) -> None:
             import asyncio
@@ -63,7 +64,8 @@ def _server_config(args) -> ServerConfig:
                         api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
                         max_body_bytes=args.max_body_bytes, max_pending_requests=args.max_pending_requests,
                         max_pending_tokens=args.max_pending_tokens, max_pending_per_client=args.max_pending_per_client,
-                        max_prompts_per_request=args.max_prompts_per_request, shutdown_timeout=args.shutdown_timeout)
+                        max_prompts_per_request=args.max_prompts_per_request, shutdown_timeout=args.shutdown_timeout,
+                        engine_unresponsive_s=args.engine_unresponsive_timeout, engine_kill_s=args.engine_kill_timeout)
 
 
 def generate(args) -> None:
@@ -118,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="prompts x n in one HTTP request at most (400 past it)")
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                    help="on SIGTERM, seconds running requests get to finish before they end with an error")
+    p.add_argument("--engine-unresponsive-timeout", type=float, default=ServerConfig.engine_unresponsive_s,
+                   help="seconds without an engine heartbeat before /health answers 503")
+    p.add_argument("--engine-kill-timeout", type=float, default=ServerConfig.engine_kill_s,
+                   help="seconds without an engine heartbeat before the frozen engine is killed and restarted")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=serve)
     g = commands.add_parser("generate", help="generate offline, once per --adapter")

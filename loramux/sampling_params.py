@@ -9,15 +9,19 @@ import math
 from dataclasses import dataclass
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM and torch take it
+_SEED_RULE = f"must be an integer in [{SEED_MIN}, {SEED_MAX}]"
 GREEDY_BELOW = 1e-5
 """A temperature below this decodes greedily (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives inf
 and NaN probabilities."""
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
-    """The seed of choice `index` of a request with n > 1: seed + index, wrapped into the signed 64-bit range."""
+    """The seed of choice `index` of a request with n > 1: seed + index, wrapped into the signed 64-bit range.
+    `seed` itself must be in that range (ValueError otherwise): wrapping must not hide a bad value."""
     if seed is None:
         return None
+    if not (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX):
+        raise ValueError(f"seed {_SEED_RULE}, got {seed!r}")
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
@@ -69,8 +73,7 @@ class SamplingParams:
             ("temperature", _is_number(t) and t >= 0, "must be a finite number >= 0"),
             ("top_p", _is_number(p) and 0 < p <= 1, "must be in (0, 1]"),
             ("top_k", _is_int(self.top_k) and self.top_k >= -1, "must be -1 (all) or an integer >= 0"),
-            ("seed", self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
-             f"must be an integer in [{SEED_MIN}, {SEED_MAX}]"),
+            ("seed", self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), _SEED_RULE),
             ("presence_penalty", _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              "must be in [-2, 2]"),
             ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,

@@ -32,3 +32,9 @@ def test_choice_seeds_wrap_inside_the_signed_64_bit_range():
     assert choice_seed(None, 3) is None and choice_seed(5, 2) == 7
     assert choice_seed(SEED_MAX, 1) == SEED_MIN and choice_seed(SEED_MAX, 0) == SEED_MAX
     assert all(SEED_MIN <= choice_seed(SEED_MAX - 3, i) <= SEED_MAX for i in range(8))
+
+
+def test_a_choice_seed_never_wraps_a_bad_seed_into_range():
+    for seed in (2**64, SEED_MIN - 1, 1.5):
+        with pytest.raises(ValueError, match="^seed must be an integer"):
+            choice_seed(seed, 0)

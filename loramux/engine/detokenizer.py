@@ -18,17 +18,20 @@ class Detokenizer:
         self._longest_stop = max((len(s) for s in stop), default=0)
         self.decoded = ""  # all text so far
         self.text = ""  # released so far (a prefix of `decoded`, cut at a stop string)
+        self.stopped = False  # a stop string was found: the text is final
 
     def update(self, new_token_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add this step's tokens; returns (newly released text, hit a stop string). After a stop string
         nothing more is released."""
+        if self.stopped:  # tokens the engine made before it heard of the stop
+            return "", False
         for token_id in new_token_ids:
             piece = self.stream.step(self.backend, token_id)
             if piece:
                 self.decoded += piece
         stop_at = self._find_stop()
         if stop_at is not None:
-            self.decoded, final = self.decoded[:stop_at], True
+            self.decoded, final, self.stopped = self.decoded[:stop_at], True, True
         end = len(self.decoded) if final else len(self.decoded) - self._holdback()
         delta = self.decoded[len(self.text):end] if end > len(self.text) else ""
         self.text += delta

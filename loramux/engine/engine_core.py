@@ -12,6 +12,7 @@ to the LoRAManager (which writes slot buffers when the cache says so).
 """
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import replace
 
@@ -56,6 +57,7 @@ class EngineCore:
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
         self._seqs: dict[str, Sequence] = {}
+        self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.hf_tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None)}
@@ -154,6 +156,7 @@ class EngineCore:
     def _forget(self, seq: Sequence) -> None:
         self._seqs.pop(seq.request_id, None)
         self.runner.release(seq)
+        self.num_finished[seq.finish_reason] += 1
 
     # ---- adapters (between steps) ----------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:

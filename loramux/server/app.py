@@ -91,16 +91,25 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     return app
 
 
-def _add_middleware(app: FastAPI, server: Frontend) -> None:
-    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)  # inside the key check: 401 comes first
+class ApiKey:
+    """ASGI middleware: with an API key set, every path but /health needs `Authorization: Bearer <key>`.
+    (Plain ASGI, not Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the route.)"""
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        key = server.config.api_key
-        if key and request.url.path != "/health" and request.headers.get("authorization") != f"Bearer {key}":
-            return _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                          "authentication_error", "invalid_api_key")
-        return await call_next(request)
+    def __init__(self, app, key: str | None):
+        self.app, self.expected = app, None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.expected is not None and scope["path"] != "/health":
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                response = _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                                  "authentication_error", "invalid_api_key")
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _add_middleware(app: FastAPI, server: Frontend) -> None:
+    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
+    app.add_middleware(ApiKey, key=server.config.api_key)  # added last, so it runs first: 401 before 413
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -207,6 +207,7 @@ class EngineLoop:
             "max_loras": core.config.max_loras, "lora": dict(manager.stats) if manager else {},
             "num_adapters": len(manager.loras) if manager else 0, "pinned": sorted(manager.cache.pinned) if manager else [],
             "kv_blocks_total": core.block_manager.num_blocks, "kv_blocks_free": core.block_manager.num_free_blocks,
+            "finished": dict(core.num_finished),
         }
 
     def _fail_waiting(self, adapter: str) -> None:

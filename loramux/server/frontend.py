@@ -85,7 +85,6 @@ class Frontend:
         for name, why in ready.failed_adapters.items():
             logger.error("adapter %r did not load into the engine: %s", name, why)
             self.registry.pop(name, None)
-        self.metrics.engine_restarts.set(self.client.restarts)
 
     async def stop(self) -> None:
         await self.client.shutdown()
@@ -237,6 +236,7 @@ class Frontend:
             except (EngineDeadError, asyncio.TimeoutError):
                 stats = None
         self.metrics.engine_healthy.set(self.health() is None)
+        self.metrics.engine_restarts.set(self.client.restarts)
         return self.metrics.render(stats, self.admission)
 
 

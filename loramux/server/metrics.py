@@ -19,6 +19,7 @@ class _EngineCounters:
 
     def __init__(self):
         self.lora: dict = {}
+        self.finished: dict = {}
 
     def collect(self):
         for key, help_text in (("loads", "Adapter reads from disk (first loads and reloads)"),
@@ -27,6 +28,11 @@ class _EngineCounters:
             family = CounterMetricFamily(f"loramux:lora_{key}", help_text)
             family.add_metric([], self.lora.get(key, 0))
             yield family
+        finished = CounterMetricFamily("loramux:engine_finished_requests", "Requests the engine ended, by reason "
+                                       "(abort: cancelled by a client, a stop string or an unload)", labels=["reason"])
+        for reason, count in sorted(self.finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
 
 
 class Metrics:
@@ -72,6 +78,7 @@ class Metrics:
             self.lora_info.labels(str(stats["max_loras"]), ",".join(stats["running_adapters"]),
                                   ",".join(stats["waiting_adapters"])).set(time.time())
             self._engine.lora = stats["lora"]
+            self._engine.finished = stats.get("finished", {})
         return generate_latest(self.registry)
 
 

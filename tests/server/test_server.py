@@ -4,9 +4,6 @@ import concurrent.futures
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,66 +11,16 @@ import httpx
 import openai
 import pytest
 
-from conftest import save_checkpoint, save_peft_adapter, tiny_llama
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
+from serving import CHAT_TEMPLATE, MAX_MODEL_LEN, engine_pid, make_files, start_server, stop
 
 KEY = "test-key"
-CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>"
-MAX_MODEL_LEN = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """A tiny checkpoint with a chat template, adapters served at start-up, and a runtime-load dir."""
-    root = tmp_path_factory.mktemp("srv")
-    base = tiny_llama()
-    model = save_checkpoint(base, root / "model")
-    with open(os.path.join(model, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    served = {f"s{i}": save_peft_adapter(base, root / f"s{i}", seed=300 + i, r=4 * (i + 1)) for i in range(5)}
-    allowed = root / "allowed"
-    runtime = {name: save_peft_adapter(base, allowed / name, seed=400 + i, r=8)
-               for i, name in enumerate(["new", "other", "v2"])}
-    save_peft_adapter(base, allowed / "huge", r=64)
-    return {"root": root, "model": model, "served": served, "allowed": str(allowed), "runtime": runtime}
-
-
-def start_server(files, *extra) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    modules = [f"{name}={path}" for name, path in files["served"].items()]
-    cmd = [sys.executable, "-m", "loramux", "serve", "--model", files["model"], "--port", str(port),
-           "--dtype", "float32", "--max-loras", "4", "--max-lora-rank", "32", "--max-model-len", str(MAX_MODEL_LEN),
-           "--served-model-name", "tiny", "--allowed-adapter-dir", files["allowed"], "--log-level", "warning",
-           "--lora-modules", *modules, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    raise TimeoutError("server did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    return make_files(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -275,19 +222,10 @@ def test_metrics_in_prometheus_format(http, client):
         assert name in text, name
 
 
-def _engine_pid(server_pid: int) -> int:
-    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
-        for pid in f.read().split():
-            with open(f"/proc/{pid}/cmdline", "rb") as c:
-                if b"spawn_main" in c.read():
-                    return int(pid)
-    raise LookupError("no engine process")
-
-
 def test_a_dead_engine_gives_fast_503s(files):
     proc, url = start_server(files)
     try:
-        os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+        os.kill(engine_pid(proc.pid), signal.SIGKILL)
         deadline = time.monotonic() + 10  # the server notices the death on its pipe, not at once
         while httpx.get(f"{url}/health").status_code != 503:
             assert time.monotonic() < deadline, "/health still says healthy 10 s after the engine died"
@@ -298,3 +236,82 @@ def test_a_dead_engine_gives_fast_503s(files):
         assert time.monotonic() - start < 2
     finally:
         stop(proc)
+
+
+COMPLETION_CASES = [
+    ({"prompt": []}, "prompt must not be empty"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
+    ({"prompt": "x", "seed": 2**64}, "seed must be an integer in"),
+    ({"prompt": "x", "seed": -2**63 - 1}, "seed must be an integer in"),
+    ({"prompt": "x", "temperature": "NaN"}, "temperature must be a finite number"),
+    ({"prompt": [5, 999999]}, "prompt token ids must be integers in [0, 128)"),
+    ({"prompt": "x", "stop": [""]}, "stop must be non-empty strings"),
+    ({"prompt": ["a"] * 10, "n": 8}, "at most 64 per request"),
+    ({"prompt": "x", "top_p": 0}, "top_p must be in (0, 1]"),
+    ({"prompt": "x", "presence_penalty": 9}, "presence_penalty must be in [-2, 2]"),
+]
+CHAT_CASES = [
+    ({"messages": [{"role": "banana", "content": "x"}]}, "got 'banana'"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role must be one of"),
+    ({"messages": [{"role": "user"}]}, "has no 'content'"),
+    ({"messages": [{"role": "user", "content": 5}]}, "a list of text parts, got int"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+     "only text parts"),
+    ({"messages": []}, "messages"),
+]
+RAW_CASES = [  # bodies json= cannot write
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": 1e400}', 400, "temperature must be a finite"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\\ud800"}', 400, "not valid Unicode"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "not valid Unicode"),
+    ("/v1/completions", b"{not json", 400, "invalid request"),
+    ("/v1/completions", b"[]", 400, "invalid request"),
+    ("/v1/load_lora_adapter", b'{"lora_name": "x=/elsewhere/e", "lora_path": "/tmp"}', 400, "invalid adapter name"),
+    ("/v1/load_lora_adapter", b'{"lora_name": "ok", "lora_path": "/tmp/a\\u0000b"}', 400, "NUL byte"),
+]
+
+
+def test_hostile_requests_get_a_400_naming_the_cause_and_change_nothing(http, client, offline):
+    before = client.completions.create(model="s2", prompt="steady", max_tokens=8, temperature=0).choices[0].text
+    for body, words in COMPLETION_CASES:
+        response = http.post("/v1/completions", json={"model": "tiny", **body})
+        assert response.status_code == 400 and words in response.json()["error"]["message"], (body, response.text)
+    for body, words in CHAT_CASES:
+        response = http.post("/v1/chat/completions", json={"model": "s0", **body})
+        assert response.status_code == 400 and words in response.json()["error"]["message"], (body, response.text)
+    for path, raw, status, words in RAW_CASES:
+        response = http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert response.status_code == status and words in response.json()["error"]["message"], (raw, response.text)
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        response = http.request(method, path)
+        assert response.status_code == status and response.json()["error"]["message"], (path, response.text)
+    assert httpx.get(f"{http.base_url}/health").status_code == 200
+    assert client.completions.create(model="s2", prompt="steady", max_tokens=8, temperature=0).choices[0].text == before
+
+
+def test_what_users_send_that_used_to_fail_is_served(client, offline):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    out = client.chat.completions.create(model="s1", messages=parts, max_tokens=8, temperature=0)
+    assert out.choices[0].message.content == offline([{"role": "user", "content": "hi"}], "s1", chat=True)
+    tiny_t = client.completions.create(model="s1", prompt="ab", max_tokens=8, temperature=1e-40).choices[0].text
+    assert tiny_t == offline("ab", "s1")  # below 1e-5: greedy (was NaN probabilities and a dead engine)
+    seeded = client.completions.create(model="s1", prompt="ab", max_tokens=4, n=2, seed=2**63 - 1)
+    assert len(seeded.choices) == 2  # seed + 1 wraps instead of overflowing
+    default = client.completions.create(model="s1", prompt="ab", max_tokens=None, temperature=0, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16  # null max_tokens: OpenAI's default
+
+
+def test_streamed_and_plain_responses_agree_with_stop_strings_and_n(client, offline):
+    full = offline("pq", "s3", max_tokens=12)
+    stop = full[4:6]
+    kwargs = dict(model="s3", prompt="pq", max_tokens=12, temperature=0, stop=[stop], n=2)
+    plain = client.completions.create(**kwargs)
+    texts = {0: "", 1: ""}
+    reasons = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert [c.text for c in plain.choices] == [texts[0], texts[1]] == [full[: full.index(stop)]] * 2
+    assert reasons == {0: "stop", 1: "stop"} and all(c.finish_reason == "stop" for c in plain.choices)

@@ -1,0 +1,68 @@
+"""InputProcessor: the one place prompts and chat messages are checked, for the offline API and the server."""
+import pytest
+
+from conftest import char_tokenizer
+from loramux.engine.input_processor import EngineLimits, InputProcessor
+from loramux.sampling_params import SamplingParams
+from loramux.tokenizer import Tokenizer
+
+CHAT = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    tokenizer = Tokenizer.from_pretrained(char_tokenizer())
+    tokenizer.chat_template = CHAT
+    return InputProcessor(tokenizer, EngineLimits(max_model_len=32, vocab_size=98))
+
+
+def test_text_parts_are_joined_like_a_string(inputs):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    assert inputs.chat_ids(parts) == inputs.chat_ids([{"role": "user", "content": "hello\nthere"}])
+    assistant = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None}]
+    assert inputs.tokenizer.decode(inputs.chat_ids(assistant)) == "<user>a<assistant>>"
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([], "at least one message"),
+    ("hi", "messages must be a list"),
+    (["hi"], "messages[0] must be an object"),
+    ([{"content": "x"}], "messages[0].role must be one of"),
+    ([{"role": "banana", "content": "x"}], "got 'banana'"),
+    ([{"role": "user"}], "messages[0] has no 'content'"),
+    ([{"role": "user", "content": 5}], "must be a string or a list of text parts, got int"),
+    ([{"role": "user", "content": None}], "got NoneType"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": 3}]}], "only text parts"),
+    ([{"role": "user", "content": "bad \ud800 text"}], "messages[0].content is not valid Unicode"),
+    ([{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "text", "text": "\udfff"}]}],
+     "messages[1].content[0].text is not valid Unicode"),
+])
+def test_bad_messages_are_refused_naming_the_message(inputs, messages, words):
+    with pytest.raises(ValueError) as err:
+        inputs.chat_ids(messages)
+    assert words in str(err.value)
+
+
+def test_a_template_that_raises_is_a_value_error(inputs):
+    tokenizer = Tokenizer.from_pretrained(char_tokenizer())
+    tokenizer.chat_template = "{{ raise_exception('system messages are not supported') }}"
+    with pytest.raises(ValueError, match="system messages are not supported"):
+        InputProcessor(tokenizer, inputs.limits).chat_ids([{"role": "system", "content": "x"}])
+
+
+@pytest.mark.parametrize("prompt, words", [("", "the prompt is empty"), ([], "the prompt is empty"),
+                                           ([5, 98], "in [0, 98)"), ([5, -1], "in [0, 98)"), ([5, True], "in [0, 98)"),
+                                           ([1.5], "in [0, 98)"), ("a\ud800", "not valid Unicode")])
+def test_bad_prompts(inputs, prompt, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        inputs.prompt_ids(prompt)
+
+
+def test_lengths(inputs):
+    inputs.check_length(31, SamplingParams(max_tokens=100), strict=False)  # offline: ends at the model's length
+    with pytest.raises(ValueError, match="32 tokens; this model's maximum context length is 32"):
+        inputs.check_length(32, SamplingParams(max_tokens=1), strict=False)
+    with pytest.raises(ValueError, match="you requested 40 tokens .30 in the prompt, 10 in the completion"):
+        inputs.check_length(30, SamplingParams(max_tokens=10), strict=True)
+    assert inputs.max_tokens_left(30) == 2

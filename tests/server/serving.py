@@ -1,0 +1,105 @@
+"""Running `loramux serve` in tests: a tiny checkpoint with adapters, a server subprocess on a free port."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from conftest import save_checkpoint, save_peft_adapter, tiny_llama
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>"
+MAX_MODEL_LEN = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_files(tmp_path_factory):
+    """A tiny checkpoint with a chat template, adapters served at start-up, and a runtime-load dir."""
+    root = tmp_path_factory.mktemp("srv")
+    base = tiny_llama()
+    model = save_checkpoint(base, root / "model")
+    with open(os.path.join(model, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    served = {f"s{i}": save_peft_adapter(base, root / f"s{i}", seed=300 + i, r=4 * (i + 1)) for i in range(5)}
+    allowed = root / "allowed"
+    runtime = {name: save_peft_adapter(base, allowed / name, seed=400 + i, r=8)
+               for i, name in enumerate(["new", "other", "v2"])}
+    save_peft_adapter(base, allowed / "huge", r=64)
+    return {"root": root, "model": model, "served": served, "allowed": str(allowed), "runtime": runtime}
+
+
+def start_server(files, *extra) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    modules = [f"{name}={path}" for name, path in files["served"].items()]
+    cmd = [sys.executable, "-m", "loramux", "serve", "--model", files["model"], "--port", str(port),
+           "--dtype", "float32", "--max-loras", "4", "--max-lora-rank", "32", "--max-model-len", str(MAX_MODEL_LEN),
+           "--served-model-name", "tiny", "--allowed-adapter-dir", files["allowed"], "--log-level", "warning",
+           "--lora-modules", *modules, *extra]
+    log = open(os.path.join(files["root"], f"server-{port}.log"), "w+")  # a file: a full pipe would block the server
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc.log = log
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {server_log(proc)[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("server did not become healthy")
+
+
+def server_log(proc: subprocess.Popen) -> str:
+    proc.log.flush()
+    proc.log.seek(0)
+    return proc.log.read()
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.05):
+    """predicate()'s first truthy value, polled until `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def metric(url: str, name: str, headers: dict | None = None) -> float:
+    """The value of one sample in /metrics (name with its labels, as written there), 0 when absent."""
+    for line in httpx.get(f"{url}/metrics", headers=headers or {}, timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def engine_pid(server_pid: int) -> int:
+    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+        for pid in f.read().split():
+            with open(f"/proc/{pid}/cmdline", "rb") as c:
+                if b"spawn_main" in c.read():
+                    return int(pid)
+    raise LookupError("no engine process")
+
+

@@ -1,0 +1,174 @@
+"""Faults against a running `loramux serve`: the engine killed, frozen or orphaned, the server told to stop,
+clients that go away, and more work than the server admits. Each ends in a clear error for the requests
+it touches and a server that serves again."""
+import glob
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from serving import engine_pid, make_files, metric, server_log, start_server, stop, wait_until
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_files(tmp_path_factory)
+
+
+def health(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def complete(url: str, model: str, prompt: str = "abc", **kwargs) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, **kwargs}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["text"]
+
+
+def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(files):
+    proc, url = start_server(files)
+    try:
+        load = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "pinned": True,
+                                                              "lora_path": f"{files['allowed']}/new"})
+        assert load.status_code == 200, load.text
+        before = {m: complete(url, m) for m in ("tiny", "s0", "late")}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(model="s1", prompt="x", max_tokens=60, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        first = next(iter(stream))
+        pid = engine_pid(proc.pid)
+        os.kill(pid, signal.SIGSTOP)  # hold it mid-request, then kill it
+        os.kill(pid, signal.SIGKILL)
+        chunks = [first]
+        with pytest.raises(openai.APIError, match="engine"):
+            for chunk in stream:
+                chunks.append(chunk)
+        assert chunks[-1].choices[0].finish_reason == "error"  # the stream says it ended badly
+        assert health(url) == 503 or True  # it may already be back: the restart takes ~1-3 s here
+        wait_until(lambda: health(url) == 200, 60, "the engine restarted")
+        assert engine_pid(proc.pid) != pid
+        assert {m: complete(url, m) for m in before} == before  # the runtime-loaded adapter is back too
+        assert metric(url, "loramux:engine_restarts") == 1.0
+        assert "the engine process exited (code -9)" in server_log(proc)
+    finally:
+        stop(proc)
+
+
+def test_a_frozen_engine_makes_health_fail_and_is_killed_after_the_kill_timeout(files):
+    proc, url = start_server(files, "--engine-unresponsive-timeout", "1", "--engine-kill-timeout", "6")
+    try:
+        pid = engine_pid(proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: health(url) == 503, 4, "/health reports the frozen engine")
+        assert "not responded" in httpx.get(f"{url}/health").json()["error"]["message"]
+        os.kill(pid, signal.SIGCONT)  # a pause shorter than the kill timeout: the same engine carries on
+        wait_until(lambda: health(url) == 200, 4, "/health recovers")
+        assert engine_pid(proc.pid) == pid
+        os.kill(pid, signal.SIGSTOP)  # frozen for good: killed and replaced, and its request fails
+        started = time.monotonic()
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+        assert 5 < time.monotonic() - started < 20
+        wait_until(lambda: health(url) == 200, 60, "a new engine serves")
+        assert engine_pid(proc.pid) != pid and complete(url, "s2")
+    finally:
+        stop(proc)
+
+
+def test_the_engine_goes_away_with_a_killed_server_and_cleans_up(files):
+    existing = set(glob.glob("/tmp/loramux-ipc-*"))
+    proc, url = start_server(files)
+    pid = engine_pid(proc.pid)
+    ipc_dirs = set(glob.glob("/tmp/loramux-ipc-*")) - existing
+    assert len(ipc_dirs) == 1
+    proc.kill()
+    proc.wait(10)
+    wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), 10, "the orphaned engine exited")
+    wait_until(lambda: not os.path.exists(ipc_dirs.pop() if len(ipc_dirs) == 1 else "/nonexistent"), 10,
+               "its IPC directory is gone")
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_refuses_new_work_ends_what_outlives_the_grace_period_and_exits_zero(files):
+    proc, url = start_server(files, "--shutdown-timeout", "2")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    stream = iter(client.completions.create(model="s0", prompt="x", max_tokens=60, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    first = next(stream)
+    os.kill(engine_pid(proc.pid), signal.SIGSTOP)  # this request cannot finish within the grace period
+    proc.send_signal(signal.SIGTERM)
+    started = time.monotonic()
+    chunks = [first]
+    with pytest.raises(openai.APIError, match="shut down"):
+        for chunk in stream:
+            chunks.append(chunk)
+    assert chunks[-1].choices[0].finish_reason == "abort" and 1.5 < time.monotonic() - started < 10
+    assert proc.wait(20) == 0
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_past_the_admission_limits_requests_get_429_with_retry_after(files):
+    proc, url = start_server(files, "--max-pending-requests", "2", "--max-pending-per-client", "0")
+    try:
+        pid = engine_pid(proc.pid)
+        os.kill(pid, signal.SIGSTOP)  # nothing finishes: two requests fill the queue
+        results = []
+
+        def ask():
+            results.append(httpx.post(f"{url}/v1/completions", timeout=30,
+                                      json={"model": "tiny", "prompt": "abc", "max_tokens": 4, "temperature": 0}))
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: metric(url, "loramux:pending_requests") == 2, 10, "two requests in flight")
+        refused = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+        assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+        assert "2 requests are in flight (limit 2)" in refused.json()["error"]["message"]
+        os.kill(pid, signal.SIGCONT)
+        for t in threads:
+            t.join(30)
+        assert [r.status_code for r in results] == [200, 200]
+        assert complete(url, "tiny")  # room again
+    finally:
+        stop(proc)
+
+
+def test_clients_that_go_away_free_their_requests(files):
+    proc, url = start_server(files)
+    try:
+        pid = engine_pid(proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            httpx.post(f"{url}/v1/completions", timeout=1,
+                       json={"model": "s0", "prompt": "abc", "max_tokens": 50, "ignore_eos": True})
+        wait_until(lambda: metric(url, "loramux:pending_requests") == 0, 5, "the front end let the request go")
+        os.kill(pid, signal.SIGCONT)
+        reason = 'loramux:engine_finished_requests_total{reason="abort"}'
+        wait_until(lambda: metric(url, reason) == 1, 10, "the engine aborted it")
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30,  # a streaming client that leaves
+                          json={"model": "s1", "prompt": "abc", "max_tokens": 50, "ignore_eos": True,
+                                "stream": True}) as response:
+            next(response.iter_lines())
+        wait_until(lambda: metric(url, reason) == 2, 10, "the engine aborted the stream's request")
+        wait_until(lambda: metric(url, "loramux:num_requests_running") == 0
+                   and metric(url, "loramux:kv_cache_usage_perc") == 0, 10, "its sequence and KV blocks are free")
+        assert metric(url, 'loramux:engine_finished_requests_total{reason="length"}') == 0
+    finally:
+        stop(proc)
