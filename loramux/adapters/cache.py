@@ -9,11 +9,25 @@ nothing can be evicted the caller gets CacheFullError, never a silent eviction. 
 Changes record; the LoRAManager carries it out (copy into / clear slots, free host tensors).
 Semantics follow vLLM's LRUCacheLoRAModelManager: adding a known adapter touches it, activating into
 full slots evicts the least recently used unpinned one, pinning an unknown adapter is an error.
+
+Versions: the tiers hold adapter *keys*. A name's first version has the name as its key; reloading a name
+in place (new weights, same name) adds a new version (key "name\x00<n>", never a valid name) and makes it
+the one new requests resolve to (`current`), while the replaced version retires: it stays, in host memory
+(its files may hold the new weights by now), until nothing uses it (`retire`). So a running request never
+sees its weights change, and new requests never get the old ones.
 """
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+
+VERSION_SEP = "\x00"
+
+
+def name_of(key: str) -> str:
+    """The adapter name a key is a version of."""
+    return key.split(VERSION_SEP, 1)[0]
 
 
 class CacheFullError(RuntimeError):
@@ -53,14 +67,22 @@ class AdapterCache:
         self._pinned: set[str] = set()
         self._refs: Counter[str] = Counter()
         self._memory_only: set[str] = set()  # no disk copy: never dropped from host
+        self._current: dict[str, str] = {}  # name -> the key new requests for it resolve to
+        self._retiring: set[str] = set()  # replaced versions, removed once nothing uses them
+        self._versions = itertools.count(2)
 
     # ---- queries -------------------------------------------------------------------------
-    def __contains__(self, name: str) -> bool:
-        return name in self._known
+    def __contains__(self, key: str) -> bool:
+        return key in self._known
 
     @property
     def names(self) -> list[str]:
-        return list(self._known)
+        """The adapter names requests can use (current versions), in the order they were first loaded."""
+        return list(self._current)
+
+    def current(self, name: str) -> str | None:
+        """The key of the version of `name` that new requests get; None if no adapter has that name."""
+        return self._current.get(name)
 
     @property
     def active(self) -> dict[str, int]:
@@ -104,18 +126,54 @@ class AdapterCache:
         self._touch(name, self._host)
         if not on_disk:
             self._memory_only.add(name)
+        if VERSION_SEP not in name:
+            self._current.setdefault(name, name)  # a first version: its key is its name
         return changes
 
+    def new_version(self, name: str) -> str:
+        """A fresh key for a new version of `name`; `add` it, then `publish` it."""
+        return f"{name}{VERSION_SEP}{next(self._versions)}"
+
+    def publish(self, key: str) -> None:
+        """New requests for this key's name get this version from now on; the one it replaces retires (and is
+        kept in host memory until it is removed: a reload from disk could read the new files)."""
+        self._require_known(key)
+        name = name_of(key)
+        old = self._current.get(name)
+        self._current[name] = key
+        if old is not None and old != key:
+            self._retiring.add(old)
+            self._memory_only.add(old)
+            self._pinned.discard(old)
+
+    def retire(self, in_use: set[str]) -> Changes:
+        """Remove the replaced versions that no request holds (refs) or still needs (`in_use`: keys of waiting
+        requests, e.g. preempted ones that resume on their version)."""
+        changes = Changes()
+        for key in [k for k in self._retiring if not self._refs[k] and k not in in_use]:
+            other = self.remove(key)
+            changes.slots += other.slots
+            changes.dropped += other.dropped
+        return changes
+
+    @property
+    def retiring(self) -> set[str]:
+        return set(self._retiring)
+
     def remove(self, name: str) -> Changes:
-        """Forget `name` entirely (unload). Refused while requests use it."""
+        """Forget the key `name` entirely (unload; a current version's name goes with it). Refused while
+        requests use it."""
         self._require_known(name)
         if self._refs[name]:
-            raise AdapterInUseError(f"adapter {name!r} is used by {self._refs[name]} running request(s)")
+            raise AdapterInUseError(f"adapter {name_of(name)!r} is used by {self._refs[name]} running request(s)")
         changes = Changes()
         if name in self._host:
             self._drop_from_host(name, changes)
         self._pinned.discard(name)
         self._memory_only.discard(name)
+        self._retiring.discard(name)
+        if self._current.get(name_of(name)) == name:
+            del self._current[name_of(name)]
         del self._known[name]
         return changes
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from loramux.adapters.cache import AdapterCache, CacheFullError, Changes
+from loramux.adapters.cache import AdapterCache, CacheFullError, Changes, name_of
 from loramux.adapters.checkpoint import AdapterPathError, AdapterWeights, build_adapter, read_adapter_dir
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
 from loramux.adapters.peft_config import InvalidAdapterError
@@ -69,6 +69,7 @@ class LoRAManager:
         self._sources: dict[str, _Source] = {}  # disk tier: name -> where to read it again
         self._uniform: dict[int, UniformSlot] = {}
         self.active_adapter_name: str | None = None
+        self.waiting_keys: Callable[[], set[str]] = set  # see retire()
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
 
@@ -122,21 +123,51 @@ class LoRAManager:
 
     # ---- loading ---------------------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, allow_pickle: bool | None = None,
-                     allowed_dirs: Sequence[str] = ()) -> LoRAResult:
+                     allowed_dirs: Sequence[str] = (), replace: bool = False, pinned: bool = False) -> LoRAResult:
         """Load a PEFT adapter directory: `load_adapter("name=path")`, a bare path (named after itself), or
         `load_adapter(name, path)` (the name is never parsed). allowed_dirs: every file read, now and on a
-        reload from disk, must resolve inside one of them. allow_pickle: None = LoRAConfig.allow_pickle."""
+        reload from disk, must resolve inside one of them. allow_pickle: None = LoRAConfig.allow_pickle.
+        replace: an adapter of that name is reloaded in place (vLLM's load_inplace): new requests get the
+        new weights at once, running ones finish on the old (see AdapterCache, versions); a pinned adapter
+        stays pinned. pinned: pin it too (pin_adapter); if that fails, nothing is loaded or replaced."""
         try:
             name, path = (check_adapter_name(spec), path) if path is not None else parse_adapter_arg(spec)
         except InvalidAdapterNameError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
         except ValueError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
-        if name in self.cache:
+        exists = self.cache.current(name) is not None
+        if exists and not replace:
             return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
         allow = self.config.allow_pickle if allow_pickle is None else allow_pickle
         source = _Source(path, allow, tuple(allowed_dirs))
-        return self._guarded_load(name, lambda: self._read(name, source), source)
+        key = self.cache.new_version(name) if exists else name
+        result = self._guarded_load(key, lambda: self._read(key, source), source)
+        old = self.cache.current(name) if exists else None
+        if result and (pinned or (old is not None and self.cache.is_pinned(old))):
+            result = self._pin_or_drop(key, old)
+        if result and exists:
+            self.cache.publish(key)
+            self.retire()  # the old version goes now if nothing uses it
+            return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} reloaded in place")
+        return result
+
+    def _pin_or_drop(self, key: str, old: str | None) -> LoRAResult:
+        """Pin a just-loaded version (taking over the pin of the version it replaces), or remove it again
+        and leave everything as it was."""
+        old_pinned = old is not None and self.cache.is_pinned(old)
+        if old_pinned:
+            self.cache.unpin(old)  # its slot may go to the new version (unless running requests hold it)
+        try:
+            self._apply(self.cache.pin(key))
+        except CacheFullError:
+            self._apply(self.cache.remove(key))
+            self._sources.pop(key, None)
+            if old_pinned:
+                self._apply(self.cache.pin(old))  # still in its slot: nothing moves
+            return LoRAResult(LoRAStatus.PIN_ERROR, f"cannot pin adapter {name_of(key)!r}: all max_loras="
+                              f"{self.config.max_loras} device slots hold pinned or in-use adapters; it was not loaded")
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name_of(key)!r} loaded and pinned")
 
     def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
         """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
@@ -144,14 +175,16 @@ class LoRAManager:
             check_adapter_name(name)
         except InvalidAdapterNameError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
-        if name in self.cache:
+        if self.cache.current(name) is not None:
             return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
         return self._guarded_load(name, lambda: self._build(name, peft_config, tensors, None), None)
 
-    def _guarded_load(self, name: str, read, source: _Source | None) -> LoRAResult:
+    def _guarded_load(self, key: str, read, source: _Source | None) -> LoRAResult:
+        """Read and register one adapter version under `key`; every failure becomes a LoRAResult."""
+        name = name_of(key)
         try:
             weights = read()
-            self._apply(self.cache.add(name, on_disk=source is not None))
+            self._apply(self.cache.add(key, on_disk=source is not None))
         except AdapterPathError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
         except InvalidAdapterError as e:
@@ -161,16 +194,16 @@ class LoRAManager:
         except Exception as e:  # a broken adapter must never take the caller down
             logger.exception("loading adapter %r failed", name)
             return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
-        self._weights[name] = weights
+        self._weights[key] = weights
         self.stats["loads"] += 1
         if source is not None:
-            self._sources[name] = source
+            self._sources[key] = source
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} loaded")
 
-    def _read(self, name: str, source: _Source) -> AdapterWeights:
+    def _read(self, key: str, source: _Source) -> AdapterWeights:
         config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
                                            self._max_weight_bytes())
-        return self._build(name, config, tensors, source.path)
+        return self._build(name_of(key), config, tensors, source.path)
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
         layer = next(iter(self._layers.values()))[0]
@@ -178,56 +211,79 @@ class LoRAManager:
                              dtype=layer.lora_a.dtype, path=path, all_linear=self.all_linear)
 
     def unload_adapter(self, name: str) -> LoRAResult:
-        """Forget the adapter: frees its host copy and its slot. Refused while requests use it."""
-        if name not in self.cache:
+        """Forget the adapter: frees its host copy and its slot. Refused while requests use it. (Replaced
+        versions still in use go when their requests finish: `retire`.)"""
+        key = self.cache.current(name)
+        if key is None:
             return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
-        held_by_switch = name == self.active_adapter_name
-        if self.cache.refs(name) > held_by_switch:  # before any change: a refused unload changes nothing
+        held_by_switch = key == self.active_adapter_name
+        if self.cache.refs(key) > held_by_switch:  # before any change: a refused unload changes nothing
             return LoRAResult(LoRAStatus.UNLOAD_IN_USE,
-                              f"adapter {name!r} is used by {self.cache.refs(name) - held_by_switch} running request(s)")
+                              f"adapter {name!r} is used by {self.cache.refs(key) - held_by_switch} running request(s)")
         if held_by_switch:
             self.reset()
-        self._apply(self.cache.remove(name))
-        self._weights.pop(name, None)
-        self._sources.pop(name, None)
+        self._apply(self.cache.remove(key))
+        self._sources.pop(key, None)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
 
+    def retire(self) -> None:
+        """Remove replaced adapter versions nothing uses any more: no reference, and not among
+        `waiting_keys()` (an engine sets that hook: versions its preempted requests will resume on)."""
+        if self.cache.retiring:
+            changes = self.cache.retire(self.waiting_keys())
+            for key in changes.dropped:
+                self._sources.pop(key, None)
+            self._apply(changes)
+
     # ---- tiers -----------------------------------------------------------------------------------
+    def key_of(self, name: str) -> str:
+        """The key of the version of `name` new requests get (KeyError if no adapter has that name)."""
+        key = self.cache.current(name)
+        if key is None:
+            raise KeyError(f"adapter {name!r} is not loaded")
+        return key
+
     def activate_adapter(self, name: str) -> int:
         """Put the adapter in a device slot (reloading it from disk if it left host memory); its slot."""
-        self._ensure_in_host(name)
-        slot, changes = self.cache.activate(name)
+        return self.activate_key(self.key_of(name))
+
+    def activate_key(self, key: str) -> int:
+        """activate_adapter for one version (the engine activates what its requests resolved to)."""
+        self._ensure_in_host(key)
+        slot, changes = self.cache.activate(key)
         self._apply(changes)
         return slot
 
     def deactivate_adapter(self, name: str) -> None:
-        self._apply(self.cache.deactivate(name))
+        self._apply(self.cache.deactivate(self.key_of(name)))
 
     def pin_adapter(self, name: str) -> LoRAResult:
-        """Keep the adapter in host memory and in a device slot until it is unloaded."""
-        if name not in self.cache:
+        """Keep the adapter in host memory and in a device slot until it is unpinned or unloaded."""
+        key = self.cache.current(name)
+        if key is None:
             return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot pin adapter {name!r}: it is not loaded")
         try:
-            self._ensure_in_host(name)
-            self._apply(self.cache.pin(name))
+            self._ensure_in_host(key)
+            self._apply(self.cache.pin(key))
         except (CacheFullError, InvalidAdapterError, AdapterPathError) as e:
             return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
 
     def unpin_adapter(self, name: str) -> LoRAResult:
         """Let the adapter be evicted again (it stays loaded, and in its slot until the LRU needs it)."""
-        if name not in self.cache:
+        key = self.cache.current(name)
+        if key is None:
             return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot unpin adapter {name!r}: it is not loaded")
-        self.cache.unpin(name)
+        self.cache.unpin(key)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unpinned")
 
-    def _ensure_in_host(self, name: str) -> None:
-        if name not in self.cache:
-            raise KeyError(f"adapter {name!r} is not loaded")
-        if not self.cache.in_host(name):
-            weights = self._read(name, self._sources[name])  # the disk tier, under the rules it was loaded with
-            self._apply(self.cache.add(name))
-            self._weights[name] = weights
+    def _ensure_in_host(self, key: str) -> None:
+        if key not in self.cache:
+            raise KeyError(f"adapter {name_of(key)!r} is not loaded")
+        if not self.cache.in_host(key):
+            weights = self._read(key, self._sources[key])  # the disk tier, under the rules it was loaded with
+            self._apply(self.cache.add(key))
+            self._weights[key] = weights
             self.stats["loads"] += 1
 
     def _apply(self, changes: Changes) -> None:
@@ -250,10 +306,11 @@ class LoRAManager:
 
     # ---- queries ---------------------------------------------------------------------------------
     def is_lora(self, name: str) -> bool:
-        return name in self.cache
+        return self.cache.current(name) is not None
 
     def is_active_lora(self, name: str) -> bool:
-        return self.cache.slot_of(name) is not None
+        key = self.cache.current(name)
+        return key is not None and self.cache.slot_of(key) is not None
 
     @property
     def loras(self) -> list[str]:
@@ -261,12 +318,14 @@ class LoRAManager:
 
     @property
     def active_loras(self) -> dict[str, int]:
-        return self.cache.active
+        """name -> device slot of the adapters whose current version holds one."""
+        return {name_of(key): slot for key, slot in self.cache.active.items() if self.cache.current(name_of(key)) == key}
 
     @property
     def paths(self) -> dict[str, str | None]:
         """Every loaded adapter's directory (None for adapters added from tensors)."""
-        return {name: self._sources[name].path if name in self._sources else None for name in self.cache.names}
+        sources = {name: self._sources.get(self.cache.current(name)) for name in self.cache.names}
+        return {name: source.path if source else None for name, source in sources.items()}
 
     def binding_names(self) -> list[str]:
         """The module names an adapter can carry weights for (PEFT naming, sub-modules of packed layers)."""
@@ -277,7 +336,7 @@ class LoRAManager:
         if self.active_adapter_name is None:
             return False
         self._ensure_in_host(self.active_adapter_name)
-        return binding in self._weights[self.active_adapter_name].modules
+        return binding in self._weights[self.active_adapter_name].modules  # active_adapter_name holds a key
 
     # ---- forward-pass mappings ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -286,23 +345,24 @@ class LoRAManager:
         distinct = [a for a in dict.fromkeys(adapters) if a is not None]
         if len(distinct) > self.config.max_loras:
             raise CacheFullError(f"a batch names {len(distinct)} adapters, above max_loras={self.config.max_loras}")
-        with self.using(distinct):
-            slots = {name: self.activate_adapter(name) for name in distinct}
+        keys = {name: self.key_of(name) for name in distinct}
+        with self.using(list(keys.values())):
+            slots = {name: self.activate_key(key) for name, key in keys.items()}
             with self.mapping(RowSlots([slots[a] if a is not None else -1 for a in adapters], self._device)):
                 yield
 
     @contextlib.contextmanager
-    def using(self, names: Sequence[str]) -> Iterator[None]:
-        """Hold in-flight references: none of `names` is evicted or unloaded inside the block."""
+    def using(self, keys: Sequence[str]) -> Iterator[None]:
+        """Hold in-flight references: none of these adapter versions is evicted or unloaded in the block."""
         held = []
         try:
-            for name in names:
-                self.cache.acquire(name)
-                held.append(name)
+            for key in keys:
+                self.cache.acquire(key)
+                held.append(key)
             yield
         finally:
-            for name in held:
-                self.cache.release(name)
+            for key in held:
+                self.cache.release(key)
 
     @contextlib.contextmanager
     def mapping(self, mapping) -> Iterator[None]:
@@ -317,12 +377,13 @@ class LoRAManager:
         """Single-adapter mode: every row uses `name` until reset(). O(1) when it already has a slot."""
         if name is None:
             return self.reset()
-        if name != self.active_adapter_name:
-            self.cache.acquire(name)  # held while selected, so its slot is never reused under it
+        key = self.key_of(name)
+        if key != self.active_adapter_name:
+            self.cache.acquire(key)  # held while selected, so its slot is never reused under it
             self.reset()
-            self.active_adapter_name = name
+            self.active_adapter_name = key
         try:
-            slot = self.activate_adapter(name)
+            slot = self.activate_key(key)
         except Exception:
             self.reset()
             raise

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import torch
 
-from loramux.adapters.cache import AdapterCache
-from loramux.adapters.status import LoRAResult
+from loramux.adapters.cache import AdapterCache, name_of
+from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.input_processor import EngineLimits
@@ -53,6 +53,8 @@ class EngineCore:
         self.manager = self.runner.manager
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self.cache)
+        if self.manager is not None:
+            self.manager.waiting_keys = self.scheduler.waiting_keys  # replaced versions preempted requests resume on
         self.eos_token_ids = self._eos_token_ids()
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
@@ -102,21 +104,24 @@ class EngineCore:
         if seqs:
             for seq, token in zip(seqs, self._run(seqs, slots, batch.is_prefill)):
                 outputs.append(self._append(seq, token) if isinstance(token, int) else self._fail(seq, token))
+        if self.manager is not None:
+            self.manager.retire()  # replaced adapter versions nothing uses now
         return outputs
 
     def _activate(self, seqs: list[Sequence], outputs: list[CoreOutput]) -> tuple[list[Sequence], list[int]]:
         """Give the step's adapters device slots; requests whose adapter cannot get one fail alone.
         Returns the runnable sequences and each one's slot (-1 = base model)."""
         slots: dict[str | None, int] = {None: -1}
-        for adapter in dict.fromkeys(s.adapter for s in seqs if s.adapter is not None):
+        for key in dict.fromkeys(s.adapter_key for s in seqs if s.adapter_key is not None):
             try:
-                slots[adapter] = self.manager.activate_adapter(adapter)
+                slots[key] = self.manager.activate_key(key)
             except Exception as e:  # a broken adapter (e.g. its file changed on disk) fails its own requests
-                logger.warning("adapter %r could not be activated: %s", adapter, e)
-                for seq in [s for s in seqs if s.adapter == adapter]:
-                    outputs.append(self._fail(seq, f"adapter {adapter!r} could not be activated: {e}"))
-        runnable = [s for s in seqs if s.adapter in slots]
-        return runnable, [slots[s.adapter] for s in runnable]
+                name = name_of(key)
+                logger.warning("adapter %r could not be activated: %s", name, e)
+                for seq in [s for s in seqs if s.adapter_key == key]:
+                    outputs.append(self._fail(seq, f"adapter {name!r} could not be activated: {e}"))
+        runnable = [s for s in seqs if s.adapter_key in slots]
+        return runnable, [slots[s.adapter_key] for s in runnable]
 
     def _run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool) -> list[int | str]:
         """Each sequence's next token, or the error that fails it. A step that raises is run again one
@@ -164,6 +169,11 @@ class EngineCore:
         return self.lora_manager.load_adapter(spec, path, **kwargs)
 
     def unload_adapter(self, name: str) -> LoRAResult:
+        """Refused while running requests use it, and while preempted ones wait to resume on it."""
+        key = self.cache.current(name) if self.cache else None
+        if key is not None and key in self.scheduler.waiting_keys():
+            waiting = sum(s.adapter_key == key for s in self.scheduler.waiting)
+            return LoRAResult(LoRAStatus.UNLOAD_IN_USE, f"adapter {name!r} is used by {waiting} preempted request(s)")
         return self.lora_manager.unload_adapter(name)
 
     def pin_adapter(self, name: str) -> LoRAResult:

@@ -86,10 +86,16 @@ class Scheduler:
         return len(self.running)
 
     def waiting_adapters(self) -> set[str]:
+        """Adapter names waiting requests ask for."""
         return {s.adapter for s in self.waiting if s.adapter is not None}
 
     def running_adapters(self) -> set[str]:
-        return {s.adapter for s in self.running if s.adapter is not None}
+        """Adapter keys (versions) of the running requests: each needs a device slot in a decode step."""
+        return {s.adapter_key for s in self.running if s.adapter_key is not None}
+
+    def waiting_keys(self) -> set[str]:
+        """Adapter versions that waiting (preempted) requests will resume on."""
+        return {s.adapter_key for s in self.waiting if s.adapter_key is not None}
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -154,13 +160,15 @@ class Scheduler:
         # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).
         if not self._has_room(seq, step):
             return _Verdict.NO_ROOM
-        if seq.adapter is not None and not self._slot_fits(seq.adapter, step.needed):
+        key = self._key(seq)
+        if key is not None and not self._slot_fits(key, step.needed):
             return _Verdict.NO_SLOT
         self.waiting.remove(seq)
         self.block_manager.allocate(seq)
-        if seq.adapter is not None:
-            self.adapters.acquire(seq.adapter)
-            step.needed.add(seq.adapter)
+        if key is not None:
+            seq.adapter_key = key  # from now on, through any preemption, it runs on this version
+            self.adapters.acquire(key)
+            step.needed.add(key)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         step.num_tokens += len(seq)
@@ -183,7 +191,7 @@ class Scheduler:
         pinned = self._pinned()
         return next((s for s in self.waiting
                      if s.waited_steps >= self.max_wait_steps
-                     and (s.adapter is None or self._slot_fits(s.adapter, pinned))), None)
+                     and (s.adapter is None or self._slot_fits(self._key(s), pinned))), None)
 
     def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
         """Every running request decodes one token; the newest give up their blocks when memory runs out."""
@@ -216,7 +224,7 @@ class Scheduler:
         """Finish waiting requests whose adapter was unloaded (running ones hold a ref, so cannot lose it)."""
         if self.adapters is None:
             return []
-        failed = [s for s in self.waiting if s.adapter is not None and s.adapter not in self.adapters]
+        failed = [s for s in self.waiting if s.adapter is not None and self._key(s) not in self.adapters]
         for seq in failed:
             self.finish(seq, "abort")
         return failed
@@ -224,8 +232,14 @@ class Scheduler:
     # ---- helpers -------------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
-        if seq.adapter is not None:
-            self.adapters.release(seq.adapter)
+        if seq.adapter_key is not None:
+            self.adapters.release(seq.adapter_key)
+
+    def _key(self, seq: Sequence) -> str | None:
+        """The adapter version `seq` runs on: fixed once admitted, else the one its name resolves to now."""
+        if seq.adapter is None:
+            return None
+        return seq.adapter_key or self.adapters.current(seq.adapter)
 
     def _pinned(self) -> set[str]:
         return self.adapters.pinned if self.adapters is not None else set()
@@ -236,7 +250,7 @@ class Scheduler:
         if self.adapters is None:
             raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
                              "serves the base model only (EngineConfig.lora is None)")
-        if seq.adapter not in self.adapters:
+        if self.adapters.current(seq.adapter) is None:
             known = ", ".join(self.adapters.names) or "none"
             raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r}, which is not "
                              f"loaded (loaded: {known})")

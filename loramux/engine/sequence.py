@@ -27,6 +27,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.adapter = adapter
+        self.adapter_key: str | None = None  # the adapter version it runs on, fixed when it is first admitted
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.finish_reason: str | None = None

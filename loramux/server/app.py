@@ -283,11 +283,12 @@ def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: p.LoadLoRAAdapterRequest):
         name = _checked_name(request.lora_name)
-        if name == server.model_name or name in server.registry:
+        replace = request.load_inplace and name in server.registry
+        if name == server.model_name or (name in server.registry and not replace):
             raise HTTPError(409, f"The lora adapter '{name}' has already been loaded.", code="adapter_exists")
         path = _allowed_adapter_path(server.config, request.lora_path)
-        await server.load_adapter(name, path, request.pinned)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        await server.load_adapter(name, path, request.pinned, replace)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'reloaded' if replace else 'added'} successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(request: p.UnloadLoRAAdapterRequest):

@@ -20,6 +20,7 @@ import traceback
 
 import zmq
 
+from loramux.adapters.cache import name_of
 from loramux.config import EngineConfig
 from loramux.server.wire import (Abort, AddRequest, AdapterSource, Control, ControlResult, Outputs, Ready,
                                  StartupFailed, decode_to_engine, encode)
@@ -113,10 +114,7 @@ class EngineLoop:
         return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed)
 
     def _load(self, source: AdapterSource):
-        result = self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs)
-        if result and source.pinned:
-            result = self.core.pin_adapter(source.name)
-        return result
+        return self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs, pinned=source.pinned)
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -166,18 +164,14 @@ class EngineLoop:
     def _status(result) -> dict:
         return {"status": result.status.name, "message": result.message}
 
-    def _op_load(self, msg, name: str, path: str, allowed_dirs: list[str] = (), pinned: bool = False) -> dict:
+    def _op_load(self, msg, name: str, path: str, allowed_dirs: list[str] = (), pinned: bool = False,
+                 replace: bool = False) -> dict:
         if name in self.unloading:
             return {"status": "LOAD_NAME_EXISTS", "message": f"adapter {name!r} is still being unloaded"}
         # name and path stay apart (a name is never parsed as "name=path"); runtime loads: safetensors only,
         # every file inside the allowed directories
-        result = self.core.load_adapter(name, path, allow_pickle=False, allowed_dirs=tuple(allowed_dirs))
-        if result and pinned:
-            pin = self.core.pin_adapter(name)
-            if not pin:
-                self.core.unload_adapter(name)
-                return self._status(pin)
-        return self._status(result)
+        return self._status(self.core.load_adapter(name, path, allow_pickle=False, allowed_dirs=tuple(allowed_dirs),
+                                                   replace=replace, pinned=pinned))
 
     def _op_pin(self, msg, name: str) -> dict:
         return self._status(self.core.pin_adapter(name))
@@ -202,10 +196,11 @@ class EngineLoop:
         manager = core.manager
         return {
             "status": "SUCCESS", "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
-            "running_adapters": sorted(scheduler.running_adapters()),
+            "running_adapters": sorted({name_of(k) for k in scheduler.running_adapters()}),
             "waiting_adapters": sorted(scheduler.waiting_adapters()),
             "max_loras": core.config.max_loras, "lora": dict(manager.stats) if manager else {},
-            "num_adapters": len(manager.loras) if manager else 0, "pinned": sorted(manager.cache.pinned) if manager else [],
+            "num_adapters": len(manager.loras) if manager else 0,
+            "pinned": sorted(name_of(k) for k in manager.cache.pinned) if manager else [],
             "kv_blocks_total": core.block_manager.num_blocks, "kv_blocks_free": core.block_manager.num_free_blocks,
             "finished": dict(core.num_finished),
         }

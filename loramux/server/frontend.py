@@ -197,10 +197,10 @@ class Frontend:
             timers[choice.index].update(choice)
 
     # ---- adapters ---------------------------------------------------------------------------------
-    async def load_adapter(self, name: str, path: str, pinned: bool) -> None:
+    async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False) -> None:
         source = AdapterSource(name, path, self.config.allowed_adapter_dirs, pinned)
         result = await self.client.control("load", name=name, path=path, allowed_dirs=list(source.allowed_dirs),
-                                           pinned=pinned)
+                                           pinned=pinned, replace=replace)
         if result["status"] != "SUCCESS":
             raise HTTPError(409 if result["status"] == "LOAD_NAME_EXISTS" else 400, result["message"])
         self.registry[name] = source

@@ -84,6 +84,7 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     pinned: bool = False  # as SGLang: never evicted from host memory or its device slot until unpinned or unloaded
+    load_inplace: bool = False  # as vLLM: replace a loaded adapter's weights; running requests finish on the old
 
 
 class UnloadLoRAAdapterRequest(BaseModel):

@@ -254,3 +254,20 @@ def test_all_linear_adapter_with_weights_for_an_unwrapped_module_is_refused(tmp_
     with torch.no_grad(), manager.batch(["every"]):
         out = model(input_ids).logits
     torch.testing.assert_close(out, peft_logits(base, path, input_ids), atol=ATOL, rtol=1e-4)
+
+
+def test_reload_in_place_keeps_the_pin_and_a_failed_pin_changes_nothing(adapter_dirs):
+    base = MODEL_FACTORIES["llama"]()
+    model, manager = manager_for(base, max_loras=1, max_cpu_loras=4)
+    old, new = adapter_dirs["llama", "r4"], adapter_dirs["llama", "r8_rslora"]
+    assert manager.load_adapter("a", old, pinned=True) == LoRAStatus.SUCCESS
+    result = manager.load_adapter("b", new, pinned=True)  # the one slot is pinned by "a"
+    assert result == LoRAStatus.PIN_ERROR and "was not loaded" in result.message and manager.loras == ["a"]
+    input_ids = torch.randint(0, 128, (1, 6))
+    assert manager.load_adapter("a", new, replace=True) == LoRAStatus.SUCCESS
+    key = manager.key_of("a")
+    assert manager.cache.is_pinned(key) and "a" not in manager.cache  # pinned again; the old version is gone
+    with torch.no_grad(), manager.batch(["a"]):
+        out = model(input_ids).logits
+    torch.testing.assert_close(out, peft_logits(base, new, input_ids), atol=ATOL, rtol=1e-4)
+    assert manager.load_adapter("a", old) == LoRAStatus.LOAD_NAME_EXISTS  # without replace: refused as before

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from conftest import MODEL_FACTORIES, hf_greedy, save_checkpoint, save_peft_adapter
-from loramux import LoRAConfig
+from loramux import LoRAConfig, LoRAStatus
 from loramux.engine.model_runner import batch_order
 from loramux.llm import LLM
 from loramux.ops import BACKENDS, wants_grouped_tokens
@@ -216,3 +216,42 @@ def test_a_step_that_raises_fails_only_the_request_that_makes_it_raise(checkpoin
     outs = llm.generate(prompts(3), GREEDY, adapters="r4")
     assert [outs[0].token_ids, outs[2].token_ids] == [alone[0], alone[2]]
     assert outs[1].finish_reason == "error" and "RuntimeError: boom" in outs[1].error
+
+
+def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new_ones_the_new(checkpoints):
+    """vLLM's load_inplace, without a mix: a request that started before the reload (even one preempted and
+    resumed after it) finishes on the old version; one that starts after gets the new. The old version is
+    removed once nothing uses it."""
+    base, path, adapters = checkpoints["llama"]
+    old, new = adapters["r4"], adapters["r8_rslora"]
+    llm = make_llm(path, {"swap": old}, lora=LoRAConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=64),
+                   kv_cache_memory=6 * 2 * 2 * 16 * 2 * 16 * 4, max_model_len=64, block_size=16)
+    engine = llm.engine
+    batch = prompts(8, seed=9)  # 6 KV blocks: 6 start, 2 wait
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(p, params, "swap") for p in batch]
+    finished = {}
+    for _ in range(3):  # some requests are running now, the rest wait for KV blocks
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    started = {i for i in ids if engine.core.sequence(i) and engine.core.sequence(i).adapter_key is not None}
+    assert 0 < len(started) < len(ids)
+    assert llm.load_adapter("swap", new, replace=True) == LoRAStatus.SUCCESS
+    late = [engine.add_request(p, params, "swap") for p in batch[:2]]
+    preempted = []
+    original = engine.scheduler.schedule
+
+    def spy():
+        scheduled = original()
+        preempted.extend(scheduled.preempted)
+        return scheduled
+
+    engine.scheduler.schedule = spy
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert any(s.request_id in started for s in preempted), "a request that started on the old weights was preempted"
+    for request_id, prompt in zip(ids + late, batch + batch[:2]):
+        weights = old if request_id in started else new
+        assert finished[request_id].token_ids == hf_greedy(base, weights, prompt, 20), request_id
+    cache = engine.manager.cache
+    assert cache.retiring == set() and cache.names == ["swap"] and "swap" not in cache  # the first version is gone
+    assert cache.current("swap") != "swap"

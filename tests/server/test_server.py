@@ -315,3 +315,53 @@ def test_streamed_and_plain_responses_agree_with_stop_strings_and_n(client, offl
                 reasons[choice.index] = choice.finish_reason
     assert [c.text for c in plain.choices] == [texts[0], texts[1]] == [full[: full.index(stop)]] * 2
     assert reasons == {0: "stop", 1: "stop"} and all(c.finish_reason == "stop" for c in plain.choices)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_hot_swaps_under_traffic_never_serve_a_mix(files, http, client, offline, inplace):
+    """3 names swap between two weight sets while 8 clients send greedy requests: every answer is the old
+    weights' or the new weights' answer. In place (load_inplace) there is no gap: no request gets a 404."""
+    allowed = files["allowed"]
+    sets = {f"h{i}": (a, b) for i, (a, b) in enumerate([("new", "other"), ("other", "v2"), ("v2", "new")])}
+    for name, (first, _) in sets.items():
+        assert http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": f"{allowed}/{first}"}).status_code == 200
+    answers = {(w, p): offline(p, w, max_tokens=24) for w in ("new", "other", "v2") for p in ("a1", "b2")}
+    done, results = threading.Event(), []
+
+    def ask(i):
+        while not done.is_set():
+            name, prompt = f"h{i % 3}", ("a1", "b2")[i % 2]
+            try:
+                text = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0).choices[0].text
+            except openai.NotFoundError:
+                results.append((name, prompt, None))
+                continue
+            results.append((name, prompt, text))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(ask, i) for i in range(8)]
+        for swap in range(6):
+            for name, pair in sets.items():
+                path = f"{allowed}/{pair[(swap + 1) % 2]}"
+                if inplace:
+                    response = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path,
+                                                                        "load_inplace": True})
+                else:
+                    assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+                    response = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+                assert response.status_code == 200, response.text
+            seen = len(results)
+            deadline = time.monotonic() + 60
+            while len(results) < seen + 8 and time.monotonic() < deadline:  # traffic between every two swaps
+                time.sleep(0.01)
+        done.set()
+        for f in futures:
+            f.result(timeout=120)
+    assert len(results) >= 6 * 8
+    for name, prompt, text in results:
+        if text is None:
+            assert not inplace, f"{name} was unavailable during an in-place reload"
+            continue
+        assert text in {answers[w, prompt] for w in sets[name]}, (name, prompt, text)
+    for name in sets:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
