@@ -330,7 +330,7 @@ def _checked_name(name: str) -> str:
 
 def _allowed_adapter_path(config: ServerConfig, path: str) -> str:
     """The real path of a runtime-loaded adapter: under an allowed directory, safetensors only. (The engine
-    checks each file it reads again: a file inside may be a symlink to one outside.)"""
+    resolves each file it reads again: a file inside may be a symlink to one outside.)"""
     if not config.allowed_adapter_dirs:
         raise HTTPError(400, "runtime adapter loading is off; start the server with --allowed-adapter-dir DIR")
     if "\x00" in path:
@@ -339,7 +339,8 @@ def _allowed_adapter_path(config: ServerConfig, path: str) -> str:
     allowed = [os.path.realpath(d) for d in config.allowed_adapter_dirs]
     if not any(os.path.commonpath([real, d]) == d for d in allowed):
         raise HTTPError(400, f"adapter path {path!r} is outside the allowed adapter directories ({', '.join(allowed)})")
-    if not os.path.isfile(os.path.join(real, "adapter_model.safetensors")):
-        raise HTTPError(400, f"adapter path {path!r} has no adapter_model.safetensors (only safetensors "
-                             "adapters are loaded at run time)")
-    return real
+    st, pickle = (os.path.join(real, f"adapter_model.{ext}") for ext in ("safetensors", "bin"))
+    if not os.path.lexists(st) and os.path.lexists(pickle):
+        raise HTTPError(400, f"adapter path {path!r} has adapter_model.bin but no adapter_model.safetensors (only "
+                             "safetensors adapters are loaded at run time)")
+    return real  # everything else about its files is checked by the engine, file by file

@@ -148,7 +148,7 @@ def test_admin_error_codes(files, http):
     open(f"{allowed}/pickled/adapter_model.bin", "wb").close()
     cases = [
         ({"lora_name": "s0", "lora_path": f"{allowed}/new"}, 409, "already been loaded"),
-        ({"lora_name": "x", "lora_path": f"{allowed}/missing"}, 400, "no adapter_model.safetensors"),
+        ({"lora_name": "x", "lora_path": f"{allowed}/missing"}, 400, "does not exist"),
         ({"lora_name": "x", "lora_path": str(root / "s1")}, 400, "outside the allowed"),
         ({"lora_name": "x", "lora_path": f"{allowed}/../s1"}, 400, "outside the allowed"),
         ({"lora_name": "x", "lora_path": f"{allowed}/escape"}, 400, "outside the allowed"),
@@ -365,3 +365,27 @@ def test_hot_swaps_under_traffic_never_serve_a_mix(files, http, client, offline,
         assert text in {answers[w, prompt] for w in sets[name]}, (name, prompt, text)
     for name in sets:
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": name}).status_code == 200
+
+
+def test_the_hostile_adapter_corpus_gets_400s_and_changes_nothing(files, http, client):
+    from hostile_adapters import BAD_NAMES, build_corpus
+
+    good = files["runtime"]["new"]
+    cases = build_corpus(good, os.path.join(files["allowed"], "hostile"), str(files["root"] / "outside"))
+    prompts = ["one", "two"]
+    before = [client.completions.create(model=m, prompt=p, max_tokens=10, temperature=0).choices[0].text
+              for m in ("tiny", "s0", "s3") for p in prompts]
+    for case in cases:
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": f"bad-{case.id}", "lora_path": case.path})
+        assert response.status_code == 400 and case.http in response.json()["error"]["message"], (case.id, response.text)
+    for name in BAD_NAMES:
+        response = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": good})
+        assert response.status_code == 400 and "adapter name" in response.json()["error"]["message"], name
+    response = http.post("/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": good})
+    assert response.status_code == 409  # the base model's name
+    assert not os.path.exists(files["root"] / "outside" / "pwned")
+    ids = {m.id for m in client.models.list().data}
+    assert not any(i.startswith("bad-") for i in ids) and httpx.get(f"{http.base_url}/health").status_code == 200
+    after = [client.completions.create(model=m, prompt=p, max_tokens=10, temperature=0).choices[0].text
+             for m in ("tiny", "s0", "s3") for p in prompts]
+    assert after == before
