@@ -15,11 +15,14 @@ from loramux.adapters.manager import LoRAManager
 from loramux.config import EngineConfig
 from loramux.engine.sequence import Sequence
 from loramux.layers.attention import AttentionMetadata
-from loramux.layers.linear import can_prepack, prepack_linears
+from loramux.layers.linear import can_prepack, fix_linear_rows, prepack_linears
 from loramux.layers.sampler import SamplingRow, sample
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
 from loramux.ops import LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend
+from loramux.ops.attention_torch import decode_attention_by_length
+
+INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
 
 
 def available_memory(device: torch.device) -> int:
@@ -46,10 +49,13 @@ class ModelRunner:
         self.model, self.config, self.device = loaded.model, config, device
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
-        self.manager = LoRAManager(self.model, config.lora, config.lora_backend, cache) if cache else None
+        lora_backend = "torch-gathered" if config.batch_invariant else config.lora_backend  # one op per token
+        self.manager = LoRAManager(self.model, config.lora, lora_backend, cache) if cache else None
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
+        if config.batch_invariant:
+            fix_linear_rows(self.model, INVARIANT_ROWS)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
         for module in self.model.modules():  # RMSNorm, SiluAndMul, RotaryEmbedding name the ops they run
             for attr, name in getattr(module, "pointwise_ops", {}).items():
@@ -71,10 +77,13 @@ class ModelRunner:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {self.block_size} "
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
         cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
-        decode_op = select_attention_backend(self.config.attention_backend, self.device)
-        store_op = select_kv_store_backend(self.config.attention_backend, self.device)
+        invariant = self.config.batch_invariant
+        decode_op = (decode_attention_by_length if invariant else
+                     select_attention_backend(self.config.attention_backend, self.device))
+        store_op = select_kv_store_backend("torch" if invariant else self.config.attention_backend, self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache, layer.decode_op, layer.store_op = cache[0, i], cache[1, i], decode_op, store_op
+            layer.prefill = layer.prefill_per_sequence if invariant else layer.prefill_padded
         self.kv_cache = cache
         return num_blocks
 
@@ -121,7 +130,8 @@ class ModelRunner:
         # Padded positions repeat the sequence's last token: causal attention never lets a real query see them.
         pad = [[o + min(p, n - 1) for p in range(max_len)] for o, n in zip(offsets, lengths)]
         unpad = [b * max_len + p for b, n in enumerate(lengths) for p in range(n)]
-        meta = AttentionMetadata(True, slot_mapping, pad_index=self._tensor(pad), unpad_index=self._tensor(unpad))
+        meta = AttentionMetadata(True, slot_mapping, pad_index=self._tensor(pad), unpad_index=self._tensor(unpad),
+                                 seq_offsets=offsets)
         return input_ids, positions, meta, lengths, self._tensor([o - 1 for o in offsets[1:]])
 
     def _prepare_decode(self, seqs: list[Sequence]):

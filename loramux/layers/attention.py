@@ -26,6 +26,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache index where each new token's K/V is written
     pad_index: torch.Tensor | None = None  # prefill: [batch, max_len] token index per padded position
     unpad_index: torch.Tensor | None = None  # prefill: [num_tokens] position in the flattened padding
+    seq_offsets: list[int] | None = None  # prefill: [batch + 1] where each sequence's tokens start (and end)
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks] block ids (padding: block 0)
     context_lens: torch.Tensor | None = None  # decode: [batch] keys per sequence, this token's included
     block_size: int = 16
@@ -40,26 +41,36 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.decode_op = decode_attention_torch
         self.store_op = store_kv_torch
+        self.prefill = self.prefill_padded  # or prefill_per_sequence (batch-invariant); chosen by the model runner
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] -> [num_tokens, heads * head_dim]."""
         if self.k_cache is not None:
             self.store_op(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         if meta.is_prefill:
-            return self._prefill(q, k, v, meta)
+            return self.prefill(q, k, v, meta)
         return self._decode(q, meta)
 
-    def _prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        # [batch, heads, max_len, head_dim]; padded query rows are computed and then dropped.
+    def prefill_padded(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """All sequences in one call: [batch, heads, max_len, head_dim]; padded query rows are computed and then
+        dropped. (A sequence's result may depend on max_len: the kernel's blocking follows the padded length.)"""
         q, k, v = (t[meta.pad_index].transpose(1, 2) for t in (q, k, v))
-        if _HAS_GQA:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-        else:
-            groups = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        out = out.transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
+        out = self._sdpa(q, k, v).transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         return out[meta.unpad_index]
+
+    def prefill_per_sequence(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """One call per sequence, at its own length: its result never depends on its batch mates."""
+        offsets = meta.seq_offsets
+        outs = [self._sdpa(*(t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
+                for s, e in zip(offsets, offsets[1:])]  # each [1, heads, len, head_dim]
+        return torch.cat([o[0].transpose(0, 1) for o in outs]).reshape(-1, self.num_heads * self.head_dim)
+
+    def _sdpa(self, q, k, v) -> torch.Tensor:
+        if _HAS_GQA:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
         out = self.decode_op(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.block_size,

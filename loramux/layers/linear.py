@@ -38,6 +38,36 @@ class PrepackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+class FixedRowsLinear(nn.Module):
+    """A Linear whose every GEMM runs on exactly `rows` rows (the input split, the last piece zero-padded),
+    so that a row's result never depends on how many rows share the call: GEMM libraries choose kernels and
+    blockings by the row count, and their results differ in the last bits. For batch invariance."""
+
+    def __init__(self, linear: nn.Module, rows: int = 32):
+        super().__init__()
+        self.linear, self.rows = linear, rows
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        n = flat.shape[0]
+        pad = -n % self.rows
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad, self.in_features)])
+        out = torch.cat([self.linear(chunk) for chunk in flat.split(self.rows)])
+        return out[:n].view(*x.shape[:-1], self.out_features)
+
+
+def fix_linear_rows(model: nn.Module, rows: int = 32) -> int:
+    """Wrap every Linear in `model` (prepacked or not; LoRA layers' base Linears too) in a FixedRowsLinear."""
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, PrepackedLinear))]
+    for name, linear in targets:
+        prefix, _, attr = name.rpartition(".")
+        parent = model.get_submodule(prefix) if prefix else model
+        parent.register_module(attr, FixedRowsLinear(linear, rows))
+    return len(targets)
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _onednn_packs(dtype)
 

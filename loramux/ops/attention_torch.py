@@ -34,6 +34,19 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, bloc
     return torch.matmul(scores.softmax(-1).to(q.dtype), v).reshape(batch, num_heads, head_dim)
 
 
+def decode_attention_by_length(q, k_cache, v_cache, block_tables, context_lens, block_size: int, scale: float):
+    """decode_attention_torch over groups of sequences with the same number of blocks, each group padded to
+    its own length only: a sequence's result depends on its own length, never on its batch mates' (the
+    padded reductions of one call over the whole batch follow the longest sequence). For batch invariance."""
+    blocks = (context_lens + block_size - 1) // block_size
+    out = torch.empty_like(q)
+    for count in blocks.unique().tolist():
+        rows = (blocks == count).nonzero().squeeze(1)
+        out[rows] = decode_attention_torch(q[rows], k_cache, v_cache, block_tables[rows, :count], context_lens[rows],
+                                           block_size, scale)
+    return out
+
+
 def store_kv_torch(k_cache, v_cache, k, v, slot_mapping) -> None:
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)

@@ -7,6 +7,7 @@ import torch
 
 from conftest import backend_params
 from loramux.ops import ATTENTION_BACKENDS, KV_STORE_BACKENDS, attention_cpu, select_attention_backend
+from loramux.ops.attention_torch import decode_attention_by_length
 
 
 def per_sequence_loop(q, k_cache, v_cache, block_tables, context_lens, block_size, scale):
@@ -32,7 +33,10 @@ CASES = [  # batch, heads, kv_heads, head_dim, block_size, context lengths
 ]
 
 
-@pytest.mark.parametrize("backend", backend_params(ATTENTION_BACKENDS, attention_cpu.available))
+OPS = {**ATTENTION_BACKENDS, "torch-by-length": decode_attention_by_length}  # the last: batch_invariant's
+
+
+@pytest.mark.parametrize("backend", backend_params(OPS, attention_cpu.available))
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("case", CASES)
 def test_backend_matches_per_sequence_loop(backend, dtype, atol, case):
@@ -46,10 +50,26 @@ def test_backend_matches_per_sequence_loop(backend, dtype, atol, case):
     q = torch.randn(batch, heads, head_dim, dtype=dtype)
     context_lens = torch.tensor(lengths)
     scale = head_dim**-0.5
-    out = ATTENTION_BACKENDS[backend](q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
+    out = OPS[backend](q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
     expected = per_sequence_loop(q, k_cache, v_cache, block_tables, context_lens, block_size, scale)
     assert out.dtype == dtype and out.shape == (batch, heads, head_dim)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+
+
+def test_by_length_results_do_not_depend_on_batch_mates():
+    """decode_attention_by_length: a sequence's output is bit-identical alone and beside longer ones."""
+    torch.manual_seed(1)
+    block_size, kv_heads, heads, head_dim = 16, 2, 8, 32
+    k_cache = torch.randn(64 * block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.randn(64 * block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    q = torch.randn(3, heads, head_dim, dtype=torch.bfloat16)
+    tables = torch.randperm(64)[:30].view(3, 10)
+    lens = torch.tensor([20, 150, 70])
+    batch = decode_attention_by_length(q, k_cache, v_cache, tables, lens, block_size, 0.1)
+    for i in range(3):
+        alone = decode_attention_by_length(q[i:i + 1], k_cache, v_cache, tables[i:i + 1, :int(lens[i] + 15) // 16],
+                                           lens[i:i + 1], block_size, 0.1)
+        assert torch.equal(alone[0], batch[i])
 
 
 def test_unknown_backend_is_named():
