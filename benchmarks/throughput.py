@@ -3,6 +3,7 @@
 Workload (issue 3): 32 requests x (64 prompt + 64 new tokens), greedy, ignore_eos; 8 random adapters
 of ranks 8/16 on all 7 projections. Rows:
   loramux base / single adapter / 8 mixed adapters / 32 distinct adapters (max_loras=32)
+  (--batch-invariant: also 8 mixed adapters with EngineConfig.batch_invariant, in the same rounds)
   HF base (transformers generate) / HF PEFT mixed (generate(adapter_names=...))
 Prints tokens/s, the ratios (ours / peer) and one JSON line. Every row first runs once untimed (warm-up:
 caches, and each case's adapters loaded into device slots, as a serving engine keeps them resident),
@@ -74,10 +75,10 @@ def cpu_load() -> float:
     return os.getloadavg()[0]
 
 
-def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras):
+def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras, batch_invariant=False):
     max_len = len(prompts[0]) + params.max_tokens
     llm = LLM(model=path, lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max(32, max_loras), max_lora_rank=16),
-              dtype=dtype, max_num_seqs=len(prompts), max_model_len=max(256, max_len))
+              dtype=dtype, max_num_seqs=len(prompts), max_model_len=max(256, max_len), batch_invariant=batch_invariant)
     for name, adapter_dir in adapter_dirs.items():
         assert llm.load_adapter(f"{name}={adapter_dir}"), name
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -98,15 +99,25 @@ def rounds(cases: dict, run, repeats: int) -> tuple[dict, dict]:
     return seconds, outputs
 
 
-def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats):
-    n = len(prompts)
-    llm = run_loramux(path, dtype, {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}, prompts, params, 8)
-    generate = lambda adapters: [o.token_ids for o in llm.generate(prompts, params, adapters=adapters, use_tqdm=False)]
-    cases = {"base": None, "single": "a0", "mixed8": [f"a{i % 8}" for i in range(n)]}
+def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False):
+    """base / single / mixed8 (and mixed8 with batch_invariant, same rounds), then the 32-slot engine's rows."""
+    n, eight = len(prompts), {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}
+    engines = {"main": run_loramux(path, dtype, eight, prompts, params, 8)}
+    mixed = [f"a{i % 8}" for i in range(n)]
+    cases = {"base": ("main", None), "single": ("main", "a0"), "mixed8": ("main", mixed)}
+    if batch_invariant:
+        engines["invariant"] = run_loramux(path, dtype, eight, prompts, params, 8, batch_invariant=True)
+        cases["mixed8_invariant"] = ("invariant", mixed)
+
+    def generate(case):
+        engine, adapters = case
+        return [o.token_ids for o in engines[engine].generate(prompts, params, adapters=adapters, use_tqdm=False)]
+
     seconds, outputs = rounds(cases, generate, repeats)
-    del llm
-    llm = run_loramux(path, dtype, adapter_dirs, prompts, params, 32)
-    more, _ = rounds({"single_max32": "a0", "distinct32": [f"a{i}" for i in range(n)]}, generate, repeats)
+    engines.clear()
+    engines["max32"] = run_loramux(path, dtype, adapter_dirs, prompts, params, 32)
+    more, _ = rounds({"single_max32": ("max32", "a0"), "distinct32": ("max32", [f"a{i}" for i in range(n)])},
+                     generate, repeats)
     return seconds | more, outputs
 
 
@@ -194,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--skip-hf", action="store_true", help="only loramux rows (no peers, no ratios to them)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row; the best one is reported")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="also mixed8 with EngineConfig.batch_invariant (its cost: mixed8_invariant/mixed8)")
     parser.add_argument("--sweep", action="store_true", help="throughput curves and a PNG chart (loramux bench)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--distinct", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -225,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = args.dtypes or ["float32", "bfloat16"]
     tokens = requests * args.new_tokens
     for dtype in dtypes:
-        seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats)
+        seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats,
+                                           args.batch_invariant)
         if not args.skip_hf:
             peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats)
             seconds |= peer_seconds
@@ -262,16 +276,18 @@ def print_report(report: dict, dtypes: list[str]) -> None:
 
 # Rows that one engine runs in the same rounds, back to back: the ratio of each round compares them under
 # the same machine conditions; the median of those per-round ratios is the least noisy of the three.
-PAIRED = {"mixed8/base": ("mixed8", "base"), "distinct32/single(max_loras=32)": ("distinct32", "single_max32")}
+PAIRED = {"mixed8/base": ("mixed8", "base"), "distinct32/single(max_loras=32)": ("distinct32", "single_max32"),
+          "mixed8_invariant/mixed8": ("mixed8_invariant", "mixed8")}
 
 
 def paired_ratios(dtypes: list[str], runs_of) -> dict:
-    """{dtype:label: median over rounds of row / row} for the PAIRED rows; runs_of(dtype) -> {row: [tok/s]}."""
+    """{dtype:label: median over rounds of row / row} for the PAIRED rows that ran; runs_of(dtype) -> {row: [tok/s]}."""
     out = {}
     for dtype in dtypes:
         runs = runs_of(dtype)
         for label, (num, den) in PAIRED.items():
-            out[f"{dtype}:{label}"] = statistics.median(a / b for a, b in zip(runs[num], runs[den]))
+            if num in runs and den in runs:
+                out[f"{dtype}:{label}"] = statistics.median(a / b for a, b in zip(runs[num], runs[den]))
     return out
 
 
@@ -281,7 +297,8 @@ def ratios(dtypes: list[str], tok_s) -> dict:
     for dtype in dtypes:
         r = tok_s(dtype)
         for label, (num, den) in PAIRED.items():
-            out[f"{dtype}:{label}"] = r[num] / r[den]
+            if num in r and den in r:
+                out[f"{dtype}:{label}"] = r[num] / r[den]
         if "peft_mixed8" in r:
             out[f"{dtype}:mixed8/peft_mixed8"] = r["mixed8"] / r["peft_mixed8"]
             out[f"{dtype}:base/hf_base"] = r["base"] / r["hf_base"]

@@ -87,15 +87,15 @@ class EngineConfig:
     """Seed for requests that bring none."""
     batch_invariant: bool = False
     """A request's tokens do not depend on its batch mates, in any dtype (as vLLM's VLLM_BATCH_INVARIANT):
-    every GEMM on a fixed row count, attention per sequence length, the per-token LoRA op (torch-gathered).
+    every GEMM on a fixed row count (the LoRA op's too: torch-fixed-rows), attention per sequence length.
     Without it, bf16 results can change in the last bits with the batch, and greedy tokens then diverge.
     Costs speed: see benchmarks/README.md."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.batch_invariant and self.lora_backend not in ("auto", "torch-gathered"):
-            raise ValueError(f"batch_invariant runs the LoRA op 'torch-gathered'; lora_backend={self.lora_backend!r} "
+        if self.batch_invariant and self.lora_backend not in ("auto", "torch-fixed-rows"):
+            raise ValueError(f"batch_invariant runs the LoRA op 'torch-fixed-rows'; lora_backend={self.lora_backend!r} "
                              "is not batch-invariant")
         if self.batch_invariant and self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"batch_invariant runs attention in torch; attention_backend={self.attention_backend!r} "

@@ -19,11 +19,11 @@ def load_script():
 def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, capsys):
     model = save_checkpoint(tiny_llama(), tmp_path / "model")
     load_script().main(["--model", model, "--dtypes", "float32", "--requests", "4", "--prompt-len", "6",
-                        "--new-tokens", "3", "--repeats", "2"])
+                        "--new-tokens", "3", "--repeats", "2", "--batch-invariant"])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     row = report["float32"]
-    labels = {"base", "single", "mixed8", "single_max32", "distinct32", "hf_base", "peft_mixed8"}
+    labels = {"base", "single", "mixed8", "mixed8_invariant", "single_max32", "distinct32", "hf_base", "peft_mixed8"}
     assert set(row["runs_tok_s"]) == labels
     for label in labels:
         runs = row["runs_tok_s"][label]
@@ -37,4 +37,5 @@ def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, caps
     runs = row["runs_tok_s"]  # rounded to 0.1 tok/s in the JSON: compare loosely
     paired = statistics.median(m / b for m, b in zip(runs["mixed8"], runs["base"]))
     assert abs(report["ratios_paired"]["float32:mixed8/base"] - paired) < 1e-2 * paired
-    assert set(report["ratios_paired"]) == {"float32:mixed8/base", "float32:distinct32/single(max_loras=32)"}
+    assert set(report["ratios_paired"]) == {"float32:mixed8/base", "float32:distinct32/single(max_loras=32)",
+                                            "float32:mixed8_invariant/mixed8"}

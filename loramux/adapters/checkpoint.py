@@ -141,9 +141,13 @@ def _check_size(file: str, max_bytes: int | None) -> int:
 
 def _read_safetensors(file: str, max_bytes: int | None) -> dict[str, torch.Tensor]:
     """The header is parsed here first: the safetensors library takes the last of two equal keys and reads
-    any length prefix; then the library reads the tensors (and checks offsets and sizes)."""
+    any length prefix; then the library reads the tensors (and checks offsets and sizes).
+
+    The file is read whole (its size is bounded above) and decoded with `safetensors.torch.load`: its
+    `load_file` / `safe_open(...).get_tensor` keep ~1.5 KB of Python objects alive per call in safetensors
+    0.8 (measured with tracemalloc: +3 MB over 2,000 loads), which adapter churn turns into a leak."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     size = _check_size(file, max_bytes)
     with open(file, "rb") as f:
@@ -152,15 +156,15 @@ def _read_safetensors(file: str, max_bytes: int | None) -> dict[str, torch.Tenso
         if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
             raise InvalidAdapterError(f"{file}: not a safetensors file (a {size}-byte file whose header length "
                                       f"field reads {length})")
-        raw = f.read(length)
+        data = prefix + f.read()
     try:
-        header = json.loads(raw, object_pairs_hook=_unique_keys)
+        header = json.loads(data[8:8 + length], object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidAdapterError(f"{file}: malformed safetensors header ({e})") from e
     if not isinstance(header, dict):
         raise InvalidAdapterError(f"{file}: malformed safetensors header (not a JSON object)")
     try:
-        return load_file(file, device="cpu")
+        return load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise InvalidAdapterError(f"{file}: unreadable safetensors file ({e})") from e
 
@@ -219,10 +223,18 @@ def build_adapter(
         raise InvalidAdapterError(f"adapter {name!r} uses unsupported PEFT features: " + "; ".join(problems))
     spec = AdapterSpec.from_dict(config)
     linear = all_linear if all_linear is not None else tuple({m.rsplit(".", 1)[-1] for m in module_shapes})
-    targeted = {m: ab for m, ab in pairs.items() if spec.targets(m, linear)}
+    targeted = {m: ab for m, ab in sorted(pairs.items()) if spec.targets(m, linear)}
     if not targeted:
         raise InvalidAdapterError(f"adapter {name!r} has no LoRA weights for the modules its config targets")
-    modules = {m: _module_lora(name, m, ab, spec, module_shapes, max_rank, dtype) for m, ab in targeted.items()}
+    modules, errors = {}, []
+    for module, ab in targeted.items():
+        try:
+            modules[module] = _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype)
+        except InvalidAdapterError as e:
+            errors.append(str(e))
+    if errors:
+        more = f" (and {len(errors) - 3} more modules)" if len(errors) > 3 else ""
+        raise InvalidAdapterError("; ".join(errors[:3]) + more)
     return AdapterWeights(name=name, spec=spec, modules=modules, path=path)
 
 

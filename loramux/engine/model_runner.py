@@ -49,7 +49,7 @@ class ModelRunner:
         self.model, self.config, self.device = loaded.model, config, device
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
-        lora_backend = "torch-gathered" if config.batch_invariant else config.lora_backend  # one op per token
+        lora_backend = "torch-fixed-rows" if config.batch_invariant else config.lora_backend
         self.manager = LoRAManager(self.model, config.lora, lora_backend, cache) if cache else None
         self.dtype = self.model.model.embed_tokens.weight.dtype
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too

@@ -16,7 +16,7 @@ import torch
 
 from loramux.ops import attention_cpu, lora_cpu, pointwise_cpu, pointwise_torch
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
-from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented
+from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
 
 AddLoRA = Callable[..., None]
@@ -24,6 +24,7 @@ AddLoRA = Callable[..., None]
 BACKENDS: dict[str, AddLoRA] = {
     "torch": add_lora_segmented,
     "torch-gathered": add_lora_gathered,
+    "torch-fixed-rows": add_lora_segmented_fixed_rows,  # batch-invariant (EngineConfig.batch_invariant)
     "cpu": lora_cpu.add_lora_cpu,
 }
 

@@ -52,3 +52,26 @@ def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices
         shrunk = x[start:end] @ lora_a[slot].t()  # [run, K * rank]
         for o0, o1, r0, r1 in slices:
             y[start:end, o0:o1].addmm_(shrunk[:, r0:r1], lora_b[slot, o0:o1].t())
+
+
+FIXED_ROWS = 32
+
+
+def _fixed_rows_mm(a: torch.Tensor, b: torch.Tensor, rows: int = FIXED_ROWS) -> torch.Tensor:
+    """a @ b with every GEMM on exactly `rows` rows of a (the last piece zero-padded): a row's result does not
+    depend on how many rows share the call (see layers.linear.FixedRowsLinear)."""
+    n = a.shape[0]
+    pad = -n % rows
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    return torch.cat([chunk @ b for chunk in a.split(rows)])[:n]
+
+
+def add_lora_segmented_fixed_rows(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
+    """add_lora_segmented with every GEMM on a fixed row count: batch-invariant (EngineConfig.batch_invariant),
+    and cheap in prefill (the gathered form copies every token's A and B)."""
+    slices = slices_of(output_slices, lora_a, lora_b)
+    for slot, start, end in mapping.segments:
+        shrunk = _fixed_rows_mm(x[start:end], lora_a[slot].t())  # [run, K * rank]
+        for o0, o1, r0, r1 in slices:
+            y[start:end, o0:o1] += _fixed_rows_mm(shrunk[:, r0:r1].contiguous(), lora_b[slot, o0:o1].t())

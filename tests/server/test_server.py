@@ -358,6 +358,8 @@ def test_hot_swaps_under_traffic_never_serve_a_mix(files, http, client, offline,
         for f in futures:
             f.result(timeout=120)
     assert len(results) >= 6 * 8
+    print(f"\nhot swap ({'in place' if inplace else 'unload + load'}): 18 swaps, {len(results)} answers, "
+          f"{sum(t is None for *_, t in results)} got 404")
     for name, prompt, text in results:
         if text is None:
             assert not inplace, f"{name} was unavailable during an in-place reload"
@@ -389,3 +391,4 @@ def test_the_hostile_adapter_corpus_gets_400s_and_changes_nothing(files, http, c
     after = [client.completions.create(model=m, prompt=p, max_tokens=10, temperature=0).choices[0].text
              for m in ("tiny", "s0", "s3") for p in prompts]
     assert after == before
+    print(f"\nhostile corpus over HTTP: {len(cases)} adapters and {len(BAD_NAMES) + 1} names refused; outputs unchanged")
