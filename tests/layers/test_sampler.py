@@ -54,3 +54,32 @@ def test_a_tiny_temperature_is_greedy():
     logits = torch.randn(1, 50)
     assert sample(logits.clone(), [SamplingRow(SamplingParams(temperature=1e-40), [], torch.Generator())]) == \
         [int(logits.argmax())]
+
+
+def test_any_sampling_fields_are_refused_or_sampled_without_an_exception():
+    """Fuzz: whatever numbers a client sends, SamplingParams refuses them (ValueError) or the sampler
+    returns a token (or None for a non-finite row) for every row — it never raises inside a step."""
+    import math
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2**70, 2**70),
+                        st.sampled_from([1e-40, 1e-5, 0.0, -0.0, 1e400, 2.0]))
+
+    @settings(max_examples=300, deadline=None)
+    @given(temperature=numbers, top_p=numbers, top_k=st.integers(-3, 100), presence=numbers, frequency=numbers,
+           seed=st.one_of(st.none(), st.integers(-2**64, 2**64)), logit_scale=st.sampled_from([1.0, 1e30, 1e-30]))
+    def check(temperature, top_p, top_k, presence, frequency, seed, logit_scale):
+        try:
+            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, presence_penalty=presence,
+                                    frequency_penalty=frequency, seed=seed)
+        except ValueError:
+            return
+        logits = torch.randn(2, 64) * logit_scale
+        generator = None if params.greedy else torch.Generator().manual_seed(0 if seed is None else seed % 2**64)
+        tokens = sample(logits, [SamplingRow(params, [1, 2, 2], generator), SamplingRow(params, [], generator)])
+        assert all(t is None or 0 <= t < 64 for t in tokens)
+        assert all(t is not None for t in tokens) or not all(math.isfinite(float(v)) for v in logits.flatten())
+
+    check()

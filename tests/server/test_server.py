@@ -392,3 +392,15 @@ def test_the_hostile_adapter_corpus_gets_400s_and_changes_nothing(files, http, c
              for m in ("tiny", "s0", "s3") for p in prompts]
     assert after == before
     print(f"\nhostile corpus over HTTP: {len(cases)} adapters and {len(BAD_NAMES) + 1} names refused; outputs unchanged")
+
+
+def test_pin_and_unpin_routes(files, http, client):
+    load = http.post("/v1/load_lora_adapter", json={"lora_name": "pinme", "lora_path": f"{files['allowed']}/new",
+                                                    "pinned": True})
+    assert load.status_code == 200
+    assert http.post("/v1/unpin_lora_adapter", json={"lora_name": "pinme"}).status_code == 200
+    assert http.post("/v1/pin_lora_adapter", json={"lora_name": "pinme"}).status_code == 200
+    missing = http.post("/v1/pin_lora_adapter", json={"lora_name": "ghost"})
+    assert missing.status_code == 404 and "ghost" in missing.json()["error"]["message"]
+    assert client.completions.create(model="pinme", prompt="p", max_tokens=4, temperature=0).choices[0].text is not None
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "pinme"}).status_code == 200  # a pin ends with it
