@@ -59,13 +59,41 @@ def serve(args) -> None:
         sys.exit(3)  # as uvicorn.run: the server never started (the engine failed, the port was taken, ...)
 
 
+# serve's flags for ServerConfig's limits: (flag, type, field, help); the default is the field's
+_SERVER_LIMITS = (
+    ("--max-body-bytes", int, "max_body_bytes", "larger request bodies get 413 (default: 1 MiB)"),
+    ("--max-pending-requests", int, "max_pending_requests", "engine requests in flight at most; past it, 429 with "
+                                                            "Retry-After"),
+    ("--max-pending-tokens", int, "max_pending_tokens", "prompt tokens + max_tokens in flight at most; past it, 429"),
+    ("--max-pending-per-client", int, "max_pending_per_client", "requests in flight per client (API key or "
+                                                                "address); 0 = no limit"),
+    ("--max-prompts-per-request", int, "max_prompts_per_request", "prompts x n in one HTTP request at most (400)"),
+    ("--shutdown-timeout", float, "shutdown_timeout", "on SIGTERM, seconds running requests get to finish before "
+                                                      "they end with an error"),
+    ("--engine-unresponsive-timeout", float, "engine_unresponsive_s", "seconds without an engine heartbeat before "
+                                                                      "/health answers 503"),
+    ("--engine-kill-timeout", float, "engine_kill_s", "seconds without an engine heartbeat before the frozen "
+                                                      "engine is killed and restarted"),
+)
+
+
 def _server_config(args) -> ServerConfig:
+    limits = {field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _SERVER_LIMITS}
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                        api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
-                        max_body_bytes=args.max_body_bytes, max_pending_requests=args.max_pending_requests,
-                        max_pending_tokens=args.max_pending_tokens, max_pending_per_client=args.max_pending_per_client,
-                        max_prompts_per_request=args.max_prompts_per_request, shutdown_timeout=args.shutdown_timeout,
-                        engine_unresponsive_s=args.engine_unresponsive_timeout, engine_kill_s=args.engine_kill_timeout)
+                        api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir), **limits)
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    _engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
+                   help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
+    p.add_argument("--served-model-name", default=None)
+    for flag, kind, field, help_text in _SERVER_LIMITS:
+        p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
+    p.add_argument("--log-level", default="info")
 
 
 def generate(args) -> None:
@@ -101,30 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="loramux", description="One base LLM, many LoRA adapters, one batch.")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
-                   help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-body-bytes", type=int, default=ServerConfig.max_body_bytes,
-                   help="larger request bodies get 413 (default: 1 MiB)")
-    p.add_argument("--max-pending-requests", type=int, default=ServerConfig.max_pending_requests,
-                   help="engine requests in flight at most; past it, 429 with Retry-After")
-    p.add_argument("--max-pending-tokens", type=int, default=ServerConfig.max_pending_tokens,
-                   help="prompt tokens + max_tokens in flight at most; past it, 429 with Retry-After")
-    p.add_argument("--max-pending-per-client", type=int, default=0,
-                   help="requests in flight per client (API key or address); 0 = no limit")
-    p.add_argument("--max-prompts-per-request", type=int, default=ServerConfig.max_prompts_per_request,
-                   help="prompts x n in one HTTP request at most (400 past it)")
-    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
-                   help="on SIGTERM, seconds running requests get to finish before they end with an error")
-    p.add_argument("--engine-unresponsive-timeout", type=float, default=ServerConfig.engine_unresponsive_s,
-                   help="seconds without an engine heartbeat before /health answers 503")
-    p.add_argument("--engine-kill-timeout", type=float, default=ServerConfig.engine_kill_s,
-                   help="seconds without an engine heartbeat before the frozen engine is killed and restarted")
-    p.add_argument("--log-level", default="info")
+    _serve_args(p)
     p.set_defaults(func=serve)
     g = commands.add_parser("generate", help="generate offline, once per --adapter")
     _engine_args(g)
