@@ -13,6 +13,8 @@ _PUBLIC = {
     "EngineConfig": "loramux.config",
     "LoRAConfig": "loramux.config",
     "LoRAManager": "loramux.adapters.manager",
+    "LoRAModel": "loramux.adapters.hf_model",
+    "StructuredOutputsParams": "loramux.sampling_params",
     "LoRAResult": "loramux.adapters.status",
     "LoRAStatus": "loramux.adapters.status",
     "RequestOutput": "loramux.engine.output",

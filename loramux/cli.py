@@ -19,13 +19,22 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="the engine's CPU threads (default: torch's, one per core or OMP_NUM_THREADS)")
+    parser.add_argument("--enable-chunked-prefill", action="store_true",
+                        help="mix decode rows and prompt chunks in every step (as vLLM): running requests keep "
+                             "streaming while long prompts start")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step at most (default 4096; with chunked prefill, e.g. 256)")
 
 
 def _engine_config(args) -> EngineConfig:
     lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_cpu_loras, args.max_loras),
                       max_lora_rank=args.max_lora_rank)
+    budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora,
-                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads, **budget)
 
 
 def serve(args) -> None:
@@ -79,8 +88,14 @@ _SERVER_LIMITS = (
 
 def _server_config(args) -> ServerConfig:
     limits = {field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _SERVER_LIMITS}
+    if args.tool_call_parser and not args.enable_auto_tool_choice:
+        sys.exit("--tool-call-parser is used by tool_choice \"auto\": add --enable-auto-tool-choice")
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    if args.enable_auto_tool_choice and parser is None:
+        sys.exit("--enable-auto-tool-choice needs --tool-call-parser (one of: hermes)")
     return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                        api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir), **limits)
+                        api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
+                        tool_call_parser=parser, **limits)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +106,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
                    help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls from the model\'s text (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                   help="the tool-call format the model writes: hermes = <tool_call>{json}</tool_call> (Hermes, Qwen, "
+                        "SmolLM3)")
     for flag, kind, field, help_text in _SERVER_LIMITS:
         p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
     p.add_argument("--log-level", default="info")

@@ -74,7 +74,16 @@ class EngineConfig:
     max_model_len: int | None = None
     """Prompt + generated tokens per request at most; None = the model's limit, capped at 4096."""
     max_num_batched_tokens: int = 4096
-    """Prompt tokens in one prefill step at most (raised to max_model_len if lower)."""
+    """Prompt tokens in one prefill step at most (raised to max_model_len if lower). With chunked prefill:
+    the tokens of one step, decode rows and prompt chunks together (not raised)."""
+    num_threads: int | None = None
+    """CPU threads for torch and the C++ kernels (torch.set_num_threads at start); None = torch's default
+    (one per core, or OMP_NUM_THREADS). Served on a small machine, leaving a core to the HTTP process can
+    help: an oversubscribed OpenMP region stalls every kernel of a step."""
+    enable_chunked_prefill: bool = False
+    """As vLLM's: a step runs every decoding request plus prompt chunks up to max_num_batched_tokens, so a
+    long prompt no longer stalls running requests for a whole prefill (a request's decode steps stay short
+    while others start)."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None
@@ -97,11 +106,16 @@ class EngineConfig:
         if self.batch_invariant and self.lora_backend not in ("auto", "torch-fixed-rows"):
             raise ValueError(f"batch_invariant runs the LoRA op 'torch-fixed-rows'; lora_backend={self.lora_backend!r} "
                              "is not batch-invariant")
+        if self.batch_invariant and self.enable_chunked_prefill:
+            raise ValueError("batch_invariant prefills each sequence whole; it cannot be combined with "
+                             "enable_chunked_prefill")
         if self.batch_invariant and self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"batch_invariant runs attention in torch; attention_backend={self.attention_backend!r} "
                              "is not batch-invariant")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_wait_steps"):
             _check_positive(name, getattr(self, name))
+        if self.num_threads is not None:
+            _check_positive("num_threads", self.num_threads)
         if self.max_model_len is not None:
             _check_positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory is not None:
@@ -144,6 +158,9 @@ class ServerConfig:
     """No engine heartbeat for this long: /health answers 503."""
     engine_kill_s: float = 30.0
     """No engine heartbeat for this long: the engine is frozen; it is killed and restarted."""
+    tool_call_parser: str | None = None
+    """How tool calls are read from a model's text for tool_choice "auto" (server.tools.TOOL_CALL_PARSERS);
+    None: "auto" is refused ("required" and named functions work without one)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_adapter_dirs", tuple(self.allowed_adapter_dirs))
@@ -159,3 +176,5 @@ class ServerConfig:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.engine_kill_s <= self.engine_unresponsive_s:
             raise ValueError("engine_kill_s must be longer than engine_unresponsive_s")
+        if self.tool_call_parser not in (None, "hermes"):  # server.tools.TOOL_CALL_PARSERS (config has no imports)
+            raise ValueError(f"tool_call_parser must be one of: hermes; got {self.tool_call_parser!r}")

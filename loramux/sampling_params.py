@@ -5,11 +5,14 @@ build them), so that nothing a user sends can fail inside an engine step: a step
 """
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM and torch take it
 _SEED_RULE = f"must be an integer in [{SEED_MIN}, {SEED_MAX}]"
+MAX_LOGPROBS = 20
+"""The most top alternatives a request may ask for per token (OpenAI's top_logprobs limit; vLLM's max_logprobs)."""
 GREEDY_BELOW = 1e-5
 """A temperature below this decodes greedily (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives inf
 and NaN probabilities."""
@@ -29,8 +32,57 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+_LOGPROBS_RULE = f"must be null or an integer in [0, {MAX_LOGPROBS}]"
+
+
+def _optional_count(value) -> bool:
+    return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
+
+
+def _int_keys(mapping: dict) -> dict:
+    out = {}
+    for key, value in mapping.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        out[key] = value
+    return out
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's StructuredOutputsParams): exactly one of these. Enforced by a
+    grammar engine (llguidance) token by token, on this request's row only."""
+
+    json: str | None = None
+    """A JSON schema (as JSON text): the output is a JSON value that satisfies it."""
+    regex: str | None = None
+    """The output matches this regular expression (Rust regex syntax)."""
+    choice: tuple[str, ...] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar, Lark (llguidance's syntax) or GBNF (llama.cpp's)."""
+    json_object: bool = False
+    """The output is some JSON object (OpenAI's response_format json_object)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        set_ = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        set_ += ["json_object"] if self.json_object else []
+        if len(set_) != 1:
+            raise ValueError(f"structured outputs need exactly one of json, regex, choice, grammar or json_object; "
+                             f"got {', '.join(set_) or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"structured outputs {name} must be a string")
+        if self.choice is not None and not (self.choice and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
 
 
 @dataclass(frozen=True)
@@ -55,13 +107,36 @@ class SamplingParams:
     """Subtracted from the logit of every token already generated (OpenAI semantics, -2..2)."""
     frequency_penalty: float = 0.0
     """Subtracted once per earlier occurrence of a generated token (OpenAI semantics, -2..2)."""
+    repetition_penalty: float = 1.0
+    """HF/vLLM semantics over prompt and generated tokens: a positive logit is divided by it, a negative one
+    multiplied (1 = off; > 1 discourages repeats)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p x the most likely token's (after temperature; 0 = off)."""
+    min_tokens: int = 0
+    """EOS and stop tokens are blocked, and stop strings not looked for, until this many tokens are out."""
+    logit_bias: dict[int, float] | None = None
+    """OpenAI's: token id -> a bias in [-100, 100] added to its logit (every step, greedy included)."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's: words never generated (each as tokenized alone and after a space; the last token of a word
+    is blocked once the ones before it are out)."""
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    """Return each generated token's log-probability and this many top alternatives (0 = the token's alone).
+    Raw: from the logits the request's own adapter produced, before penalties, temperature, top-k/top-p or
+    a grammar change them (vLLM's logprobs_mode "raw_logprobs")."""
+    prompt_logprobs: int | None = None
+    """The same for every prompt token after the first (each one's log-probability given the tokens before it)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (checked when the engine compiles it)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words or ()))
+        if isinstance(self.logit_bias, dict):  # JSON keys are strings ("50256": -100), as OpenAI sends them
+            object.__setattr__(self, "logit_bias", _int_keys(self.logit_bias))
         for name, ok, rule in self._checks():
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
@@ -78,7 +153,23 @@ class SamplingParams:
              "must be in [-2, 2]"),
             ("frequency_penalty", _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              "must be in [-2, 2]"),
+            ("logprobs", _optional_count(self.logprobs), _LOGPROBS_RULE),
+            ("prompt_logprobs", _optional_count(self.prompt_logprobs), _LOGPROBS_RULE),
+            ("repetition_penalty", _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+             "must be in (0, 10]"),
+            ("min_p", _is_number(self.min_p) and 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             "must be an integer in [0, max_tokens]"),
+            ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
+             "must map token ids (integers >= 0) to numbers in [-100, 100]"),
+            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words), "must be non-blank strings"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("structured_outputs", self.structured_outputs is None or isinstance(self.structured_outputs,
+                                                                                 StructuredOutputsParams),
+             "must be a StructuredOutputsParams"),
+            ("min_tokens", not (self.min_tokens and self.structured_outputs),
+             "cannot be used with structured outputs (the grammar decides where the output ends)"),
             ("stop_token_ids", all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
              "must be non-negative integers"),
         ]

@@ -56,11 +56,18 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", run)
     main(["serve", "--port", "8123", "--max-body-bytes", "2048", "--api-key", "k", "--max-loras", "2",
           "--max-pending-requests", "9", "--max-pending-tokens", "999", "--max-pending-per-client", "3",
-          "--max-prompts-per-request", "5", "--shutdown-timeout", "7"])
+          "--max-prompts-per-request", "5", "--shutdown-timeout", "7", "--num-threads", "1",
+          "--enable-chunked-prefill", "--max-num-batched-tokens", "96", "--enable-auto-tool-choice",
+          "--tool-call-parser", "hermes"])
     assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2 and seen["grace"] == 12
+    engine = seen["engine"]
+    assert (engine.num_threads, engine.enable_chunked_prefill, engine.max_num_batched_tokens) == (1, True, 96)
+    assert seen["server"].tool_call_parser == "hermes"
     server = seen["server"]
     assert server.max_body_bytes == 2048 and server.api_key == "k" and server.shutdown_timeout == 7
     assert (server.max_pending_requests, server.max_pending_tokens, server.max_pending_per_client,
             server.max_prompts_per_request) == (9, 999, 3, 5)
     with pytest.raises(ValueError, match="max_body_bytes"):
         main(["serve", "--max-body-bytes", "0"])
+    with pytest.raises(SystemExit, match="--enable-auto-tool-choice"):
+        main(["serve", "--tool-call-parser", "hermes"])

@@ -22,7 +22,7 @@ from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
 from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
-from loramux.ops import RowSlots, UniformSlot, select_backend, wants_grouped_tokens
+from loramux.ops import select_backend, wants_grouped_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +67,6 @@ class LoRAManager:
         self._wrap_targets()
         self._weights: dict[str, AdapterWeights] = {}  # host tier
         self._sources: dict[str, _Source] = {}  # disk tier: name -> where to read it again
-        self._uniform: dict[int, UniformSlot] = {}
-        self.active_adapter_name: str | None = None
         self.waiting_keys: Callable[[], set[str]] = set  # see retire()
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
@@ -216,12 +214,9 @@ class LoRAManager:
         key = self.cache.current(name)
         if key is None:
             return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
-        held_by_switch = key == self.active_adapter_name
-        if self.cache.refs(key) > held_by_switch:  # before any change: a refused unload changes nothing
-            return LoRAResult(LoRAStatus.UNLOAD_IN_USE,
-                              f"adapter {name!r} is used by {self.cache.refs(key) - held_by_switch} running request(s)")
-        if held_by_switch:
-            self.reset()
+        if self.cache.refs(key):  # before any change: a refused unload changes nothing
+            return LoRAResult(LoRAStatus.UNLOAD_IN_USE, f"adapter {name!r} is used by {self.cache.refs(key)} running "
+                                                        "request(s)")
         self._apply(self.cache.remove(key))
         self._sources.pop(key, None)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
@@ -331,26 +326,12 @@ class LoRAManager:
         """The module names an adapter can carry weights for (PEFT naming, sub-modules of packed layers)."""
         return list(self._bindings)
 
-    def has_weight_for(self, binding: str) -> bool:
-        """Whether the adapter selected with switch() has weights for `binding`."""
-        if self.active_adapter_name is None:
-            return False
-        self._ensure_in_host(self.active_adapter_name)
-        return binding in self._weights[self.active_adapter_name].modules  # active_adapter_name holds a key
+    def modules_of(self, key: str) -> set[str]:
+        """The module names adapter version `key` has weights for (read back into host memory if evicted)."""
+        self._ensure_in_host(key)
+        return set(self._weights[key].modules)
 
     # ---- forward-pass mappings ---------------------------------------------------------------------
-    @contextlib.contextmanager
-    def batch(self, adapters: Sequence[str | None]) -> Iterator[None]:
-        """Within the block, row i of the model's input uses adapters[i] (None = base model)."""
-        distinct = [a for a in dict.fromkeys(adapters) if a is not None]
-        if len(distinct) > self.config.max_loras:
-            raise CacheFullError(f"a batch names {len(distinct)} adapters, above max_loras={self.config.max_loras}")
-        keys = {name: self.key_of(name) for name in distinct}
-        with self.using(list(keys.values())):
-            slots = {name: self.activate_key(key) for name, key in keys.items()}
-            with self.mapping(RowSlots([slots[a] if a is not None else -1 for a in adapters], self._device)):
-                yield
-
     @contextlib.contextmanager
     def using(self, keys: Sequence[str]) -> Iterator[None]:
         """Hold in-flight references: none of these adapter versions is evicted or unloaded in the block."""
@@ -366,35 +347,12 @@ class LoRAManager:
 
     @contextlib.contextmanager
     def mapping(self, mapping) -> Iterator[None]:
-        """Set the LoRA mapping every layer reads (an ops.LoRAMapping, RowSlots or UniformSlot)."""
+        """Set the LoRA mapping every layer reads (an ops.LoRAMapping; LoRAModel's RowSlots or UniformSlot)."""
         previous, self.context.mapping = self.context.mapping, mapping
         try:
             yield
         finally:
             self.context.mapping = previous
-
-    def switch(self, name: str | None) -> None:
-        """Single-adapter mode: every row uses `name` until reset(). O(1) when it already has a slot."""
-        if name is None:
-            return self.reset()
-        key = self.key_of(name)
-        if key != self.active_adapter_name:
-            self.cache.acquire(key)  # held while selected, so its slot is never reused under it
-            self.reset()
-            self.active_adapter_name = key
-        try:
-            slot = self.activate_key(key)
-        except Exception:
-            self.reset()
-            raise
-        self.context.mapping = self._uniform.setdefault(slot, UniformSlot(slot, self._device))
-
-    def reset(self) -> None:
-        """Back to the base model for every row."""
-        if self.active_adapter_name is not None:
-            self.cache.release(self.active_adapter_name)
-            self.active_adapter_name = None
-        self.context.mapping = None
 
     @property
     def _device(self) -> torch.device:

@@ -11,7 +11,7 @@ from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True, min_tokens: int = 0):
         self.backend = tokenizer.backend  # a loramux.tokenizer.Tokenizer's tokenizers.Tokenizer
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
@@ -19,6 +19,8 @@ class Detokenizer:
         self.decoded = ""  # all text so far
         self.text = ""  # released so far (a prefix of `decoded`, cut at a stop string)
         self.stopped = False  # a stop string was found: the text is final
+        self.min_tokens, self.num_tokens = min_tokens, 0  # stop strings count from min_tokens on (as vLLM)
+        self._stop_from = 0  # a stop string must end after this position of `decoded`
 
     def update(self, new_token_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add this step's tokens; returns (newly released text, hit a stop string). After a stop string
@@ -26,10 +28,13 @@ class Detokenizer:
         if self.stopped:  # tokens the engine made before it heard of the stop
             return "", False
         for token_id in new_token_ids:
+            if self.num_tokens == self.min_tokens - 1:  # the min_tokens-th token: stops may end in its text on
+                self._stop_from = len(self.decoded)
+            self.num_tokens += 1
             piece = self.stream.step(self.backend, token_id)
             if piece:
                 self.decoded += piece
-        stop_at = self._find_stop()
+        stop_at = self._find_stop() if self.num_tokens >= self.min_tokens else None  # (held back all the same)
         if stop_at is not None:
             self.decoded, final, self.stopped = self.decoded[:stop_at], True, True
         end = len(self.decoded) if final else len(self.decoded) - self._holdback()
@@ -38,9 +43,15 @@ class Detokenizer:
         return delta, stop_at is not None
 
     def _find_stop(self) -> int | None:
-        # Only text not yet released can hold a new stop string (plus the overlap at its start).
-        start = max(0, len(self.text) - self._longest_stop + 1)
-        hits = [i for i in (self.decoded.find(s, start) for s in self.stop) if i >= 0]
+        """The first stop string in the text not yet released (released text never ends with the start of
+        one: it is held back) that ends in the text of the min_tokens-th token or later (as vLLM)."""
+        hits = []
+        for stop in self.stop:
+            i = self.decoded.find(stop, len(self.text))
+            while i >= 0 and i + len(stop) <= self._stop_from:
+                i = self.decoded.find(stop, i + 1)
+            if i >= 0:
+                hits.append(i)
         return min(hits) if hits else None
 
     def _holdback(self) -> int:

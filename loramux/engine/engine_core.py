@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import logging
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -22,8 +24,9 @@ from loramux.adapters.cache import AdapterCache, name_of
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.grammar import GrammarCompiler
 from loramux.engine.input_processor import EngineLimits
-from loramux.engine.model_runner import ModelRunner
+from loramux.engine.model_runner import ModelRunner, Sampled
 from loramux.engine.output import CoreOutput
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
@@ -31,6 +34,7 @@ from loramux.models.loader import load_model
 from loramux.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+GRAMMAR_WAIT_S = 0.05  # an idle step waits this long at most for a grammar being compiled
 NON_FINITE = ("the model produced NaN or Inf logits for this request (check its adapter's weights and "
               "scaling); it was stopped")
 
@@ -43,22 +47,27 @@ def resolve_device(name: str) -> torch.device:
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
         self.config = replace(config, max_model_len=loaded.max_model_len)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         lora = self.config.lora
         self.cache = AdapterCache(lora.max_loras, lora.max_cpu_loras) if lora else None
-        self.runner = ModelRunner(loaded, self.config, self.device, self.cache)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(loaded, self.config, self.device, self.cache, frozenset(self.eos_token_ids))
         self.manager = self.runner.manager
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.config, self.block_manager, self.cache)
         if self.manager is not None:
             self.manager.waiting_keys = self.scheduler.waiting_keys  # replaced versions preempted requests resume on
-        self.eos_token_ids = self._eos_token_ids()
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
         self._seqs: dict[str, Sequence] = {}
+        self.grammars = GrammarCompiler(self.hf_tokenizer.backend_tokenizer, self.limits.vocab_size,
+                                        sorted(self.eos_token_ids))
+        self._compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests whose grammar is not ready
         self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
 
     def _eos_token_ids(self) -> set[int]:
@@ -78,18 +87,32 @@ class EngineCore:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, adapter, request_id)
-        self.scheduler.add(seq)
+        seq.bad_words_ids = self._bad_words_ids(params.bad_words)
+        if params.structured_outputs is not None:  # queued once its grammar is compiled (off this thread)
+            self._compiling[request_id] = (seq, self.grammars.submit(params.structured_outputs))
+        else:
+            self.scheduler.add(seq)
         self._seqs[request_id] = seq
+
+    def _bad_words_ids(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Each bad word as it tokenizes alone and after a space (as vLLM does), without duplicates."""
+        encode = self.hf_tokenizer.backend_tokenizer.encode
+        ids = {tuple(encode(text, add_special_tokens=False).ids) for w in words for text in (w, " " + w.lstrip())}
+        return sorted(i for i in ids if i)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is; False if it is not here (finished already, or never added)."""
         seq = self.scheduler.abort(request_id)
+        if seq is None and request_id in self._compiling:
+            seq, future = self._compiling.pop(request_id)
+            future.cancel()
+            seq.finish_reason = "abort"
         if seq is not None:
             self._forget(seq)
         return seq is not None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._compiling)
 
     def sequence(self, request_id: str) -> Sequence | None:
         return self._seqs.get(request_id)
@@ -97,15 +120,46 @@ class EngineCore:
     # ---- the step loop ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """One scheduler step: an output for every request that progressed or finished."""
+        outputs = self._queue_compiled()
         batch = self.scheduler.schedule()
-        outputs = [self._ended(s, "abort", f"adapter {s.adapter!r} was unloaded before the request started")
-                   for s in batch.failed]
+        outputs += [self._ended(s, "abort", f"adapter {s.adapter!r} was unloaded before the request started")
+                    for s in batch.failed]
+        spans = dict(zip(map(id, batch.seqs), batch.spans)) if batch.spans is not None else None
         seqs, slots = self._activate(batch.seqs, outputs)
         if seqs:
-            for seq, token in zip(seqs, self._run(seqs, slots, batch.is_prefill)):
-                outputs.append(self._append(seq, token) if isinstance(token, int) else self._fail(seq, token))
+            seq_spans = [spans[id(s)] for s in seqs] if spans is not None else None
+            for seq, result in zip(seqs, self._run(seqs, slots, batch.is_prefill, seq_spans)):
+                if isinstance(result, str):
+                    outputs.append(self._fail(seq, result))
+                    continue
+                seq.num_computed_tokens = spans[id(seq)][1] if spans is not None else len(seq)
+                if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
+                    outputs.append(self._append(seq, result))
         if self.manager is not None:
             self.manager.retire()  # replaced adapter versions nothing uses now
+        return outputs
+
+    def _queue_compiled(self) -> list[CoreOutput]:
+        """Queue the structured requests whose grammar is ready (in arrival order); fail those whose grammar
+        is invalid. With nothing else to run, wait a little for one (the step loop must not spin)."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished:
+            futures.wait([f for _, f in self._compiling.values()], GRAMMAR_WAIT_S, futures.FIRST_COMPLETED)
+        outputs = []
+        for request_id, (seq, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            try:
+                seq.grammar = future.result()
+                self.scheduler.add(seq)  # ValueError: its adapter was unloaded while the grammar compiled
+            except Exception as e:
+                gone = isinstance(e, ValueError) and seq.grammar is not None
+                seq.finish_reason = "abort" if gone else "error"
+                error = f"adapter {seq.adapter!r} was unloaded before the request started" if gone else str(e)
+                outputs.append(CoreOutput(request_id, [], seq.finish_reason, error, status=0 if gone else 400))
+                self._forget(seq)
         return outputs
 
     def _activate(self, seqs: list[Sequence], outputs: list[CoreOutput]) -> tuple[list[Sequence], list[int]]:
@@ -123,31 +177,37 @@ class EngineCore:
         runnable = [s for s in seqs if s.adapter_key in slots]
         return runnable, [slots[s.adapter_key] for s in runnable]
 
-    def _run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool) -> list[int | str]:
-        """Each sequence's next token, or the error that fails it. A step that raises is run again one
+    def _run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
+             spans: list[tuple[int, int]] | None) -> list[Sampled | None | str]:
+        """Each sequence's result, or the error that fails it. A step that raises is run again one
         sequence at a time (each one's step is independent of its batch mates: rerunning rewrites the same
         K/V), so that only a request that causes the error fails; sampling never raises."""
         try:
-            tokens = self.runner.run(seqs, slots, is_prefill)
+            results = self.runner.run(seqs, slots, is_prefill, spans)
         except Exception as e:
             if len(seqs) > 1:
                 logger.warning("a step of %d requests failed (%s); running them one by one", len(seqs), e)
-                return [t for seq, slot in zip(seqs, slots) for t in self._run([seq], [slot], is_prefill)]
+                return [t for i, (seq, slot) in enumerate(zip(seqs, slots))
+                        for t in self._run([seq], [slot], is_prefill, None if spans is None else [spans[i]])]
             logger.exception("request %s failed in a step", seqs[0].request_id)
             return [f"the engine failed on this request: {type(e).__name__}: {e}"]
-        return [NON_FINITE if t is None else t for t in tokens]
+        return [r if r is None else r.error or (NON_FINITE if r.token is None else r) for r in results]
 
-    def _append(self, seq: Sequence, token: int) -> CoreOutput:
+    def _append(self, seq: Sequence, result: Sampled) -> CoreOutput:
+        token = result.token
         seq.append_token(token)
         params = seq.params
-        by_token = token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos)
+        # a grammar only lets EOS through once it is complete: then the request ends, even with ignore_eos
+        eos = token in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None)
+        by_token = token in params.stop_token_ids or eos
         reason = "stop" if by_token else None
         if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq) >= self.limits.max_model_len):
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget(seq)
-        return CoreOutput(seq.request_id, [token], reason)
+        return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
+                          prompt_logprobs=result.prompt_logprobs)
 
     def _ended(self, seq: Sequence, reason: str, error: str) -> CoreOutput:
         """The output of a request the scheduler has already finished."""

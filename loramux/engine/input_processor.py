@@ -6,9 +6,11 @@ behind it only asserts what it was promised.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loramux.engine import grammar
 from loramux.sampling_params import SamplingParams
 from loramux.tokenizer import CHAT_ROLES, Tokenizer
 
@@ -42,13 +44,15 @@ class InputProcessor:
             raise ValueError("the prompt is empty")
         return ids
 
-    def chat_ids(self, messages: Sequence, add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of a conversation through the model's chat template (messages checked first)."""
+    def chat_ids(self, messages: Sequence, add_generation_prompt: bool = True, tools: list | None = None) -> list[int]:
+        """The token ids of a conversation through the model's chat template (messages checked first); tools
+        (OpenAI's function specs) are the template's `tools` variable."""
         conversation = [_message(m, i) for i, m in enumerate(_list(messages, "messages"))]
         if not conversation:
             raise ValueError("messages must hold at least one message")
         try:
-            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt)
+            extra = {"tools": tools} if tools else {}
+            return self.tokenizer.apply_chat_template(conversation, add_generation_prompt, **extra)
         except (TypeError, ValueError, LookupError) as e:
             raise ValueError(f"the chat template could not render these messages: {e}") from e
         except Exception as e:  # jinja2's TemplateError (raise_exception in a template), sandbox errors, ...
@@ -68,6 +72,18 @@ class InputProcessor:
                              "in the completion).")
         # Nothing else to check: the engine sizes its prefill budget and its KV cache for one max_model_len
         # request, so whatever passes here fits an otherwise empty engine.
+
+    # ---- what SamplingParams cannot check alone -------------------------------------------------------
+    def check_params(self, params: SamplingParams) -> None:
+        """logit_bias and stop token ids inside the vocabulary; a structured output's schema, regex or grammar valid
+        (ValueError naming the problem)."""
+        vocab = self.limits.vocab_size
+        if params.logit_bias and not all(k < vocab for k in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        if not all(t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if params.structured_outputs is not None:
+            grammar.check(params.structured_outputs)
 
     def max_tokens_left(self, prompt_len: int) -> int:
         """max_tokens when a chat request gives none: up to the model's length."""
@@ -97,11 +113,28 @@ def _message(message, index: int) -> dict:
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-    if "content" not in message:
+    if "content" not in message and not (role == "assistant" and message.get("tool_calls")):
         raise ValueError(f"{where} has no 'content'")
     normalized = dict(message)
-    normalized["content"] = _content(message["content"], where, role)
+    normalized["content"] = _content(message.get("content"), where, role)
+    if message.get("tool_calls"):
+        normalized["tool_calls"] = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(message["tool_calls"])]
     return normalized
+
+
+def _tool_call(call, where: str) -> dict:
+    """OpenAI sends a call's arguments as JSON text; chat templates expect them as an object (they write it
+    with tojson), as vLLM passes them."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where} must be {{'type': 'function', 'function': {{'name': ..., 'arguments': ...}}}}")
+    arguments = fn.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}.function.arguments is not valid JSON: {e}") from e
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _content(content, where: str, role: str) -> str | None:

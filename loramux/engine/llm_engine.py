@@ -15,7 +15,7 @@ from loramux.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.engine_core import EngineCore, resolve_device
 from loramux.engine.input_processor import InputProcessor
-from loramux.engine.output import CoreOutput, RequestOutput
+from loramux.engine.output import CoreOutput, Logprobs, RequestOutput
 from loramux.sampling_params import SamplingParams
 from loramux.tokenizer import Tokenizer
 
@@ -27,6 +27,13 @@ class _Request:
     adapter: str | None
     detokenizer: Detokenizer
     token_ids: list[int] = field(default_factory=list)
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+
+def _copy(logprobs: Logprobs | None) -> Logprobs | None:
+    """An output's own copy: the request's record keeps growing after the output is handed out."""
+    return None if logprobs is None else logprobs.slice(0)
 
 
 class LLMEngine:
@@ -62,11 +69,12 @@ class LLMEngine:
             raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {loaded or 'none'}")
         token_ids = self.inputs.prompt_ids(prompt)
         self.inputs.check_length(len(token_ids), params, strict=False)
+        self.inputs.check_params(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.core.add_request(request_id, token_ids, params, adapter)
-        detokenizer = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        detokenizer = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         self._requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, token_ids, adapter,
                                               detokenizer)
         return request_id
@@ -92,6 +100,11 @@ class LLMEngine:
     def _process(self, out: CoreOutput) -> RequestOutput:
         request = self._requests[out.request_id]
         request.token_ids += out.new_token_ids
+        if out.logprobs is not None:
+            request.logprobs = request.logprobs or Logprobs()
+            request.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            request.prompt_logprobs = out.prompt_logprobs
         reason = out.finish_reason
         # a stop token ends the text before it: it is kept in token_ids, left out of the text
         text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
@@ -103,7 +116,7 @@ class LLMEngine:
             del self._requests[out.request_id]
         return RequestOutput(out.request_id, request.prompt, request.prompt_token_ids, request.detokenizer.text,
                              list(request.token_ids), request.adapter, reason, delta, list(out.new_token_ids),
-                             out.error)
+                             out.error, _copy(request.logprobs), request.prompt_logprobs)
 
     # ---- offline helpers -----------------------------------------------------------------------------
     def stream(self, prompts: Seq, params: Seq[SamplingParams], adapters: Seq[str | None]) -> Iterator[RequestOutput]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -16,13 +17,25 @@ from loramux.config import EngineConfig
 from loramux.engine.sequence import Sequence
 from loramux.layers.attention import AttentionMetadata
 from loramux.layers.linear import can_prepack, fix_linear_rows, prepack_linears
-from loramux.layers.sampler import SamplingRow, sample
+from loramux.engine.output import Logprobs
+from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_logprobs
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
 from loramux.ops import LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend
 from loramux.ops.attention_torch import decode_attention_by_length
 
 INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
+PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs: logits for this many positions at a time ([512, vocab] float32)
+
+
+class Sampled(NamedTuple):
+    """One sequence's result of a step: its next token (None: its logits were not finite) and, when its
+    request asked, that token's logprobs and (in its first prefill) its prompt's."""
+
+    token: int | None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    error: str | None = None  # the request cannot go on (its grammar refused the token)
 
 
 def available_memory(device: torch.device) -> int:
@@ -45,8 +58,10 @@ def batch_order(row_slots: list[int], grouped: bool) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, cache: AdapterCache | None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, cache: AdapterCache | None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.model, self.config, self.device = loaded.model, config, device
+        self.eos_token_ids = eos_token_ids  # blocked before a request's min_tokens
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
         lora_backend = "torch-fixed-rows" if config.batch_invariant else config.lora_backend
@@ -89,21 +104,82 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool) -> list[int | None]:
+    def run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
+            spans: list[tuple[int, int]] | None = None) -> list[Sampled | None]:
         """Run one step over `seqs`, slots[i] being seqs[i]'s adapter slot (-1 = base; activated by the
-        engine); returns their next tokens in order (None where a row's logits were not finite)."""
+        engine); returns their results in order. spans (chunked prefill): the positions [start, end) each
+        sequence computes; one whose span ends before its last token samples nothing (None)."""
         grouped = self.manager is not None and self.manager.wants_grouped_tokens
         order = batch_order(slots, grouped)
+        if spans is not None:  # decode rows first: the paged decode op takes them as one block
+            order = sorted(order, key=lambda i: spans[i][1] - spans[i][0] > 1)
         ordered, ordered_slots = [seqs[i] for i in order], [slots[i] for i in order]
-        prepare = self._prepare_prefill if is_prefill else self._prepare_decode
-        input_ids, positions, meta, token_counts, last_indices = prepare(ordered)
+        if spans is not None:
+            ordered_spans = [spans[i] for i in order]
+            input_ids, positions, meta, token_counts, offsets = self._prepare_mixed(ordered, ordered_spans)
+        else:
+            ordered_spans = [(0, len(s)) if is_prefill else (len(s) - 1, len(s)) for s in ordered]
+            prepare = self._prepare_prefill if is_prefill else self._prepare_decode
+            input_ids, positions, meta, token_counts, offsets = prepare(ordered)
         hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
-        logits = self.model.compute_logits(hidden[last_indices])
-        tokens = sample(logits, [self._sampling_row(s) for s in ordered], self.argmax)
-        result: list[int | None] = [0] * len(seqs)
-        for i, token in zip(order, tokens):
-            result[i] = token
+        prompt = self._prompt_logprobs(ordered, ordered_spans, hidden, offsets)
+        done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s)]
+        sampled = self._sample([ordered[i] for i in done], hidden[[offsets[i + 1] - 1 for i in done]])
+        # Nothing raised: commit. (Sampling advanced generators and grammars, so it comes last: a step that
+        # raises is rerun per sequence and must not have changed any sequence's state.)
+        for i, parts in prompt.items():
+            ordered[i].prompt_logprobs = parts
+        result: list[Sampled | None] = [None] * len(seqs)
+        for i, out in zip(done, sampled):  # the prompt's logprobs go out with the chunk that completes it
+            result[order[i]] = out._replace(prompt_logprobs=prompt.get(i))
         return result
+
+    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[Sampled]:
+        """hidden: [len(seqs), hidden], each sequence's last position -> its next token (and logprobs); then
+        each grammar consumes its token."""
+        if not seqs:
+            return []
+        logits = self.model.compute_logits(hidden)
+        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw = torch.log_softmax(logits[asking], -1) if asking else None  # before sampling changes the logits
+        tokens = sample(logits, [self._sampling_row(s, logits.shape[1]) for s in seqs], self.argmax)
+        logprobs = dict.fromkeys(range(len(seqs)))
+        for row, i in enumerate(asking):
+            if tokens[i] is not None:
+                logprobs[i] = token_logprobs(raw[row:row + 1], [tokens[i]], seqs[i].params.logprobs)
+        errors = [self._advance_grammar(s, t) for s, t in zip(seqs, tokens)]
+        return [Sampled(t, logprobs[i], None, e) for i, (t, e) in enumerate(zip(tokens, errors))]
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int | None) -> str | None:
+        """Feed a constrained sequence's grammar its new token; the error that ends the request, if any."""
+        if seq.grammar is None or token is None:
+            return None
+        if not seq.grammar.consume_token(token):
+            return f"the structured output's grammar failed: {seq.grammar.get_error()}"
+        return None
+
+    def _prompt_logprobs(self, seqs: list[Sequence], spans: list[tuple[int, int]], hidden: torch.Tensor,
+                         offsets: list[int]) -> dict[int, Logprobs]:
+        """For the sequences in their first prefill whose requests ask: the logprobs of prompt tokens 1..n-1,
+        each from the hidden state of the position before it (sequence i's rows: offsets[i]:offsets[i+1], its
+        positions spans[i]). A chunked prefill's pieces gather on the sequence; the whole comes out with the
+        chunk that completes the prompt (run() stores them on the sequence once the step succeeded). A resumed
+        sequence (after preemption) is not scored again. Returns {i: the prompt's logprobs so far}."""
+        out = {}
+        for i, (seq, (start, end)) in enumerate(zip(seqs, spans)):
+            k = seq.params.prompt_logprobs
+            if k is None or seq.num_output_tokens:
+                continue
+            last = min(end, seq.num_prompt_tokens - 1)  # positions start..last-1 predict prompt tokens
+            parts = seq.prompt_logprobs.slice(0) if start else Logprobs()  # a copy: committed by run()
+            for a in range(start, last, PROMPT_LOGPROBS_ROWS):
+                b = min(a + PROMPT_LOGPROBS_ROWS, last)
+                rows = hidden[offsets[i] + a - start: offsets[i] + b - start]
+                parts.extend(token_logprobs(torch.log_softmax(self.model.compute_logits(rows), -1),
+                                            seq.token_ids[a + 1:b + 1], k))
+            out[i] = parts
+        return out
 
     def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
         if self.manager is None or all(s < 0 for s in slots):
@@ -126,27 +202,49 @@ class ModelRunner:
             offsets.append(offsets[-1] + n)
         input_ids = self._tensor([t for s in seqs for t in s.token_ids])
         positions = self._tensor([p for n in lengths for p in range(n)])
-        slot_mapping = self._tensor([i for s, n in zip(seqs, lengths) for i in self._cache_index(s, range(n))])
+        cache_rows = self._tensor([i for s, n in zip(seqs, lengths) for i in self._cache_index(s, range(n))])
         # Padded positions repeat the sequence's last token: causal attention never lets a real query see them.
         pad = [[o + min(p, n - 1) for p in range(max_len)] for o, n in zip(offsets, lengths)]
         unpad = [b * max_len + p for b, n in enumerate(lengths) for p in range(n)]
-        meta = AttentionMetadata(True, slot_mapping, pad_index=self._tensor(pad), unpad_index=self._tensor(unpad),
+        meta = AttentionMetadata(True, cache_rows, pad_index=self._tensor(pad), unpad_index=self._tensor(unpad),
                                  seq_offsets=offsets)
-        return input_ids, positions, meta, lengths, self._tensor([o - 1 for o in offsets[1:]])
+        return input_ids, positions, meta, lengths, offsets
 
     def _prepare_decode(self, seqs: list[Sequence]):
         lengths = [len(s) for s in seqs]
         max_blocks = max(len(s.block_table) for s in seqs)
         input_ids = self._tensor([s.last_token_id for s in seqs])
         positions = self._tensor([n - 1 for n in lengths])
-        slot_mapping = self._tensor([self._cache_index(s, range(n - 1, n))[0] for s, n in zip(seqs, lengths)])
+        cache_rows = self._tensor([self._cache_index(s, range(n - 1, n))[0] for s, n in zip(seqs, lengths)])
         tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-        meta = AttentionMetadata(False, slot_mapping, block_tables=tables, context_lens=positions + 1,
+        meta = AttentionMetadata(False, cache_rows, block_tables=tables, context_lens=positions + 1,
                                  block_size=self.block_size)
-        return input_ids, positions, meta, [1] * len(seqs), torch.arange(len(seqs), device=self.device)
+        return input_ids, positions, meta, [1] * len(seqs), list(range(len(seqs) + 1))
+
+    def _prepare_mixed(self, seqs: list[Sequence], spans: list[tuple[int, int]]):
+        """Chunked prefill: decode rows (spans of one token, first) then prompt chunks; each chunk attends to
+        its sequence's cached positions [0, start) and to itself (AttentionMetadata.chunks)."""
+        lengths = [end - start for start, end in spans]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        num_decode = sum(n == 1 for n in lengths)  # run() put them first
+        input_ids = self._tensor([t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]])
+        positions = self._tensor([p for a, b in spans for p in range(a, b)])
+        cache_rows = self._tensor([i for s, (a, b) in zip(seqs, spans) for i in self._cache_index(s, range(a, b))])
+        decode = seqs[:num_decode]
+        meta = AttentionMetadata(False, cache_rows, block_size=self.block_size, num_decode=num_decode,
+                                 chunks=[(offsets[i], a, b) for i, (a, b) in enumerate(spans) if i >= num_decode],
+                                 chunk_cache_index=[self._tensor(self._cache_index(s, range(b)))
+                                                    for s, (a, b) in zip(seqs[num_decode:], spans[num_decode:])])
+        if decode:
+            max_blocks = max(len(s.block_table) for s in decode)
+            meta.block_tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode])
+            meta.context_lens = self._tensor([b for _, b in spans[:num_decode]])
+        return input_ids, positions, meta, lengths, offsets
 
     # ---- sampling state ------------------------------------------------------------------------------
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, vocab_size: int) -> SamplingRow:
         params = seq.params
         if params.greedy:
             generator = None
@@ -157,7 +255,21 @@ class ModelRunner:
             if generator is None:
                 seed = params.seed % 2**64  # torch takes [-2**63, 2**64); one signed range maps onto it 1:1
                 generator = self._generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(seed)
-        return SamplingRow(params, seq.output_token_ids, generator)
+        allowed = None if seq.grammar is None else allowed_tokens(seq.grammar.compute_bitmask(), vocab_size)
+        prompt = seq.token_ids[:seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
+        return SamplingRow(params, seq.output_token_ids, generator, allowed, self._blocked(seq), prompt)
+
+    def _blocked(self, seq: Sequence) -> list[int]:
+        """Tokens the sequence may not take next: EOS and stop tokens before min_tokens, and the last token of
+        any bad word whose other tokens were just generated."""
+        params, out = seq.params, seq.output_token_ids
+        vocab = self.model.config.vocab_size  # ids past it cannot be sampled anyway (and would not index)
+        early = len(out) < params.min_tokens
+        blocked = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < vocab] if early else []
+        for word in seq.bad_words_ids:
+            if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1:] == list(word[:-1])):
+                blocked.append(word[-1])
+        return blocked
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished: drop its sampling state."""

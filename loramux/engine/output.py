@@ -12,6 +12,28 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 abort: cancelled (client gone, adapter unloaded, shutdown); error: the request failed (its message says why)."""
 
 
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities at a run of positions, one column per field (position i = index i of each list):
+    the token at that position, its logprob and rank (1 = the most likely), and the top alternatives
+    (ids and logprobs, most likely first; as many as the request asked for)."""
+
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    ranks: list[int] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: Logprobs) -> None:
+        for name in self.__struct_fields__:
+            getattr(self, name).extend(getattr(other, name))
+
+    def slice(self, start: int, stop: int | None = None) -> Logprobs:
+        return Logprobs(*(getattr(self, name)[start:stop] for name in self.__struct_fields__))
+
+
 class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     """One request's progress in one engine step: only the new tokens (deltas), never the totals.
 
@@ -23,6 +45,8 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     finish_reason: str | None = None
     error: str | None = None
     status: int = 0  # for a request refused when added: the HTTP status to answer with (400, 404)
+    logprobs: Logprobs | None = None  # of new_token_ids, when the request asked for them
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1, once, in the request's first output
 
     @property
     def finished(self) -> bool:
@@ -41,6 +65,8 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # why an aborted or failed request ended
+    logprobs: Logprobs | None = None  # of token_ids so far (SamplingParams.logprobs set)
+    prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1 (SamplingParams.prompt_logprobs set)
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,9 @@
 """Scheduler: continuous batching that keeps every step within the device's adapter slots. No torch.
 
 Each step is all-prefill or all-decode, as in nano-vllm: admit waiting requests if any fit, else decode
-every running one. On top of that, the adapter rule: the adapters of running requests plus the pinned
+every running one. With chunked prefill (EngineConfig.enable_chunked_prefill, as vLLM's) a step is mixed
+instead: every decoding request, then chunks of the prompts being prefilled (oldest first), then newly
+admitted ones, up to max_num_batched_tokens; each sequence's `span` says which of its tokens run. On top of that, the adapter rule: the adapters of running requests plus the pinned
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
 each adapter there needs its own device slot. A request whose adapter has no slot is skipped, not
 blocking, until it has been passed over max_wait_steps times; then it goes first (age bound).
@@ -31,6 +33,9 @@ class ScheduledBatch:
     """Moved back to the waiting queue during this schedule() call; their K/V is recomputed later."""
     failed: list[Sequence]
     """Finished with finish_reason "abort": their adapter was unloaded while they waited."""
+    spans: list[tuple[int, int]] | None = None
+    """Chunked prefill: per sequence, the token positions [start, end) this step computes (a decode row:
+    (len - 1, len)); it samples a token only where end == len(seq). None: whole prefills or decodes."""
 
 
 class _Verdict(enum.Enum):
@@ -45,6 +50,7 @@ class _Pass:
 
     needed: set[str]  # adapters that must hold a slot: running (incl. admitted this pass) and pinned
     num_tokens: int = 0
+    budget: int | None = None  # chunked prefill: the step's tokens left when the pass began
     admitted: list[Sequence] = field(default_factory=list)
     skipped: list[Sequence] = field(default_factory=list)
 
@@ -64,8 +70,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.adapters = adapters
         self.max_num_seqs = config.max_num_seqs
-        # A prompt of max_model_len tokens must fit one prefill step, or it could never run.
-        self.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_model_len or 0)
+        self.chunked = config.enable_chunked_prefill
+        # Unchunked, a prompt of max_model_len tokens must fit one prefill step, or it could never run.
+        self.max_num_batched_tokens = (config.max_num_batched_tokens if self.chunked else
+                                       max(config.max_num_batched_tokens, config.max_model_len or 0))
         self.max_model_len = config.max_model_len
         self.max_loras = config.max_loras
         self.max_wait_steps = config.max_wait_steps
@@ -132,15 +140,37 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """The next step: a prefill of newly admitted requests if any fit, else a decode of all running."""
         failed = self._fail_unloaded()
+        if self.chunked:
+            return self._schedule_chunked(failed)
         admitted = self._admit()
         if admitted:
             return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=[], failed=failed)
-        seqs, preempted = self._schedule_decode()
+        seqs, preempted = self._schedule_running()
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed)
 
-    def _admit(self) -> list[Sequence]:
-        """Scan the waiting queue in FIFO order; starving requests, if any, must go first."""
+    def _schedule_chunked(self, failed: list[Sequence]) -> ScheduledBatch:
+        """Decodes first (all of them, one token each), then prompt chunks of running requests in admission
+        order, then new admissions, within max_num_batched_tokens."""
+        seqs, preempted = self._schedule_running()
+        spans, budget = [], self.max_num_batched_tokens
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            end = len(seq) if not seq.is_prefilling else start + max(0, min(len(seq) - start, budget))
+            spans.append((start, end))
+            budget -= end - start
+        keep = [i for i, (start, end) in enumerate(spans) if end > start]  # prefills the budget did not reach wait
+        seqs, spans = [seqs[i] for i in keep], [spans[i] for i in keep]
+        for seq in self._admit(budget=budget):
+            spans.append((0, min(len(seq), budget)))
+            budget -= spans[-1][1]
+            seqs.append(seq)
+        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed, spans=spans)
+
+    def _admit(self, budget: int | None = None) -> list[Sequence]:
+        """Scan the waiting queue in FIFO order; starving requests, if any, must go first. budget (chunked
+        prefill): tokens left in this step; an admitted request needs one of them, not its whole prompt."""
         step = _Pass(needed=self.running_adapters() | self._pinned())
+        step.budget = budget
         while (head := self._head_of_line()) is not None:
             if self._try_admit(head, step) is not _Verdict.ADMITTED:
                 # Hold everything else back so running requests drain and free a slot for its adapter.
@@ -171,14 +201,16 @@ class Scheduler:
             step.needed.add(key)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        step.num_tokens += len(seq)
+        step.num_tokens += len(seq) if step.budget is None else min(len(seq), step.budget - step.num_tokens)
         step.admitted.append(seq)
         return _Verdict.ADMITTED
 
     def _has_room(self, seq: Sequence, step: _Pass) -> bool:
-        return (len(self.running) < self.max_num_seqs
-                and step.num_tokens + len(seq) <= self.max_num_batched_tokens
-                and self.block_manager.can_allocate(seq))
+        if step.budget is not None:  # chunked: any token left starts its prompt
+            tokens_fit = step.num_tokens < step.budget
+        else:
+            tokens_fit = step.num_tokens + len(seq) <= self.max_num_batched_tokens
+        return len(self.running) < self.max_num_seqs and tokens_fit and self.block_manager.can_allocate(seq)
 
     def _slot_fits(self, adapter: str, needed: set[str]) -> bool:
         return adapter in needed or len(needed) + 1 <= self.max_loras
@@ -193,13 +225,17 @@ class Scheduler:
                      if s.waited_steps >= self.max_wait_steps
                      and (s.adapter is None or self._slot_fits(self._key(s), pinned))), None)
 
-    def _schedule_decode(self) -> tuple[list[Sequence], list[Sequence]]:
-        """Every running request decodes one token; the newest give up their blocks when memory runs out."""
+    def _schedule_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Every running request, in admission order; a decoding one gets a block for its next token, and
+        when memory runs out the newest give up theirs. (A prefilling one, chunked, holds its blocks.)"""
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
         queue = deque(self.running)  # admission order: oldest first, so victims come off the back
         while queue:
             seq = queue.popleft()
+            if seq.is_prefilling:
+                scheduled.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
@@ -216,6 +252,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway
         self.waiting.appendleft(seq)
@@ -263,7 +300,8 @@ class Scheduler:
         final_len = seq.num_prompt_tokens + seq.params.max_tokens
         max_len = min(final_len, self.max_model_len or final_len) - 1
         max_blocks = -(-max_len // self.block_manager.block_size)
-        if max_len > self.max_num_batched_tokens or max_blocks > self.block_manager.num_blocks:
+        too_long = max_len > self.max_num_batched_tokens and not self.chunked  # chunks fit any step
+        if too_long or max_blocks > self.block_manager.num_blocks:
             raise ValueError(
                 f"request {seq.request_id!r} needs room for {max_len} tokens ({len(seq)} prompt + max_tokens "
                 f"{seq.params.max_tokens} - 1); limits: {self.max_num_batched_tokens} tokens per prefill, "

@@ -30,10 +30,14 @@ class Sequence:
         self.adapter_key: str | None = None  # the adapter version it runs on, fixed when it is first admitted
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache (0 again after a preemption)
         self.finish_reason: str | None = None
         self.arrival_time = time.monotonic()
         self.waited_steps = 0  # scheduler steps spent waiting while others were admitted (age bound)
         self.num_preemptions = 0
+        self.bad_words_ids: list[tuple[int, ...]] = []  # SamplingParams.bad_words as token ids (set by the engine)
+        self.prompt_logprobs = None  # a chunked prefill's prompt logprobs so far (engine.output.Logprobs)
+        self.grammar = None  # structured outputs: its llguidance matcher (engine.grammar), fed every token it samples
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -49,6 +53,11 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token still lacks K/V: the next step runs (a chunk of) a prefill."""
+        return self.num_computed_tokens < len(self.token_ids) - 1
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,8 @@
 The cache of one layer is flat: k_cache / v_cache [num_blocks * block_size, kv_heads, head_dim]; a
 token's K/V live at index block_table[pos // block_size] * block_size + pos % block_size.
 Prefill steps hold only new sequences (recompute preemption, no prefix cache), so they attend within
-their own tokens: padded to [batch, max_len] and run causally. Decode steps call a paged
+their own tokens: padded to [batch, max_len] and run causally. Chunked prefill mixes decode rows and
+prompt chunks in one step; a chunk after a sequence's first reads its earlier keys from the cache. Decode steps call a paged
 decode-attention op, and every step a KV-store op (ops.select_attention_backend and
 select_kv_store_backend, chosen once by the model runner).
 """
@@ -23,13 +24,20 @@ _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 @dataclass
 class AttentionMetadata:
     is_prefill: bool
-    slot_mapping: torch.Tensor  # [num_tokens] cache index where each new token's K/V is written
+    cache_rows: torch.Tensor  # [num_tokens] cache index where each new token's K/V is written
     pad_index: torch.Tensor | None = None  # prefill: [batch, max_len] token index per padded position
     unpad_index: torch.Tensor | None = None  # prefill: [num_tokens] position in the flattened padding
     seq_offsets: list[int] | None = None  # prefill: [batch + 1] where each sequence's tokens start (and end)
     block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks] block ids (padding: block 0)
     context_lens: torch.Tensor | None = None  # decode: [batch] keys per sequence, this token's included
     block_size: int = 16
+    # chunked prefill (a mixed step): the first num_decode tokens are decode rows (block_tables and
+    # context_lens describe them); then prompt chunks, each (token offset, start, end): its query rows are
+    # tokens offset .. offset + end - start, at positions start..end-1, and it attends to its sequence's
+    # positions 0..end-1, read from the cache at chunk_cache_index.
+    num_decode: int = 0
+    chunks: list[tuple[int, int, int]] | None = None
+    chunk_cache_index: list[torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -46,10 +54,26 @@ class Attention(nn.Module):
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] -> [num_tokens, heads * head_dim]."""
         if self.k_cache is not None:
-            self.store_op(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+            self.store_op(self.k_cache, self.v_cache, k, v, meta.cache_rows)
+        if meta.chunks is not None:
+            return self._mixed(q, meta)
         if meta.is_prefill:
             return self.prefill(q, k, v, meta)
         return self._decode(q, meta)
+
+    def _mixed(self, q, meta: AttentionMetadata) -> torch.Tensor:
+        """A chunked-prefill step: decode rows through the decode op, each chunk through SDPA over its
+        sequence's cached keys (this chunk's were just stored) with a causal mask shifted by its start."""
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if meta.num_decode:
+            out[:meta.num_decode] = self._decode(q[:meta.num_decode], meta)
+        for (offset, start, end), index in zip(meta.chunks, meta.chunk_cache_index):
+            n = end - start
+            k, v = (c[index].transpose(0, 1).unsqueeze(0) for c in (self.k_cache, self.v_cache))  # [1, kv, end, d]
+            query = q[offset:offset + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+            out[offset:offset + n] = self._sdpa(query, k, v, mask)[0].transpose(0, 1).reshape(n, -1)
+        return out
 
     def prefill_padded(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """All sequences in one call: [batch, heads, max_len, head_dim]; padded query rows are computed and then
@@ -65,12 +89,15 @@ class Attention(nn.Module):
                 for s, e in zip(offsets, offsets[1:])]  # each [1, heads, len, head_dim]
         return torch.cat([o[0].transpose(0, 1) for o in outs]).reshape(-1, self.num_heads * self.head_dim)
 
-    def _sdpa(self, q, k, v) -> torch.Tensor:
+    def _sdpa(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal, or with `mask` ([q_len, k_len] bool, True = attend) when queries start after keys do."""
+        causal = mask is None
         if _HAS_GQA:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                  enable_gqa=True)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
     def _decode(self, q, meta: AttentionMetadata) -> torch.Tensor:
         out = self.decode_op(q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, meta.block_size,

@@ -5,11 +5,13 @@ tokens do not depend on which requests share its batch.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from loramux.engine.output import Logprobs
 from loramux.ops import pointwise_torch
 from loramux.sampling_params import SamplingParams
 
@@ -19,17 +21,49 @@ class SamplingRow:
     params: SamplingParams
     output_token_ids: list[int]
     generator: torch.Generator | None  # None: greedy, or the engine's shared generator
+    allowed: torch.Tensor | None = None  # structured outputs: [vocab] bool, the tokens its grammar allows now
+    blocked: list[int] = field(default_factory=list)  # tokens it may not take now (min_tokens, bad_words)
+    prompt_token_ids: list[int] = field(default_factory=list)  # for repetition_penalty
+
+
+def allowed_tokens(bitmask: bytes, vocab_size: int) -> torch.Tensor:
+    """A grammar engine's bitmask (bit j of byte i = token 8i + j may come next) -> [vocab_size] bool."""
+    packed = torch.frombuffer(bytearray(bitmask), dtype=torch.uint8)
+    bits = (packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.flatten()[:vocab_size].bool()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """OpenAI semantics over generated tokens: logit -= frequency * count + presence * (count > 0)."""
+    """In vLLM's order: HF's repetition penalty over prompt and generated tokens (a positive logit divided by
+    it, a negative one multiplied), then OpenAI's over generated tokens: logit -= frequency * count +
+    presence * (count > 0)."""
     for i, row in enumerate(rows):
         p = row.params
-        if not (p.presence_penalty or p.frequency_penalty) or not row.output_token_ids:
-            continue
-        ids = torch.tensor(row.output_token_ids, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
-        logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)), dtype=torch.long,
+                               device=logits.device)
+            seen = logits[i, ids]
+            logits[i, ids] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_token_ids:
+            ids = torch.tensor(row.output_token_ids, device=logits.device)
+            counts = torch.bincount(ids, minlength=logits.shape[1]).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+
+
+def apply_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Blocked tokens and those a grammar does not allow set to -inf (in place)."""
+    for i, row in enumerate(rows):
+        if row.blocked:
+            logits[i, torch.tensor(row.blocked, dtype=torch.long, device=logits.device)] = float("-inf")
+        if row.allowed is not None:
+            logits[i].masked_fill_(~row.allowed.to(logits.device), float("-inf"))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -41,6 +75,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        drop[0] = False  # and always the most likely one: with a tiny top_p, rounding could drop them all
         logits = logits.masked_fill(torch.empty_like(drop).scatter_(0, order, drop), float("-inf"))
     return logits
 
@@ -48,11 +83,15 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax) -> list[int | None]:
     """logits: [batch, vocab] float32 -> one token id per row. `argmax`: a pointwise backend's (greedy rows).
+    Order, as vLLM's: logit bias, penalties, blocked tokens and the grammar's mask, then (sampled rows)
+    temperature, min_p, top-k, top-p. The logits are changed in place.
 
     None for a row whose logits are not all finite (NaN or Inf, from its adapter or its inputs): no token
     can be trusted there, and that request fails alone; the other rows are sampled as usual."""
-    apply_penalties(logits, rows)
     finite = torch.isfinite(logits.sum(-1)).tolist()  # one pass over [batch, vocab]; inf - inf gives NaN
+    apply_logit_bias(logits, rows)  # finite values (SamplingParams) keep finite logits finite
+    apply_penalties(logits, rows)
+    apply_masks(logits, rows)  # after the check: a mask's -inf is not a broken row
     tokens: list[int | None] = argmax(logits).tolist()
     for i, row in enumerate(rows):
         if not finite[i]:
@@ -64,9 +103,26 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
 
 def _draw(logits: torch.Tensor, row: SamplingRow) -> int | None:
     p = row.params
-    filtered = filter_top_k_top_p(logits / p.temperature, p.top_k, p.top_p)
+    scaled = logits / p.temperature
+    if p.min_p > 0:  # keep tokens with probability >= min_p x the top one's: logit >= top + log(min_p)
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
+    filtered = filter_top_k_top_p(scaled, p.top_k, p.top_p)
     probs = filtered.softmax(-1).cpu()  # generators live on the CPU, whatever the device
     try:
         return int(torch.multinomial(probs, 1, generator=row.generator).item())
     except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
         return None
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], k: int) -> Logprobs:
+    """logprobs: [n, vocab] log-softmaxed float32; token_ids: the n tokens to score -> their logprobs, ranks
+    (1 + how many tokens are strictly more likely) and the k most likely tokens of each row."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    chosen = logprobs.gather(1, ids[:, None])
+    ranks = (logprobs > chosen).sum(-1) + 1
+    if k:
+        top = logprobs.topk(k, -1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in token_ids]
+    return Logprobs(list(token_ids), chosen.squeeze(1).tolist(), ranks.tolist(), top_ids, top_values)

@@ -21,7 +21,7 @@ def decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens, block_
                                                             int(block_size), float(scale))
 
 
-def store_kv_cpu(k_cache, v_cache, k, v, slot_mapping) -> None:
+def store_kv_cpu(k_cache, v_cache, k, v, cache_rows) -> None:
     if k.stride(-1) != 1 or v.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return store_kv_torch(k_cache, v_cache, k, v, slot_mapping)
-    load_extension("attention_cpu").store_kv(k_cache, v_cache, k, v, slot_mapping)
+        return store_kv_torch(k_cache, v_cache, k, v, cache_rows)
+    load_extension("attention_cpu").store_kv(k_cache, v_cache, k, v, cache_rows)

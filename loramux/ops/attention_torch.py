@@ -11,9 +11,9 @@ Every decode-attention op has the signature
   out:          [batch, heads, head_dim]; GQA: head h uses kv head h // (heads // kv_heads)
 
 Every KV-store op has the signature
-    store(k_cache, v_cache, k, v, slot_mapping) -> None, in place
+    store(k_cache, v_cache, k, v, cache_rows) -> None, in place
   k, v:         [num_tokens, kv_heads, head_dim] the new tokens' keys and values (any strides)
-  slot_mapping: [num_tokens] int64, the cache row of each token: k_cache[slot_mapping[t]] = k[t], same for v
+  cache_rows: [num_tokens] int64, the cache row of each token: k_cache[cache_rows[t]] = k[t], same for v
 """
 from __future__ import annotations
 
@@ -47,6 +47,6 @@ def decode_attention_by_length(q, k_cache, v_cache, block_tables, context_lens, 
     return out
 
 
-def store_kv_torch(k_cache, v_cache, k, v, slot_mapping) -> None:
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+def store_kv_torch(k_cache, v_cache, k, v, cache_rows) -> None:
+    k_cache.index_copy_(0, cache_rows, k)
+    v_cache.index_copy_(0, cache_rows, v)

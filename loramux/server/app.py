@@ -22,10 +22,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
+from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.frontend import Frontend, HTTPError, ShuttingDown
+from loramux.engine.output import Logprobs
 from loramux.server.generation import Choice, new_choices, run_choices
+from loramux.server.logprobs import merge_completion
 
 VERSION = "0.1.0"
 logger = logging.getLogger("loramux.server")
@@ -87,6 +90,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     _add_middleware(app, server)
     _add_error_handlers(app)
     _add_generation_routes(app, server)
+    _add_model_routes(app, server)
     _add_admin_routes(app, server)
     return app
 
@@ -149,22 +153,26 @@ def _add_generation_routes(app: FastAPI, server: Frontend) -> None:
     @app.post("/v1/completions")
     async def completions(request: p.CompletionRequest, raw: Request):
         requests = await server.engine_requests(request, chat=False)
-        rid = p.new_id("cmpl")
+        chunks = CompletionChunks(request, p.new_id("cmpl"), server)
         if request.stream:
-            return await _sse(server, raw, requests, CompletionChunks(request, rid))
-        choices = await server.complete(requests, raw)
-        body = [p.completion_choice(c.index, c.text, c.finish_reason) for c in choices]
-        return p.completion_response(rid, request.model, body, *_usage(choices, request.n))
+            return await _sse(server, raw, requests, chunks)
+        choices = await server.complete(requests, raw, discard=chunks.discard)
+        body = [chunks.choice(c) for c in choices]
+        return p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
         requests = await server.engine_requests(request, chat=True)
-        rid = p.new_id("chatcmpl")
+        chunks = ChatChunks(request, p.new_id("chatcmpl"), server)
         if request.stream:
-            return await _sse(server, raw, requests, ChatChunks(request, rid, len(requests)))
+            return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw)
-        body = [p.chat_choice(c.index, c.text, c.finish_reason) for c in choices]
-        return p.chat_response(rid, request.model, body, *_usage(choices, request.n))
+        body = [chunks.choice(c) for c in choices]
+        response = p.chat_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+        if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+            response["prompt_logprobs"] = server.logprobs.vllm_prompt(choices[0].prompt_logprobs or Logprobs(),
+                                                                      request.skip_special_tokens)
+        return response
 
 
 def _usage(choices: list[Choice], n: int) -> tuple[int, int]:
@@ -173,12 +181,14 @@ def _usage(choices: list[Choice], n: int) -> tuple[int, int]:
 
 
 class _Chunks:
-    """How one endpoint writes its stream: a first event, one per (choice, delta), and a usage event."""
+    """How one endpoint writes its answer: a stream's first events, one per (choice, delta), a usage event."""
 
-    def __init__(self, request, rid: str):
-        self.request, self.rid = request, rid
+    discard = False
 
-    def start(self) -> list[dict]:
+    def __init__(self, request, rid: str, server: Frontend):
+        self.request, self.rid, self.formatter = request, rid, server.logprobs
+
+    def start(self, choices: list[Choice]) -> list[dict]:
         return []
 
     def usage(self, choices: list[Choice]) -> dict | None:
@@ -188,31 +198,103 @@ class _Chunks:
 
 
 class CompletionChunks(_Chunks):
+    """/v1/completions: echo puts the prompt (text and, with logprobs, its logprobs) before the completion;
+    echo with max_tokens 0 returns the prompt alone (the engine's one token is discarded)."""
+
+    def __init__(self, request: p.CompletionRequest, rid: str, server: Frontend):
+        super().__init__(request, rid, server)
+        self.prompts, self.tokenizer = request.prompts(), server.tokenizer
+        self.discard = request.echo and request.max_tokens == 0
+        self._offsets: dict[int, int] = {}  # streaming: choice -> text offset of its next token (after its first event)
+
     def chunk_head(self) -> dict:
         return {"id": self.rid, "object": "text_completion", "model": self.request.model}
 
+    def prompt_text(self, choice: Choice) -> str:
+        prompt = self.prompts[choice.index // self.request.n]
+        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt, skip_special_tokens=False)
+
+    def choice(self, c: Choice) -> dict:
+        """A whole (non-streamed) choice."""
+        prompt = self.prompt_text(c) if self.request.echo else ""
+        return p.completion_choice(c.index, prompt + c.text, c.finish_reason, self._logprobs(c, True, c.logprobs, 0),
+                                   self._prompt_logprobs(c))
+
     def delta(self, choice: Choice, text: str) -> list[dict]:
-        if not text and choice.finish_reason is None:
+        """A stream's event: the first one of a choice carries the echoed prompt and the prompt's logprobs."""
+        new, first = choice.unsent_logprobs(), choice.index not in self._offsets
+        if not (text or first or new is not None or choice.finish_reason is not None):
             return []
-        return [p.completion_chunk(self.rid, self.request.model, p.completion_choice(choice.index, text, choice.finish_reason))]
+        prompt = self.prompt_text(choice) if self.request.echo and first else ""
+        logprobs = self._logprobs(choice, first, new, self._offsets.get(choice.index, 0))
+        if logprobs is not None and logprobs["tokens"]:  # the next event's tokens start where these end
+            self._offsets[choice.index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        else:
+            self._offsets.setdefault(choice.index, 0)
+        body = p.completion_choice(choice.index, prompt + text, choice.finish_reason, logprobs,
+                                   self._prompt_logprobs(choice) if first else None)
+        return [p.completion_chunk(self.rid, self.request.model, body)]
+
+    def _logprobs(self, c: Choice, with_prompt: bool, lp: Logprobs | None, offset: int) -> dict | None:
+        """The legacy logprobs of `lp`'s tokens, after the prompt's when echoed (with_prompt). Offsets count
+        the tokens' own texts from `offset`."""
+        if self.request.logprobs is None:
+            return None
+        skip = self.request.skip_special_tokens
+        parts = []
+        if with_prompt and self.request.echo:
+            first_token = c.request.prompt_token_ids[0]
+            parts.append(self.formatter.completion(c.prompt_logprobs or Logprobs(), offset, skip, first_token))
+            offset = parts[0]["text_offset"][-1] + len(parts[0]["tokens"][-1])
+        parts.append(self.formatter.completion(lp or Logprobs(), offset, skip))
+        return merge_completion(parts)
+
+    def _prompt_logprobs(self, c: Choice) -> list | None:
+        if self.request.prompt_logprobs is None:
+            return None
+        return self.formatter.vllm_prompt(c.prompt_logprobs or Logprobs(), self.request.skip_special_tokens)
 
 
 class ChatChunks(_Chunks):
-    def __init__(self, request, rid: str, num_choices: int):
-        super().__init__(request, rid)
-        self.num_choices = num_choices
+    """/v1/chat/completions: with tools, a choice's text is parsed into tool calls (server.tools); streamed,
+    the calls come in one delta at the end of the choice, after its content."""
+
+    def __init__(self, request: p.ChatCompletionRequest, rid: str, server: Frontend):
+        super().__init__(request, rid, server)
+        self.mode = request.tool_mode
+        self._tools: dict[int, tools.ToolStream] = {}
 
     def chunk_head(self) -> dict:
         return {"id": self.rid, "object": "chat.completion.chunk", "model": self.request.model}
 
-    def start(self) -> list[dict]:
-        return [p.chat_chunk(self.rid, self.request.model, i, {"role": "assistant", "content": ""}, None)
-                for i in range(self.num_choices)]
+    def logprobs(self, lp: Logprobs | None) -> list | None:
+        if not self.request.logprobs:
+            return None
+        return self.formatter.chat(lp or Logprobs(), self.request.skip_special_tokens)
+
+    def choice(self, c: Choice) -> dict:
+        """A whole (non-streamed) choice."""
+        content, calls = tools.parse(self.mode, c.text, self.request.tool_choice) if self.mode != "none" else (c.text, [])
+        return p.chat_choice(c.index, content, tools.finish_reason(self.mode, calls, c.finish_reason),
+                             self.logprobs(c.logprobs), calls)
+
+    def start(self, choices: list[Choice]) -> list[dict]:
+        return [p.chat_chunk(self.rid, self.request.model, c.index, {"role": "assistant", "content": ""}, None)
+                for c in choices]
 
     def delta(self, choice: Choice, text: str) -> list[dict]:
-        events = [p.chat_chunk(self.rid, self.request.model, choice.index, {"content": text}, None)] if text else []
+        stream = self._tools.setdefault(choice.index, tools.ToolStream(self.mode, self.request.tool_choice))
+        content = stream.feed(text) + (stream.finish() if choice.finish_reason is not None else "")
+        new, events = choice.unsent_logprobs(), []
+        if content or new is not None:
+            events.append(p.chat_chunk(self.rid, self.request.model, choice.index, {"content": content}, None,
+                                       self.logprobs(new) if new is not None else None))
+        if stream.calls:
+            calls = [{"index": i, **call} for i, call in enumerate(stream.calls)]
+            events.append(p.chat_chunk(self.rid, self.request.model, choice.index, {"tool_calls": calls}, None))
         if choice.finish_reason is not None:
-            events.append(p.chat_chunk(self.rid, self.request.model, choice.index, {}, choice.finish_reason))
+            reason = tools.finish_reason(self.mode, stream.calls, choice.finish_reason)
+            events.append(p.chat_chunk(self.rid, self.request.model, choice.index, {}, reason))
         return events
 
 
@@ -226,13 +308,13 @@ async def _sse(server: Frontend, raw: Request, requests, chunks: _Chunks) -> Str
     except BaseException:
         server.admission.release(ticket)
         raise
-    choices = new_choices(requests, server.tokenizer)
+    choices = new_choices(requests, server.tokenizer, chunks.discard)
     timers = server.timers(choices)
 
     async def body() -> AsyncIterator[str]:
         error = None
         try:
-            for event in chunks.start():
+            for event in chunks.start(choices):
                 yield _event(event)
             async for choice, text in run_choices(stream, choices, server.admission.generated):
                 timers[choice.index].update(choice)
@@ -272,14 +354,37 @@ def _choice_error(choices: list[Choice]) -> dict | None:
                         else "server_error")
 
 
-# ---- admin --------------------------------------------------------------------------------------------
-def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
+# ---- models and tokens ----------------------------------------------------------------------------------
+def _add_model_routes(app: FastAPI, server: Frontend) -> None:
+    """/v1/models (one or all), and vLLM's /tokenize and /detokenize."""
     @app.get("/v1/models")
     async def models():
         cards = [p.model_card(server.model_name, server.model_root, None, server.max_model_len)]
         cards += [p.model_card(name, source.path, server.model_name) for name, source in server.registry.items()]
         return {"object": "list", "data": cards}
 
+    @app.get("/v1/models/{model_id:path}")  # adapter names may hold "/" (org/adapter)
+    async def model(model_id: str):
+        if model_id == server.model_name:
+            return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
+        if model_id in server.registry:
+            return p.model_card(model_id, server.registry[model_id].path, server.model_name)
+        raise HTTPError(404, f"The model `{model_id}` does not exist.", "not_found_error", "model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(request: p.TokenizeRequest):
+        """vLLM's: a prompt, or chat messages through the chat template, to token ids."""
+        ids = await server.tokenize(request)
+        strs = [server.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(request: p.DetokenizeRequest):
+        return {"prompt": server.detokenize(request)}
+
+
+# ---- admin --------------------------------------------------------------------------------------------
+def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: p.LoadLoRAAdapterRequest):
         name = _checked_name(request.lora_name)

@@ -21,6 +21,7 @@ from loramux.server import protocol as p
 from loramux.server.admission import Admission, Ticket
 from loramux.server.engine_client import EngineClient, EngineDeadError, Supervision
 from loramux.server.generation import Choice, new_choices, run_choices
+from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
 from loramux.server.wire import AddRequest, AdapterSource, Ready
 from loramux.tokenizer import Tokenizer
@@ -61,6 +62,7 @@ class Frontend:
                                    config.max_pending_per_client)
         self.tokenizer: Tokenizer | None = None
         self.inputs: InputProcessor | None = None
+        self.logprobs: LogprobFormatter | None = None
         self.model_name = self.model_root = ""
         self.max_model_len = 0
         self.draining = False
@@ -80,6 +82,7 @@ class Frontend:
         if self.tokenizer is None:
             self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir)
             self.inputs = InputProcessor(self.tokenizer, EngineLimits(ready.max_model_len, ready.vocab_size))
+            self.logprobs = LogprobFormatter(self.tokenizer)
             self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
             self.model_name = self.config.served_model_name or os.path.basename(ready.model_name.rstrip("/"))
         for name, why in ready.failed_adapters.items():
@@ -129,18 +132,45 @@ class Frontend:
         if len(sources) * request.n > self.config.max_prompts_per_request:
             raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
                                  f"{self.config.max_prompts_per_request} per request", code="too_many_prompts")
-        self._sampling_params(request, 1, 0)  # every sampling field checked before any tokenizing
-        ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, chat)
+        if chat and self._check(lambda: request.check_tools(self.config.tool_call_parser)) == "auto":
+            if "tools" not in (self.tokenizer.chat_template or ""):
+                raise HTTPError(400, 'tool_choice "auto" needs a chat template that declares tools; this model\'s '
+                                     'does not (use tool_choice "required" or a named function)')
+        asked = request.max_tokens_for(chat)
+        params = self._sampling_params(request, max(1, asked or self.max_model_len), 0)  # checked before tokenizing
+        tools = request.tools if chat else None
+        ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, chat, params,
+                                                               tools)
         rid = p.new_id("req")
+        if request.user:
+            logger.info("%s: user %r", rid, request.user)
         requests = []
         for i, prompt_ids in enumerate(ids):
             max_tokens = request.max_tokens_for(chat)
             max_tokens = self.inputs.max_tokens_left(len(prompt_ids)) if max_tokens is None else max_tokens
+            if max_tokens == 0 and getattr(request, "echo", False):
+                max_tokens = 1  # the prompt alone (scored, with logprobs): the engine's one token is discarded
             for j in range(request.n):
                 params = self._sampling_params(request, max_tokens, j)
                 self._check(lambda: self.inputs.check_length(len(prompt_ids), params, strict=True))
                 requests.append(AddRequest(f"{rid}-{i}-{j}", prompt_ids, params, adapter))
         return requests
+
+    async def tokenize(self, request: p.TokenizeRequest) -> list[int]:
+        """/tokenize, in the tokenizer thread (the chat template renders as for a chat request)."""
+        self.resolve(request.model)
+
+        def run():
+            if request.messages is not None:
+                return self.inputs.chat_ids(request.messages, request.add_generation_prompt, request.tools)
+            return self.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: self._check(run))
+
+    def detokenize(self, request: p.DetokenizeRequest) -> str:
+        self.resolve(request.model)
+        ids = self._check(lambda: self.inputs.prompt_ids(request.tokens))  # ids inside the vocabulary
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _check_counts(self, request) -> None:
         if not 1 <= request.n <= self.config.max_n:
@@ -158,10 +188,13 @@ class Frontend:
         except ValueError as e:
             raise HTTPError(400, str(e)) from e
 
-    def _tokenize(self, sources: list, chat: bool) -> list[list[int]]:
-        """In the tokenizer thread: the event loop keeps streaming other requests meanwhile."""
-        make = self.inputs.chat_ids if chat else self.inputs.prompt_ids
-        return [self._check(lambda s=s: make(s)) for s in sources]
+    def _tokenize(self, sources: list, chat: bool, params, tools: list | None) -> list[list[int]]:
+        """In the tokenizer thread: the event loop keeps streaming other requests meanwhile. A structured
+        output's grammar is checked here too (a large schema takes a while)."""
+        self._check(lambda: self.inputs.check_params(params))
+        if chat:
+            return [self._check(lambda s=s: self.inputs.chat_ids(s, tools=tools)) for s in sources]
+        return [self._check(lambda s=s: self.inputs.prompt_ids(s)) for s in sources]
 
     def admit(self, requests: list[AddRequest], raw: Request) -> Ticket:
         """Count the requests in (TooBusy -> 429 past a limit); release the ticket when they are done."""
@@ -173,12 +206,13 @@ class Frontend:
         model = choices[0].request.adapter or self.model_name
         return [self.metrics.track(model) for _ in choices]
 
-    async def complete(self, requests: list[AddRequest], raw: Request) -> list[Choice]:
-        """Run the requests to the end (a non-streaming response); a client that goes away aborts them."""
+    async def complete(self, requests: list[AddRequest], raw: Request, discard: bool = False) -> list[Choice]:
+        """Run the requests to the end (a non-streaming response); a client that goes away aborts them.
+        discard: the requests' tokens are not part of the answer (echo with max_tokens 0)."""
         ticket = self.admit(requests, raw)
         try:
             stream = await self.client.generate(requests)
-            choices = new_choices(requests, self.tokenizer)
+            choices = new_choices(requests, self.tokenizer, discard)
             timers = self.timers(choices)
             try:
                 await _until_disconnected(raw, self._drain(stream, choices, timers))

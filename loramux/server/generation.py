@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from loramux.engine.detokenizer import Detokenizer
-from loramux.engine.output import CoreOutput
+from loramux.engine.output import CoreOutput, Logprobs
 from loramux.server.engine_client import EngineStream
 from loramux.server.wire import AddRequest
 
@@ -24,6 +24,10 @@ class Choice:
     finish_reason: str | None = None
     error: str | None = None
     status: int = 0  # a request refused by the engine when added: its HTTP status (400, 404)
+    discard: bool = False  # echo with max_tokens 0: the engine makes one token, which nobody sees
+    logprobs: Logprobs | None = None  # of the tokens so far, when asked for
+    prompt_logprobs: Logprobs | None = None
+    logprobs_sent: int = 0  # streaming: how many of `logprobs` went out already
 
     @property
     def text(self) -> str:
@@ -35,6 +39,16 @@ class Choice:
 
     def update(self, out: CoreOutput) -> tuple[str, bool]:
         """Take one engine output; returns (new text, a stop string ended it here)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if self.discard:  # the token is not part of the answer; zero tokens were asked for: "length"
+            reason = out.finish_reason
+            self.finish_reason = "length" if reason in ("stop", "length") else reason
+            self.error, self.status = out.error, out.status
+            return "", False
+        if out.logprobs is not None:
+            self.logprobs = self.logprobs or Logprobs()
+            self.logprobs.extend(out.logprobs)
         self.num_tokens += len(out.new_token_ids)
         reason = out.finish_reason
         # an engine "stop" is a stop token: kept in the count, left out of the text
@@ -46,9 +60,17 @@ class Choice:
         return delta, hit_stop and out.finish_reason is None
 
 
-def new_choices(requests: list[AddRequest], tokenizer) -> list[Choice]:
-    return [Choice(i, r, Detokenizer(tokenizer, r.params.stop, r.params.skip_special_tokens))
-            for i, r in enumerate(requests)]
+    def unsent_logprobs(self) -> Logprobs | None:
+        """Streaming: the logprobs of the tokens not reported yet (they are marked as reported)."""
+        if self.logprobs is None or self.logprobs_sent == len(self.logprobs):
+            return None
+        start, self.logprobs_sent = self.logprobs_sent, len(self.logprobs)
+        return self.logprobs.slice(start)
+
+
+def new_choices(requests: list[AddRequest], tokenizer, discard: bool = False) -> list[Choice]:
+    return [Choice(i, r, Detokenizer(tokenizer, r.params.stop, r.params.skip_special_tokens, r.params.min_tokens),
+                   discard=discard) for i, r in enumerate(requests)]
 
 
 async def run_choices(stream: EngineStream, choices: list[Choice], on_tokens=None) -> AsyncIterator[tuple[Choice, str]]:

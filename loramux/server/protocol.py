@@ -1,16 +1,49 @@
 """OpenAI / vLLM request and response shapes. No torch: this module lives in the HTTP process.
 
-Requests are pydantic models (extra fields are accepted and ignored, as OpenAI does for unknown ones
-clients commonly send); responses are built as plain dicts in OpenAI's exact layout.
+Requests are pydantic models; responses are built as plain dicts in OpenAI's exact layout. A field OpenAI
+or vLLM defines that this server does not implement is refused (400 naming it), never accepted and ignored:
+a client relying on it would get a wrong answer without knowing — unless it is sent with its "off" value
+(null, false, [] or {}), as many SDKs send them. Fields neither defines are accepted (clients send extras),
+as are those that cannot change an answer (`user` is logged; `store`, `metadata`, ...).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from loramux.sampling_params import SamplingParams, choice_seed
+from loramux.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
+from loramux.server import tools
+
+NOT_IMPLEMENTED = frozenset({
+    # OpenAI
+    "suffix", "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort", "verbosity",
+    "web_search_options",
+    # vLLM extras
+    "use_beam_search", "length_penalty", "include_stop_str_in_output", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "allowed_token_ids", "guided_decoding_backend", "guided_whitespace_pattern",
+    "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "echo",
+    "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens", "logits_processors", "structural_tag",
+    "prompt_embeds", "priority", "mm_processor_kwargs", "vllm_xargs", "kv_transfer_params", "cache_salt",
+})
+"""Fields that would change the answer, which loramux does not implement: refused by name unless "off"."""
+OURS = {"add_generation_prompt": True, "spaces_between_special_tokens": True, "priority": 0, "length_penalty": 1.0}
+"""Values of NOT_IMPLEMENTED fields that ask for what loramux does anyway (vLLM's defaults): accepted."""
+
+
+def _matches_ours(name: str, value, chat: bool) -> bool:
+    if name == "add_special_tokens":  # vLLM's defaults: on for completions (as loramux), off for chat templates
+        return value is (not chat)
+    if name in OURS:
+        return value == OURS[name] and isinstance(value, bool) == isinstance(OURS[name], bool)
+    return _is_off(value)
+
+
+def _is_off(value) -> bool:
+    return value is None or value is False or value == [] or value == {}
 
 
 class GenerationRequest(BaseModel):
@@ -33,6 +66,67 @@ class GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     ignore_eos: bool = False
+    repetition_penalty: float | None = None  # vLLM's extra fields from here
+    min_p: float | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias}
+    best_of: int | None = None  # accepted when it equals n (the same request); more is not implemented
+    user: str | None = None  # logged with the request, changes nothing
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's extra field: logprobs of the prompt tokens (top N each)
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's schema lets most fields be null, meaning "the default"; pydantic would refuse a null bool."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _no_unsupported_fields(self):
+        chat = isinstance(self, ChatCompletionRequest)
+        extra = sorted(k for k, v in (self.model_extra or {}).items()
+                       if k in NOT_IMPLEMENTED and not _matches_ours(k, v, chat))
+        if self.best_of is not None and self.best_of != self.n:
+            extra.append("best_of (other than n)")
+        if extra:
+            raise ValueError(f"unsupported field(s): {', '.join(extra)}. loramux does not implement "
+                             f"{'them' if len(extra) > 1 else 'it'} and refuses rather than ignores a field "
+                             "that changes the answer")
+        return self
+
+    def logprob_count(self) -> int | None:
+        """Top alternatives per generated token (None: no logprobs)."""
+        return None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request sets (ValueError: several, or a malformed one)."""
+        found = {name: spec for name, spec in self._structured_sources() if spec is not None}
+        if len(found) > 1:
+            raise ValueError(f"set one structured output at most; this request sets {', '.join(found)}")
+        return next(iter(found.values()), None)
+
+    def _structured_sources(self):
+        yield "response_format", _response_format(self.response_format)
+        if self.structured_outputs is not None:
+            fields = {k: v for k, v in self.structured_outputs.items() if not _is_off(v)}
+            unknown = set(fields) - {"json", "regex", "choice", "grammar", "json_object"}
+            if unknown:
+                raise ValueError(f"structured_outputs: unsupported key(s) {', '.join(sorted(unknown))}")
+            if not isinstance(fields.get("choice", []), list):
+                raise ValueError("structured_outputs.choice must be a list of strings")
+            yield "structured_outputs", StructuredOutputsParams(**fields) if fields else None
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            yield name, None if value is None else StructuredOutputsParams(**{key: value})
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -54,6 +148,15 @@ class GenerationRequest(BaseModel):
             stop=tuple(self.stop_list()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            logprobs=self.logprob_count(),
+            prompt_logprobs=self.prompt_logprobs,
+            structured_outputs=self.structured(),
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens,
+            bad_words=tuple(self.bad_words or ()),
+            logit_bias=self.logit_bias or None,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
         )
@@ -63,8 +166,35 @@ class GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format: {"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
+    "schema", "strict"}}. The schema is enforced as written whether or not `strict` is set."""
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return StructuredOutputsParams(json=json.dumps(spec["schema"]))
+    raise ValueError(f"response_format type must be text, json_object or json_schema, got {fmt.get('type')!r}")
+
+
 class CompletionRequest(GenerationRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # top N alternatives per token (0: the chosen token's logprob alone)
+    echo: bool = False  # the prompt is returned before the completion (with its logprobs, when asked)
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
+        """echo with logprobs scores the prompt too: the prompt logprobs it needs are asked for here."""
+        params = super().sampling_params(max_tokens, seed_offset)
+        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list:
         """The prompts: one string or token-id list, or a list of them (each checked by the InputProcessor)."""
@@ -78,6 +208,58 @@ class CompletionRequest(GenerationRequest):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list = Field(min_length=1)  # each message is checked by the InputProcessor (one place for both APIs)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_mode: str = PrivateAttr("none")  # set by check_tools: "none" | "auto" | "required" | "named"
+
+    def check_tools(self, parser: str | None) -> str:
+        """Checks tools and tool_choice against the server's tool-call parser; returns the mode (ValueError)."""
+        self._tool_mode = tools.check_tools(self.tools or [], self.tool_choice, self.parallel_tool_calls, parser)
+        return self._tool_mode
+
+    @property
+    def tool_mode(self) -> str:
+        return self._tool_mode
+
+    def _structured_sources(self):
+        yield from super()._structured_sources()
+        yield "tool_choice", tools.tool_grammar(self.tools or [], self._tool_mode, self.tool_choice,
+                                                self.parallel_tool_calls)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: `prompt` (completions) or `messages` (chat, through the chat template)."""
+
+    model: str
+    prompt: str | None = None
+    messages: list | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str
+    tokens: list[int]
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -116,8 +298,12 @@ def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
+                      prompt_logprobs: list | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
 
 
 def completion_chunk(rid: str, model: str, choice: dict) -> dict:
@@ -129,14 +315,20 @@ def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int,
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: list | None = None,
+                tool_calls: list | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": None if logprobs is None else {"content": logprobs},
             "finish_reason": finish_reason}
 
 
-def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str | None) -> dict:
+def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str | None,
+               logprobs: list | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": None if logprobs is None else {"content": logprobs},
+                         "finish_reason": finish_reason}]}
 
 
 def model_card(name: str, root: str, parent: str | None, max_model_len: int | None = None) -> dict:

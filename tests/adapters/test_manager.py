@@ -1,4 +1,4 @@
-"""LoRAManager on HF models, against HF transformers + PEFT running each adapter alone."""
+"""LoRAModel (a LoRAManager on plain HF models), against HF transformers + PEFT running each adapter alone."""
 import copy
 import gc
 import os
@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from conftest import ADAPTER_KINDS, MODEL_FACTORIES, peft_logits, save_peft_adapter
-from loramux import LoRAConfig, LoRAManager, LoRAStatus
+from loramux import LoRAConfig, LoRAModel, LoRAStatus
 
 ATOL = 2e-5
 
 
 def manager_for(base, **config):
     model = copy.deepcopy(base)
-    return model, LoRAManager(model, LoRAConfig(**{"max_loras": 8, "max_lora_rank": 64, **config}))
+    return model, LoRAModel(model, LoRAConfig(**{"max_loras": 8, "max_lora_rank": 64, **config}))
 
 
 @pytest.mark.parametrize("model_kind", list(MODEL_FACTORIES))

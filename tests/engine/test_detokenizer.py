@@ -47,3 +47,13 @@ def test_nothing_is_released_after_a_stop(tokenizer):
     assert detokenizer.update(tokenizer.encode("ab"), False) == ("a", True)
     assert detokenizer.update(tokenizer.encode("cd"), True) == ("", False)  # late tokens of an aborted request
     assert detokenizer.text == "a"
+
+
+def test_stop_strings_count_from_min_tokens_on(tokenizer):
+    ids = tokenizer.encode("ab. cd. ef.")
+    assert "".join(feed(Detokenizer(tokenizer, (".",)), ids)[0]) == "ab"
+    pieces, stopped = feed(Detokenizer(tokenizer, (".",), min_tokens=4), ids)
+    assert "".join(pieces) == "ab. cd" and stopped  # the first "." came before the 4th token
+    # a stop string that ends in the min_tokens-th token's text counts, though it began before (as vLLM)
+    pieces, stopped = feed(Detokenizer(tokenizer, ("##",), min_tokens=4), tokenizer.encode("Hi##there"))
+    assert "".join(pieces) == "Hi" and stopped

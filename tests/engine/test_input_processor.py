@@ -66,3 +66,20 @@ def test_lengths(inputs):
     with pytest.raises(ValueError, match="you requested 40 tokens .30 in the prompt, 10 in the completion"):
         inputs.check_length(30, SamplingParams(max_tokens=10), strict=True)
     assert inputs.max_tokens_left(30) == 2
+
+
+def test_tools_and_tool_messages_reach_the_chat_template():
+    tokenizer = Tokenizer.from_pretrained(char_tokenizer())
+    tokenizer.chat_template = ("{% if tools %}[{{ tools | map(attribute='function.name') | join(',') }}]{% endif %}"
+                               "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}"
+                               "{% for c in m.tool_calls or [] %}{{ c.function.name }}{{ c.function.arguments.a }}"
+                               "{% endfor %}{% endfor %}")
+    inputs = InputProcessor(tokenizer, EngineLimits(max_model_len=64, vocab_size=98))
+    tools = [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "g"}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}  # JSON text
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]},  # no content: fine
+                {"role": "tool", "content": "42", "tool_call_id": "c1"}]
+    assert tokenizer.decode(inputs.chat_ids(messages, tools=tools)) == "[f,g]<user>q<assistant>f7<tool>42"
+    bad = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]
+    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
+        inputs.chat_ids(bad)

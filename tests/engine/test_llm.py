@@ -43,6 +43,19 @@ def prompts(n, seed=0):
     return [torch.randint(3, 128, (int(torch.randint(2, 14, (1,), generator=gen)),), generator=gen).tolist() for _ in range(n)]
 
 
+def record_preemptions(scheduler) -> list:
+    """The sequences `scheduler` preempts from now on (its schedule() is wrapped)."""
+    preempted, schedule = [], scheduler.schedule
+
+    def spy():
+        scheduled = schedule()
+        preempted.extend(scheduled.preempted)
+        return scheduled
+
+    scheduler.schedule = spy
+    return preempted
+
+
 def make_llm(path, adapters=None, **kw):
     llm = LLM(model=path, lora=kw.pop("lora", LoRAConfig(max_loras=4, max_lora_rank=64)), dtype="float32",
               kv_cache_memory=kw.pop("kv_cache_memory", 2**23), **kw)
@@ -109,15 +122,7 @@ def test_preemption_and_slot_pressure_keep_outputs_exact(checkpoints):
     rows = ["r4", "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv", None]
     batch = prompts(len(rows), seed=5)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    preemptions = []
-    original = llm.engine.scheduler.schedule
-
-    def spy():
-        scheduled = original()
-        preemptions.extend(scheduled.preempted)
-        return scheduled
-
-    llm.engine.scheduler.schedule = spy
+    preemptions = record_preemptions(llm.engine.scheduler)
     outputs = llm.generate(batch, params, adapters=rows)
     assert preemptions, "the tiny KV cache should have forced a preemption"
     for prompt, adapter, out in zip(batch, rows, outputs):
@@ -207,10 +212,10 @@ def test_a_step_that_raises_fails_only_the_request_that_makes_it_raise(checkpoin
     alone = [llm.generate(p, GREEDY, adapters="r4")[0].token_ids for p in prompts(3)]
     runner, real_run = llm.engine.runner, llm.engine.runner.run
 
-    def run(seqs, slots, is_prefill):  # the second prompt's request breaks every step it is in
+    def run(seqs, slots, is_prefill, spans=None):  # the second prompt's request breaks every step it is in
         if any(s.token_ids[: s.num_prompt_tokens] == prompts(3)[1] for s in seqs):
             raise RuntimeError("boom")
-        return real_run(seqs, slots, is_prefill)
+        return real_run(seqs, slots, is_prefill, spans)
 
     monkeypatch.setattr(runner, "run", run)
     outs = llm.generate(prompts(3), GREEDY, adapters="r4")
@@ -237,15 +242,7 @@ def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new
     assert 0 < len(started) < len(ids)
     assert llm.load_adapter("swap", new, replace=True) == LoRAStatus.SUCCESS
     late = [engine.add_request(p, params, "swap") for p in batch[:2]]
-    preempted = []
-    original = engine.scheduler.schedule
-
-    def spy():
-        scheduled = original()
-        preempted.extend(scheduled.preempted)
-        return scheduled
-
-    engine.scheduler.schedule = spy
+    preempted = record_preemptions(engine.scheduler)
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert any(s.request_id in started for s in preempted), "a request that started on the old weights was preempted"
@@ -255,3 +252,13 @@ def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new
     cache = engine.manager.cache
     assert cache.retiring == set() and cache.names == ["swap"] and "swap" not in cache  # the first version is gone
     assert cache.current("swap") != "swap"
+
+
+def test_num_threads_sets_the_engines_cpu_threads(checkpoints):
+    _, path, _ = checkpoints["llama"]
+    before = torch.get_num_threads()
+    try:
+        make_llm(path, lora=None, num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

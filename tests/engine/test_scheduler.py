@@ -43,8 +43,12 @@ def add_all(sched, adapters, **kw) -> list[Sequence]:
 
 
 def step(sched) -> ScheduledBatch:
+    """What the engine does with a batch: K/V computed for each span, a token where the span ends the sequence."""
     batch = sched.schedule()
-    for seq in batch.seqs:
+    for i, seq in enumerate(batch.seqs):
+        seq.num_computed_tokens = batch.spans[i][1] if batch.spans is not None else len(seq)
+        if seq.num_computed_tokens < len(seq):
+            continue  # a prompt chunk
         seq.append_token(7)
         if seq.num_output_tokens >= seq.params.max_tokens:
             sched.finish(seq, "length")

@@ -83,3 +83,40 @@ def test_any_sampling_fields_are_refused_or_sampled_without_an_exception():
         assert all(t is not None for t in tokens) or not all(math.isfinite(float(v)) for v in logits.flatten())
 
     check()
+
+
+def test_a_tiny_top_p_keeps_the_most_likely_token():
+    """Found by the fuzz above: with top_p 3.7e-59, cumsum rounding dropped every token of some rows."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        logits = torch.randn(64, generator=gen)
+        kept = torch.isfinite(filter_top_k_top_p(logits, 0, 3.7e-59)).nonzero().flatten().tolist()
+        assert kept == [int(logits.argmax())]
+
+
+def test_repetition_penalty_min_p_logit_bias_and_blocked_tokens_match_their_definitions():
+    from transformers import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
+
+    from loramux.layers.sampler import apply_logit_bias, apply_masks
+
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 40, generator=gen)
+    row = SamplingRow(SamplingParams(repetition_penalty=1.7), [3, 9], None, prompt_token_ids=[1, 3, 20])
+    mine = logits.clone()
+    apply_penalties(mine, [row])
+    hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 3, 20, 3, 9]]), logits.clone())
+    torch.testing.assert_close(mine, hf)
+    biased = logits.clone()
+    row = SamplingRow(SamplingParams(logit_bias={4: 5.0, 7: -100}), [], None, blocked=[0, 2])
+    apply_logit_bias(biased, [row])
+    apply_masks(biased, [row])
+    expected = logits.clone()
+    expected[0, 4] += 5.0
+    expected[0, 7] -= 100
+    expected[0, [0, 2]] = float("-inf")
+    torch.testing.assert_close(biased, expected)
+    # min_p: the tokens a draw can give are those HF's MinPLogitsWarper keeps (after temperature)
+    kept_hf = torch.isfinite(MinPLogitsWarper(0.2)(None, logits / 0.7))[0]
+    draws = {sample(logits.clone(), [SamplingRow(SamplingParams(temperature=0.7, min_p=0.2), [],
+                                                 torch.Generator().manual_seed(s))])[0] for s in range(300)}
+    assert draws <= set(kept_hf.nonzero().flatten().tolist()) and len(draws) > 1

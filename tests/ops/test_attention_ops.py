@@ -94,11 +94,11 @@ def test_kv_store_writes_each_token_to_its_slot(backend, dtype, tokens):
     k = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     k_cache, v_cache = torch.randn(2, slots, kv_heads, head_dim, dtype=dtype)
-    slot_mapping = torch.randperm(slots)[:tokens]
+    cache_rows = torch.randperm(slots)[:tokens]
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    for t, slot in enumerate(slot_mapping.tolist()):
+    for t, slot in enumerate(cache_rows.tolist()):
         expected_k[slot], expected_v[slot] = k[t], v[t]
-    KV_STORE_BACKENDS[backend](k_cache, v_cache, k, v, slot_mapping)
+    KV_STORE_BACKENDS[backend](k_cache, v_cache, k, v, cache_rows)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
 
 
@@ -107,6 +107,6 @@ def test_cpu_kv_store_refuses_a_slot_outside_the_cache():
         pytest.skip("needs the C++ CPU kernel")
     k_cache, v_cache = torch.zeros(2, 16, 2, 8)
     k = v = torch.ones(2, 2, 8)
-    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 16 outside \[0, 16\)"):
+    with pytest.raises(RuntimeError, match=r"cache_rows\[1\] = 16 outside \[0, 16\)"):
         attention_cpu.store_kv_cpu(k_cache, v_cache, k, v, torch.tensor([3, 16]))
     assert not k_cache.any()  # checked before anything is written

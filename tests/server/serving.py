@@ -21,10 +21,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_files(tmp_path_factory):
+def make_files(tmp_path_factory, **model_overrides):
     """A tiny checkpoint with a chat template, adapters served at start-up, and a runtime-load dir."""
     root = tmp_path_factory.mktemp("srv")
-    base = tiny_llama()
+    base = tiny_llama(**model_overrides)
     model = save_checkpoint(base, root / "model")
     with open(os.path.join(model, "chat_template.jinja"), "w") as f:
         f.write(CHAT_TEMPLATE)
@@ -103,3 +103,16 @@ def engine_pid(server_pid: int) -> int:
     raise LookupError("no engine process")
 
 
+
+
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
+"""Test clients open a connection per request: a pooled connection the server closes after its keep-alive
+timeout can be picked for the next request in the instant it closes (a client-side race, seen once as a
+connection error), and the tests use no retries."""
+
+
+def openai_client(url: str, api_key: str = "none"):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0,
+                         http_client=httpx.Client(limits=NO_KEEPALIVE, timeout=120))

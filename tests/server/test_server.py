@@ -13,7 +13,8 @@ import pytest
 
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
-from serving import CHAT_TEMPLATE, MAX_MODEL_LEN, engine_pid, make_files, start_server, stop
+from serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, openai_client, start_server,
+                     stop)
 
 KEY = "test-key"
 
@@ -32,12 +33,12 @@ def server(files):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+    return openai_client(server, KEY)
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=60, limits=NO_KEEPALIVE) as c:
         yield c
 
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from serving import engine_pid, make_files, metric, server_log, start_server, stop, wait_until
+from serving import engine_pid, make_files, metric, openai_client, server_log, start_server, stop, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
                                                               "lora_path": f"{files['allowed']}/new"})
         assert load.status_code == 200, load.text
         before = {m: complete(url, m) for m in ("tiny", "s0", "late")}
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client = openai_client(url)
         stream = client.completions.create(model="s1", prompt="x", max_tokens=60, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True})
         first = next(iter(stream))
@@ -111,7 +111,7 @@ def _is_zombie(pid: int) -> bool:
 
 def test_sigterm_refuses_new_work_ends_what_outlives_the_grace_period_and_exits_zero(files):
     proc, url = start_server(files, "--shutdown-timeout", "2")
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    client = openai_client(url)
     stream = iter(client.completions.create(model="s0", prompt="x", max_tokens=60, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True}))
     first = next(stream)

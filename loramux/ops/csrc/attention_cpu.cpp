@@ -20,10 +20,10 @@
 //   in a second OpenMP loop. Threads: at::get_num_threads() (torch's libgomp), dynamic schedule
 //   (ragged context lengths). Single thread for tiny problems.
 //
-//   store_kv(k_cache, v_cache, k, v, slot_mapping)   in place
-//     k_cache[slot_mapping[t]] = k[t], v_cache[slot_mapping[t]] = v[t]: the new tokens' keys and values
+//   store_kv(k_cache, v_cache, k, v, cache_rows)   in place
+//     k_cache[cache_rows[t]] = k[t], v_cache[cache_rows[t]] = v[t]: the new tokens' keys and values
 //     into the paged caches [S, KVH, D] (contiguous); k, v [T, KVH, D] with unit last stride (views of the
-//     fused qkv output), slot_mapping [T] int64 in [0, S). What two index_copy_ calls do, in one call
+//     fused qkv output), cache_rows [T] int64 in [0, S). What two index_copy_ calls do, in one call
 //     and plain row copies: index_copy_ cost ~1-1.8 ms of a 32-sequence decode step (60 calls).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -400,7 +400,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor cache_rows) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "store_kv: k_cache/v_cache must be contiguous [slots, kv_heads, head_dim] of one shape");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
@@ -409,13 +409,13 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
   const auto dt = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == dt && k.scalar_type() == dt && v.scalar_type() == dt, "store_kv: dtypes differ");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() &&
-                  slot_mapping.device().is_cpu(), "store_kv: CPU tensors only");
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.size(0) == k.size(0), "store_kv: slot_mapping must be a contiguous int64 [tokens]");
+                  cache_rows.device().is_cpu(), "store_kv: CPU tensors only");
+  TORCH_CHECK(cache_rows.dim() == 1 && cache_rows.scalar_type() == at::kLong && cache_rows.is_contiguous() &&
+                  cache_rows.size(0) == k.size(0), "store_kv: cache_rows must be a contiguous int64 [tokens]");
   const int64_t T = k.size(0), S = k_cache.size(0), D = k.size(2);
-  const int64_t* sl = slot_mapping.data_ptr<int64_t>();
+  const int64_t* sl = cache_rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv: slot_mapping[", t, "] = ", sl[t], " outside [0, ", S, ")");
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv: cache_rows[", t, "] = ", sl[t], " outside [0, ", S, ")");
   const int64_t es = k.element_size(), head_bytes = D * es, row_bytes = k.size(1) * head_bytes;
   for (auto [src, cache] : {std::pair{&k, &k_cache}, std::pair{&v, &v_cache}}) {
     const char* from = (const char*)src->data_ptr();
@@ -429,8 +429,8 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, tor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("store_kv", &store_kv, "k_cache[slot_mapping] = k; v_cache[slot_mapping] = v", py::arg("k_cache"),
-        py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "k_cache[cache_rows] = k; v_cache[cache_rows] = v", py::arg("k_cache"),
+        py::arg("v_cache"), py::arg("k"), py::arg("v"), py::arg("cache_rows"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention, "paged decode attention (one query token per sequence)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("block_size"),
         py::arg("scale"), py::call_guard<py::gil_scoped_release>());

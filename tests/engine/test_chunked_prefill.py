@@ -1,0 +1,102 @@
+"""Chunked prefill (EngineConfig.enable_chunked_prefill): mixed steps of decode rows and prompt chunks give
+every row the tokens of HF + PEFT running its adapter alone, and the same logprobs as unchunked steps."""
+import pytest
+import torch
+
+from conftest import hf_greedy
+from loramux import LoRAConfig
+from loramux.config import EngineConfig
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+from loramux.sampling_params import SamplingParams, StructuredOutputsParams
+from test_llm import checkpoints, make_llm, prompts, record_preemptions  # noqa: F401  (the module fixture)
+
+ROWS = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv"]
+
+
+def long_prompts(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (int(torch.randint(5, 40, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("budget", [3, 7, 16])
+def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget):  # noqa: F811
+    base, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, adapters, enable_chunked_prefill=True, max_num_batched_tokens=budget, max_model_len=64)
+    batch = long_prompts(len(ROWS), seed=budget)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    mixed = []
+    original = llm.engine.scheduler.schedule
+
+    def spy():  # record that steps really mixed decode rows with prompt chunks
+        scheduled = original()
+        if scheduled.spans:
+            kinds = {end - start == 1 for start, end in scheduled.spans}
+            mixed.append(kinds == {True, False})
+        return scheduled
+
+    llm.engine.scheduler.schedule = spy
+    outs = llm.generate(batch, params, adapters=ROWS)
+    for prompt, adapter, out in zip(batch, ROWS, outs):
+        assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, 8), adapter
+    assert any(mixed)
+
+
+def test_chunked_with_preemption_and_logprobs_equals_unchunked(checkpoints):  # noqa: F811
+    _, path, adapters = checkpoints["llama"]
+    kv = dict(kv_cache_memory=6 * 2 * 2 * 16 * 2 * 16 * 4, max_model_len=64, block_size=16,
+              lora=LoRAConfig(max_loras=2, max_cpu_loras=4, max_lora_rank=64))
+    batch = long_prompts(6, seed=4)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    plain = make_llm(path, adapters, **kv).generate(batch, params, adapters=ROWS[:6])
+    chunked_llm = make_llm(path, adapters, enable_chunked_prefill=True, max_num_batched_tokens=10, **kv)
+    preempted = record_preemptions(chunked_llm.engine.scheduler)
+    chunked = chunked_llm.generate(batch, params, adapters=ROWS[:6])
+    assert preempted, "the tiny KV cache should have forced a preemption"
+    for a, b in zip(plain, chunked):
+        assert a.token_ids == b.token_ids and a.logprobs.top_ids == b.logprobs.top_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs.logprobs), torch.tensor(b.logprobs.logprobs))
+        assert a.prompt_logprobs.token_ids == b.prompt_logprobs.token_ids
+        torch.testing.assert_close(torch.tensor(a.prompt_logprobs.logprobs), torch.tensor(b.prompt_logprobs.logprobs))
+
+
+def test_structured_and_sampled_requests_in_chunked_steps(checkpoints):  # noqa: F811
+    _, path, adapters = checkpoints["llama"]
+    batch = long_prompts(4, seed=8)
+    choice = StructuredOutputsParams(choice=("yes", "no"))
+    params = [SamplingParams(max_tokens=8, temperature=0, structured_outputs=choice),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)] * 2
+    want = make_llm(path, adapters, max_model_len=64).generate(batch, params, adapters=ROWS[:4])
+    got = make_llm(path, adapters, max_model_len=64, enable_chunked_prefill=True,
+                   max_num_batched_tokens=5).generate(batch, params, adapters=ROWS[:4])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[0].text in ("yes", "no")
+
+
+def test_the_chunked_scheduler_decodes_first_then_continues_then_admits():
+    config = EngineConfig(model="x", lora=None, enable_chunked_prefill=True, max_num_batched_tokens=6,
+                          max_model_len=64)
+    sched = Scheduler(config, BlockManager(64, 4), None)
+    a, b, c = (Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in (10, 3, 2))
+    for seq in (a, b, c):
+        sched.add(seq)
+
+    def step():
+        batch = sched.schedule()
+        for seq, (_, end) in zip(batch.seqs, batch.spans):
+            seq.num_computed_tokens = end
+            if end == len(seq):
+                seq.append_token(7)
+        return [(s, span) for s, span in zip(batch.seqs, batch.spans)]
+
+    assert step() == [(a, (0, 6))]  # the first chunk takes the whole budget
+    assert step() == [(a, (6, 10)), (b, (0, 2))]  # a's rest, then b starts
+    assert step() == [(a, (10, 11)), (b, (2, 3)), (c, (0, 2))]  # a decodes, b finishes its prompt, c whole
+    assert step() == [(a, (11, 12)), (b, (3, 4)), (c, (2, 3))]  # all decode
+
+
+def test_batch_invariant_and_chunked_prefill_are_exclusive():
+    with pytest.raises(ValueError, match="enable_chunked_prefill"):
+        EngineConfig(model="x", batch_invariant=True, enable_chunked_prefill=True)

@@ -1,0 +1,399 @@
+"""OpenAI fields real clients rely on, through `loramux serve` with the official openai client: logprobs
+(completions and chat, streamed and not), echo (lm-evaluation-harness's loglikelihood request), vLLM's
+prompt_logprobs, and the refusal of any field the server does not implement. Values are checked against the
+offline engine on the same weights (whose logprobs tests/engine/test_logprobs.py checks against PEFT)."""
+import math
+import os
+
+import jsonschema
+import openai
+import pytest
+
+from loramux import LoRAConfig, SamplingParams
+from loramux.llm import LLM
+from serving import CHAT_TEMPLATE, make_files, openai_client, start_server, stop
+
+MAX_LEN = 256  # a character-level tokenizer: a tool call's JSON is ~60 tokens
+
+
+# declares tools (their names: the tiny model has 256 positions)
+TEMPLATE = "{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}" + CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    files = make_files(tmp_path_factory)
+    with open(os.path.join(files["model"], "chat_template.jinja"), "w") as f:
+        f.write(TEMPLATE)
+    return files
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    proc, url = start_server(files, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             "--max-model-len", str(MAX_LEN))
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server)
+
+
+@pytest.fixture(scope="module")
+def offline(files):
+    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=4, max_lora_rank=32), dtype="float32",
+              kv_cache_memory=2**23, max_model_len=MAX_LEN)
+    llm.tokenizer.chat_template = TEMPLATE
+    for name, path in files["served"].items():
+        assert llm.load_adapter(f"{name}={path}")
+    return llm
+
+
+def peft_logprobs(files, adapter, ids: list[int]):
+    """The oracle: log_softmax of HF transformers + PEFT logits for that adapter alone ([len(ids), vocab])."""
+    import torch
+
+    from conftest import peft_logits, tiny_llama
+
+    adapter_dir = None if adapter == "tiny" else files["served"][adapter]
+    return torch.log_softmax(peft_logits(tiny_llama(), adapter_dir, torch.tensor([ids]))[0].float(), -1)
+
+
+def close(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-4) for x, y in zip(a, b))
+
+
+def test_completion_logprobs_equal_peft(client, offline, files):
+    out = client.completions.create(model="s1", prompt="hello", max_tokens=6, temperature=0, logprobs=2)
+    ref = offline.generate("hello", SamplingParams(max_tokens=6, temperature=0, logprobs=2), adapters="s1")[0]
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text == ref.text
+    prompt = offline.tokenizer.encode("hello")
+    oracle = peft_logprobs(files, "s1", prompt + ref.token_ids)[len(prompt) - 1:-1]
+    assert close(lp.token_logprobs, oracle.max(-1).values.tolist())  # greedy: the chosen token is the top one
+    for top, row in zip(lp.top_logprobs, oracle):
+        assert close(sorted(top.values(), reverse=True)[:2], row.topk(2).values.tolist())
+    assert lp.tokens == [offline.tokenizer.decode([t]) for t in ref.token_ids]
+    assert close(lp.token_logprobs, ref.logprobs.logprobs)
+    assert all(len(top) <= 3 and lp.tokens[i] in top for i, top in enumerate(lp.top_logprobs))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert out.choices[0].logprobs is not None and client.completions.create(
+        model="s1", prompt="hello", max_tokens=2, temperature=0).choices[0].logprobs is None
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_as_lm_eval_asks(client, offline, files):
+    """lm-evaluation-harness's local-completions loglikelihood: echo, logprobs, max_tokens 0."""
+    out = client.completions.create(model="s2", prompt="the cat sat", max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice = out.choices[0]
+    assert choice.text == "the cat sat" and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    prompt = offline.tokenizer.encode("the cat sat")
+    oracle = peft_logprobs(files, "s2", prompt)[:-1].gather(1, __import__("torch").tensor(prompt[1:])[:, None])
+    assert close(choice.logprobs.token_logprobs[1:], oracle.flatten().tolist())
+    assert "".join(choice.logprobs.tokens) == "the cat sat"
+    echoed = client.completions.create(model="s2", prompt="the cat sat", max_tokens=4, echo=True, temperature=0)
+    completion = offline.generate("the cat sat", SamplingParams(max_tokens=4, temperature=0), adapters="s2")[0].text
+    assert echoed.choices[0].text == "the cat sat" + completion
+
+
+def test_streamed_completion_logprobs_and_echo_add_up_to_the_plain_answer(client):
+    args = dict(model="s0", prompt=["ab", "xyz"], max_tokens=5, temperature=0, logprobs=1, echo=True)
+    plain = client.completions.create(**args)
+    for index in (0, 1):
+        chunks = [c.choices[0] for c in client.completions.create(**args, stream=True) if c.choices[0].index == index]
+        want = plain.choices[index]
+        assert "".join(c.text for c in chunks) == want.text
+        tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+        values = [v for c in chunks if c.logprobs for v in c.logprobs.token_logprobs]
+        offsets = [v for c in chunks if c.logprobs for v in c.logprobs.text_offset]
+        assert tokens == want.logprobs.tokens and offsets == want.logprobs.text_offset
+        assert values[0] is None and close(values[1:], want.logprobs.token_logprobs[1:])
+
+
+def test_chat_logprobs_equal_peft_streamed_and_not(client, offline, files):
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="s3", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    ref = offline.chat(messages, SamplingParams(max_tokens=6, temperature=0, logprobs=3), adapters="s3")[0]
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [offline.tokenizer.decode([t]) for t in ref.token_ids]
+    prompt = offline.engine.chat_ids(messages)
+    oracle = peft_logprobs(files, "s3", prompt + ref.token_ids)[len(prompt) - 1:-1]
+    assert close([c.logprob for c in content], oracle.max(-1).values.tolist())
+    for entry, row in zip(content, oracle):
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 3
+        assert close([t.logprob for t in entry.top_logprobs], row.topk(3).values.tolist())
+    chunks = client.chat.completions.create(model="s3", messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [c.token for c in content]
+    assert close([e.logprob for e in streamed], [c.logprob for c in content])
+    plain = client.chat.completions.create(model="s3", messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_vllm_prompt_logprobs_extra_field(client, offline):
+    out = client.completions.create(model="tiny", prompt="abcd", max_tokens=1, extra_body={"prompt_logprobs": 2})
+    ref = offline.generate("abcd", SamplingParams(max_tokens=1, prompt_logprobs=2))[0].prompt_logprobs
+    entries = out.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == 4
+    for entry, token, value, rank in zip(entries[1:], ref.token_ids, ref.logprobs, ref.ranks):
+        assert math.isclose(entry[str(token)]["logprob"], value, abs_tol=1e-4) and entry[str(token)]["rank"] == rank
+        assert 2 <= len(entry) <= 3
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 1
+
+
+@pytest.mark.parametrize("api, body, words", [
+    ("completions", {"prompt": "a", "logprobs": 21}, "logprobs must be null or an integer in [0, 20]"),
+    ("completions", {"prompt": "a", "logprobs": -1}, "logprobs"),
+    ("completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),  # 0 only with echo
+    ("completions", {"prompt": "a", "logit_bias": {"5000": 10}}, "logit_bias token ids must be below"),
+    ("completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias must map token ids"),
+    ("completions", {"prompt": "a", "best_of": 2, "suffix": "x"}, "unsupported field(s): suffix, best_of (other than n)"),
+    ("completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, "min_tokens must be an integer in [0, max_tokens]"),
+    ("completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty must be in (0, 10]"),
+    ("completions", {"prompt": "a", "min_p": 1.5}, "min_p must be in [0, 1]"),
+    ("completions", {"prompt": "a", "bad_words": [" "]}, "bad_words must be non-blank strings"),
+    ("chat", {"modalities": ["audio"], "audio": {"voice": "x"}}, "unsupported field(s): audio, modalities"),
+    ("chat", {"functions": [{"name": "f"}]}, "unsupported field(s): functions"),
+    ("chat", {"chat_template_kwargs": {"x": 1}}, "unsupported field(s): chat_template_kwargs"),
+    ("chat", {"add_generation_prompt": False}, "unsupported field(s): add_generation_prompt"),
+    ("completions", {"prompt": "a", "add_special_tokens": False}, "unsupported field(s): add_special_tokens"),
+    ("completions", {"prompt": "a", "stop_token_ids": [10**6], "min_tokens": 1}, "stop_token_ids must be below"),
+    ("chat", {"min_tokens": 2, "response_format": {"type": "json_object"}}, "cannot be used with structured outputs"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                          "function": "f"}},
+     "tool_choice must be"),
+    ("completions", {"prompt": "a", "structured_outputs": {"choice": "yes"}}, "choice must be a list"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ("chat", {"logprobs": True, "top_logprobs": 30}, "logprobs must be null or an integer in [0, 20]"),
+    ("chat", {"echo": True}, "unsupported field(s): echo"),
+])
+def test_fields_out_of_range_or_not_implemented_are_refused_by_name(client, api, body, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        if api == "chat":
+            client.chat.completions.create(model="s0", messages=[{"role": "user", "content": "a"}], extra_body=body)
+        else:
+            client.completions.create(model="s0", extra_body=body, prompt=body.pop("prompt"))
+    assert words in e.value.message
+
+
+def test_fields_sent_with_their_off_value_and_harmless_ones_are_accepted(client):
+    body = {"logit_bias": None, "tools": [], "functions": None, "user": "someone", "best_of": 1, "suffix": None,
+            "made_up_field": 1, "store": False, "metadata": {"k": "v"}, "add_generation_prompt": True,
+            "add_special_tokens": False, "priority": 0, "n": None, "stream": None, "logprobs": None,
+            "min_tokens": None}
+    out = client.chat.completions.create(model="s0", messages=[{"role": "user", "content": "a"}], max_tokens=2,
+                                         extra_body=body)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("model", ["tiny", "s1"])
+def test_response_format_json_schema_and_json_object(client, offline, model):
+    import json
+
+    from loramux.sampling_params import StructuredOutputsParams
+
+    messages = [{"role": "user", "content": "give me json"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    out = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                         response_format=fmt)
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)  # the adapter never saw JSON
+    assert out.choices[0].finish_reason == "stop"
+    ref = offline.chat(messages, SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(
+        json=json.dumps(SCHEMA))), adapters=None if model == "tiny" else model)[0]
+    assert out.choices[0].message.content == ref.text
+    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                              response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == ref.text
+    obj = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    ({"guided_regex": "[0-9]{2}-[a-z]{3}"}, lambda t: __import__("re").fullmatch("[0-9]{2}-[a-z]{3}", t)),
+    ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(__import__("json").loads(t), SCHEMA) is None),
+    ({"guided_grammar": 'root ::= "a" ("b" | "c") "d"'}, lambda t: t in ("abd", "acd")),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+    ({"structured_outputs": {"regex": "z{3}"}}, lambda t: t == "zzz"),
+])
+def test_vllm_structured_output_fields_on_completions(client, body, check):
+    for model in ("tiny", "s2"):
+        out = client.completions.create(model=model, prompt="pick", max_tokens=40, temperature=0.8, seed=3, n=2,
+                                        extra_body=body)
+        for choice in out.choices:
+            assert choice.finish_reason == "stop" and check(choice.text), (body, choice.text)
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema.schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format type must be"),
+    ({"guided_json": {"type": "bogus"}}, "Invalid type"),
+    ({"guided_regex": "a(b"}, "unclosed group"),
+    ({"guided_grammar": "root ::= nothing"}, "nothing"),
+    ({"guided_choice": []}, "non-empty list"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "set one structured output at most"),
+    ({"structured_outputs": {"json": "{}", "whitespace": 1}}, "unsupported key(s) whitespace"),
+])
+def test_invalid_structured_outputs_are_400s_naming_the_problem(client, body, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="s0", prompt="a", max_tokens=4, extra_body=body)
+    assert words in e.value.message
+    assert client.completions.create(model="s0", prompt="a", max_tokens=2).choices[0].finish_reason == "length"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "weather?"}]
+
+
+def check_call(call, names=("get_weather", "get_time")):
+    import json
+
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    if call.function.name == "get_weather":
+        assert args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 7 and set(args) == {"city", "days"}
+    else:
+        assert args == {"zone": args["zone"]} and args["zone"] in ("UTC", "CET")
+
+
+@pytest.mark.parametrize("model", ["tiny", "s4"])
+def test_a_named_tool_choice_always_calls_that_function(client, model):
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=model, messages=ASK, tools=[TIME, WEATHER], tool_choice=choice,
+                                         max_tokens=40, temperature=0.7, seed=1)
+    message = out.choices[0].message
+    assert message.content is None and len(message.tool_calls) == 1 and out.choices[0].finish_reason == "stop"
+    check_call(message.tool_calls[0], ("get_weather",))
+
+
+def test_tool_choice_required_streamed_and_not(client):
+    for parallel in (None, False):
+        out = client.chat.completions.create(model="s0", messages=ASK, tools=[TIME, WEATHER], tool_choice="required",
+                                             max_tokens=200, temperature=0.9, seed=4, parallel_tool_calls=parallel)
+        calls = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls" and calls and (parallel is None or len(calls) == 1)
+        for call in calls:
+            check_call(call)
+    args = dict(model="s0", messages=ASK, tools=[TIME, WEATHER], tool_choice="required", max_tokens=200, temperature=0,
+                parallel_tool_calls=False)  # greedy on random weights could list calls until max_tokens
+    plain = client.chat.completions.create(**args).choices[0].message.tool_calls
+    chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    streamed = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in streamed] == \
+        [(c.function.name, c.function.arguments) for c in plain]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_parses_hermes_calls_and_keeps_the_content(client):
+    """The random tiny model never writes a call by itself: a regex makes it write one in hermes format."""
+    forced = r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+    args = dict(model="s1", messages=ASK, tools=[TIME, WEATHER], max_tokens=120, temperature=0,
+                extra_body={"structured_outputs": {"regex": forced}})
+    out = client.chat.completions.create(**args)
+    message = out.choices[0].message
+    assert message.content == "Sure." and out.choices[0].finish_reason == "tool_calls"
+    assert len(message.tool_calls) == 1
+    check_call(message.tool_calls[0], ("get_time",))
+    chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Sure. "
+    streamed = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert [s.function.arguments for s in streamed] == [message.tool_calls[0].function.arguments]
+    free = client.chat.completions.create(model="s1", messages=ASK, tools=[TIME], max_tokens=6, temperature=0)
+    assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": [{"type": "function"}]}, "tools[0] must be"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "name must be a non-empty string"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
+    ({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice must be"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "set one structured output at most"),
+])
+def test_malformed_tools_are_400s(client, body, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="s0", messages=ASK, max_tokens=4, extra_body=body)
+    assert words in e.value.message
+
+
+def test_vllm_sampling_fields_served_equal_the_offline_engine(client, offline):
+    fields = {"repetition_penalty": 1.3, "min_p": 0.05, "bad_words": ["ab"], "logit_bias": {"70": 2.5}}
+    for model in ("tiny", "s3"):
+        out = client.completions.create(model=model, prompt="hello", max_tokens=10, temperature=0.8, seed=7,
+                                        extra_body={**fields, "ignore_eos": True})
+        params = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True, repetition_penalty=1.3,
+                                min_p=0.05, bad_words=("ab",), logit_bias={70: 2.5})
+        ref = offline.generate("hello", params, adapters=None if model == "tiny" else model)[0]
+        assert out.choices[0].text == ref.text
+
+
+def test_logit_bias_min_tokens_and_bad_words_change_the_answer(client, offline):
+    greedy = offline.generate("hello", SamplingParams(max_tokens=6, temperature=0), adapters="s0")[0]
+    forced = client.completions.create(model="s0", prompt="hello", max_tokens=4, temperature=0,
+                                       logit_bias={"70": 100})
+    assert forced.choices[0].text == offline.tokenizer.decode([70]) * 4
+    first = greedy.token_ids[0]
+    stopped = client.completions.create(model="s0", prompt="hello", max_tokens=6, temperature=0,
+                                        extra_body={"stop_token_ids": [first]})
+    assert stopped.usage.completion_tokens == 1 and stopped.choices[0].finish_reason == "stop"
+    held = client.completions.create(model="s0", prompt="hello", max_tokens=6, temperature=0,
+                                     extra_body={"stop_token_ids": [first], "min_tokens": 3})
+    assert held.usage.completion_tokens >= 3
+    banned = offline.tokenizer.decode([first])
+    avoided = client.completions.create(model="s0", prompt="hello", max_tokens=6, temperature=0,
+                                        extra_body={"bad_words": [banned]})
+    assert banned not in avoided.choices[0].text and avoided.choices[0].text != greedy.text
+
+
+def test_tokenize_detokenize_and_one_model_like_vllm(server, client, offline, files):
+    import httpx
+
+    ids = offline.tokenizer.encode("hello there")
+    got = httpx.post(f"{server}/tokenize", json={"model": "s0", "prompt": "hello there"}).json()
+    assert got["tokens"] == ids and got["count"] == len(ids) and got["max_model_len"] == MAX_LEN
+    chat = httpx.post(f"{server}/tokenize", json={"model": "tiny", "messages": ASK, "return_token_strs": True}).json()
+    assert chat["tokens"] == offline.engine.chat_ids(ASK) and "".join(chat["token_strs"]) == "<user>weather?>"
+    assert httpx.post(f"{server}/detokenize", json={"model": "tiny", "tokens": ids}).json() == {"prompt": "hello there"}
+    for path, body, status in (("/tokenize", {"model": "nope", "prompt": "a"}, 404),
+                               ("/tokenize", {"model": "tiny"}, 400),
+                               ("/detokenize", {"model": "tiny", "tokens": [10**6]}, 400)):
+        response = httpx.post(f"{server}{path}", json=body)
+        assert response.status_code == status and response.json()["error"]["message"], (path, response.text)
+    assert client.models.retrieve("s2").parent == "tiny" and client.models.retrieve("tiny").id == "tiny"
+    loaded = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "org/new", "lora_path": files["runtime"]["new"]})
+    assert loaded.status_code == 200, loaded.text
+    assert client.models.retrieve("org/new").id == "org/new"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_auto_tool_choice_needs_a_template_that_declares_tools(tmp_path_factory):
+    plain = make_files(tmp_path_factory)  # its chat template knows nothing of tools
+    proc, url = start_server(plain, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    try:
+        client = openai_client(url)
+        with pytest.raises(openai.BadRequestError, match="chat template that declares tools"):
+            client.chat.completions.create(model="tiny", messages=ASK, tools=[TIME], max_tokens=4)
+        named = {"type": "function", "function": {"name": "get_time"}}
+        out = client.chat.completions.create(model="tiny", messages=ASK, tools=[TIME], tool_choice=named, max_tokens=40)
+        assert out.choices[0].message.tool_calls[0].function.name == "get_time"
+    finally:
+        stop(proc)
