@@ -28,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 from safetensors.torch import save_file
@@ -36,7 +37,7 @@ from loramux import LoRAConfig
 from loramux.llm import LLM
 from loramux.models.llama import head_dim_of
 from loramux.models.loader import default_model_path
-from loramux.sampling_params import SamplingParams
+from loramux.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -99,8 +100,13 @@ def rounds(cases: dict, run, repeats: int) -> tuple[dict, dict]:
     return seconds, outputs
 
 
-def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False):
-    """base / single / mixed8 (and mixed8 with batch_invariant, same rounds), then the 32-slot engine's rows."""
+JSON_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4096}}, "required": ["text"]}
+"""The constrained rows' schema: a JSON string longer than any run, so they generate all their tokens too."""
+
+
+def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False, structured=False):
+    """base / single / mixed8 (and mixed8 with batch_invariant, or with a quarter of its requests JSON-schema
+    constrained, same rounds), then the 32-slot engine's rows."""
     n, eight = len(prompts), {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}
     engines = {"main": run_loramux(path, dtype, eight, prompts, params, 8)}
     mixed = [f"a{i % 8}" for i in range(n)]
@@ -108,10 +114,15 @@ def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_inva
     if batch_invariant:
         engines["invariant"] = run_loramux(path, dtype, eight, prompts, params, 8, batch_invariant=True)
         cases["mixed8_invariant"] = ("invariant", mixed)
+    if structured:
+        json_params = replace(params, structured_outputs=StructuredOutputsParams(json=json.dumps(JSON_TEXT)))
+        cases["mixed8_json25"] = ("main", mixed, [json_params if i % 4 == 0 else params for i in range(n)])
 
     def generate(case):
-        engine, adapters = case
-        return [o.token_ids for o in engines[engine].generate(prompts, params, adapters=adapters, use_tqdm=False)]
+        engine, adapters, case_params = (*case, params)[:3]
+        outs = engines[engine].generate(prompts, case_params, adapters=adapters, use_tqdm=False)
+        assert all(len(o.token_ids) == params.max_tokens for o in outs)  # every row generated all its tokens
+        return [o.token_ids for o in outs]
 
     seconds, outputs = rounds(cases, generate, repeats)
     engines.clear()
@@ -207,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per row; the best one is reported")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="also mixed8 with EngineConfig.batch_invariant (its cost: mixed8_invariant/mixed8)")
+    parser.add_argument("--structured", action="store_true",
+                        help="also mixed8 with 25%% of the requests JSON-schema constrained (mixed8_json25/mixed8)")
     parser.add_argument("--sweep", action="store_true", help="throughput curves and a PNG chart (loramux bench)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--distinct", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -239,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = requests * args.new_tokens
     for dtype in dtypes:
         seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats,
-                                           args.batch_invariant)
+                                           args.batch_invariant, args.structured)
         if not args.skip_hf:
             peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats)
             seconds |= peer_seconds
@@ -277,7 +290,7 @@ def print_report(report: dict, dtypes: list[str]) -> None:
 # Rows that one engine runs in the same rounds, back to back: the ratio of each round compares them under
 # the same machine conditions; the median of those per-round ratios is the least noisy of the three.
 PAIRED = {"mixed8/base": ("mixed8", "base"), "distinct32/single(max_loras=32)": ("distinct32", "single_max32"),
-          "mixed8_invariant/mixed8": ("mixed8_invariant", "mixed8")}
+          "mixed8_invariant/mixed8": ("mixed8_invariant", "mixed8"), "mixed8_json25/mixed8": ("mixed8_json25", "mixed8")}
 
 
 def paired_ratios(dtypes: list[str], runs_of) -> dict:

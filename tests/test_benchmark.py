@@ -19,11 +19,12 @@ def load_script():
 def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, capsys):
     model = save_checkpoint(tiny_llama(), tmp_path / "model")
     load_script().main(["--model", model, "--dtypes", "float32", "--requests", "4", "--prompt-len", "6",
-                        "--new-tokens", "3", "--repeats", "2", "--batch-invariant"])
+                        "--new-tokens", "3", "--repeats", "2", "--batch-invariant", "--structured"])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     row = report["float32"]
-    labels = {"base", "single", "mixed8", "mixed8_invariant", "single_max32", "distinct32", "hf_base", "peft_mixed8"}
+    labels = {"base", "single", "mixed8", "mixed8_invariant", "mixed8_json25", "single_max32", "distinct32", "hf_base",
+              "peft_mixed8"}
     assert set(row["runs_tok_s"]) == labels
     for label in labels:
         runs = row["runs_tok_s"][label]
@@ -38,4 +39,18 @@ def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, caps
     paired = statistics.median(m / b for m, b in zip(runs["mixed8"], runs["base"]))
     assert abs(report["ratios_paired"]["float32:mixed8/base"] - paired) < 1e-2 * paired
     assert set(report["ratios_paired"]) == {"float32:mixed8/base", "float32:distinct32/single(max_loras=32)",
-                                            "float32:mixed8_invariant/mixed8"}
+                                            "float32:mixed8_invariant/mixed8", "float32:mixed8_json25/mixed8"}
+
+
+def test_latency_reports_ttft_and_decode_speed_with_and_without_an_adapter(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("latency", SCRIPT.parent / "latency.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = save_checkpoint(tiny_llama(), tmp_path / "model")
+    module.main(["--model", model, "--dtype", "float32", "--prompt-len", "6", "--new-tokens", "4", "--repeats", "2",
+                 "--skip-llama-cpp", "--skip-served"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for phase in ("loramux", "loramux_lora"):
+        assert report[phase]["ttft_ms"] > 0 and report[phase]["decode_tok_s"] > 0
+        assert len(report[phase]["runs_decode_tok_s"]) == 2
+    assert set(report["ratios"]) == {"loramux_lora/loramux decode"}

@@ -1,0 +1,159 @@
+"""One user alone (issue 19): loramux against llama.cpp on the same GGUF, in one run.
+
+Phases, each on one request at a time (--prompt-len random prompt tokens, --new-tokens greedy new tokens,
+ignore_eos), --repeats times, medians reported:
+  loramux          LLM on the model (the embedded default: its GGUF, dequantized), no adapter
+  loramux_lora     the same with one random PEFT adapter (rank 16, all 7 projections)
+  llama_cpp        llama-cpp-python on the same GGUF file (quantized, as llama.cpp runs it), same threads
+  served           `loramux serve` with that adapter, driven by vLLM's load generator (`vllm bench serve`,
+                   --max-concurrency 1): one streaming client
+For each: time to first token (TTFT, the prompt's prefill included) and decode tok/s (the tokens after the
+first over the time after the first). Prints the ratios the issue's targets use and one JSON line.
+
+  .venv/bin/python benchmarks/latency.py [--dtype float32] [--skip-llama-cpp] [--skip-served]
+
+llama-cpp-python builds from source (`pip install llama-cpp-python`, ~10 minutes on 2 cores); `vllm bench
+serve` comes from vLLM's CPU build in its own venv (see benchmarks/README.md). Neither is imported by loramux.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from served import bench_serve, start_server  # noqa: E402
+from throughput import cpu_load, write_adapter  # noqa: E402
+
+from loramux import LoRAConfig  # noqa: E402
+from loramux.llm import LLM  # noqa: E402
+from loramux.models.loader import default_gguf_path, default_model_path  # noqa: E402
+from loramux.sampling_params import SamplingParams  # noqa: E402
+
+
+def summary(ttfts: list[float], decode: list[float]) -> dict:
+    return {"ttft_ms": statistics.median(ttfts) * 1000, "decode_tok_s": statistics.median(decode),
+            "runs_ttft_ms": [round(t * 1000, 1) for t in ttfts], "runs_decode_tok_s": [round(d, 1) for d in decode]}
+
+
+def loramux_alone(llm: LLM, prompt: list[int], adapter: str | None, args) -> dict:
+    """One request at a time through the engine's step loop: first token and the rest, timed apart."""
+    engine, params = llm.engine, SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    ttfts, decode = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        engine.add_request(prompt, params, adapter)
+        first = last = None
+        while engine.has_unfinished_requests():
+            engine.step()
+            last = time.perf_counter()
+            first = first or last
+        ttfts.append(first - start)
+        decode.append((args.new_tokens - 1) / (last - first))
+    return summary(ttfts, decode)
+
+
+def llama_cpp_alone(gguf: str, prompt: list[int], args) -> dict:
+    from llama_cpp import Llama
+
+    model = Llama(model_path=gguf, n_threads=torch.get_num_threads(), n_ctx=args.prompt_len + args.new_tokens + 8,
+                  verbose=False)
+    ttfts, decode = [], []
+    for _ in range(args.repeats + 1):  # the first run warms up
+        model.reset()
+        start = time.perf_counter()
+        first = None
+        for n, _token in enumerate(model.generate(prompt, temp=0.0), start=1):  # greedy; never stops on EOS itself
+            first = first or time.perf_counter()
+            if n == args.new_tokens:
+                break
+        last = time.perf_counter()
+        ttfts.append(first - start)
+        decode.append((args.new_tokens - 1) / (last - first))
+    return summary(ttfts[1:], decode[1:])
+
+
+def served_alone(args, path: str, adapter_dir: str, workdir: str) -> dict:
+    ns = argparse.Namespace(dtype=args.dtype, concurrency=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                            serve_args=[], vllm_venv=args.vllm_venv, quiet=True)
+    proc, url = start_server(ns, path, {"a0": adapter_dir})
+    try:
+        result = bench_serve(ns, url, path, ["a0"], workdir, "single",
+                             ["--num-prompts", str(args.repeats + 1), "--max-concurrency", "1"])
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return {"ttft_ms": result["p50_ttft_ms"], "tpot_ms": result["p50_tpot_ms"],
+            "decode_tok_s": 1000 / result["p50_tpot_ms"], "p99_tpot_ms": result["p99_tpot_ms"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
+    parser.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs (default: the embedded default's)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--skip-served", action="store_true")
+    parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv", help="a venv with vLLM (for `vllm bench serve`)")
+    args = parser.parse_args(argv)
+
+    path = args.model or default_model_path()
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(path)
+    prompt = torch.randint(10, hf_config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    workdir = tempfile.mkdtemp(prefix="loramux-latency-")
+    adapter_dir = write_adapter(os.path.join(workdir, "a0"), hf_config, 16, seed=0)
+    report = {"model": os.path.basename(path.rstrip("/")), "dtype": args.dtype, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "load_before": cpu_load()}
+    llm = LLM(model=path, lora=LoRAConfig(max_loras=1, max_lora_rank=16), dtype=args.dtype, max_num_seqs=1,
+              max_model_len=args.prompt_len + args.new_tokens + 16)
+    assert llm.load_adapter("a0", adapter_dir)
+    loramux_alone(llm, prompt, "a0", argparse.Namespace(new_tokens=4, repeats=1))  # warm-up (slot written too)
+    report["loramux"] = loramux_alone(llm, prompt, None, args)
+    report["loramux_lora"] = loramux_alone(llm, prompt, "a0", args)
+    del llm
+    if not args.skip_llama_cpp:
+        report["llama_cpp"] = llama_cpp_alone(args.gguf or default_gguf_path(), prompt, args)
+    if not args.skip_served:
+        report["served"] = served_alone(args, path, adapter_dir, workdir)
+    report["load_after"] = cpu_load()
+    report["ratios"] = ratios(report)
+    print_report(report)
+
+
+def ratios(report: dict) -> dict:
+    out = {"loramux_lora/loramux decode": report["loramux_lora"]["decode_tok_s"] / report["loramux"]["decode_tok_s"]}
+    if "llama_cpp" in report:
+        out["loramux/llama_cpp decode"] = report["loramux"]["decode_tok_s"] / report["llama_cpp"]["decode_tok_s"]
+        out["loramux/llama_cpp ttft"] = report["loramux"]["ttft_ms"] / report["llama_cpp"]["ttft_ms"]
+    if "served" in report:
+        step_ms = 1000 / report["loramux_lora"]["decode_tok_s"]
+        out["served tpot/offline step (lora)"] = report["served"]["tpot_ms"] / step_ms
+    return out
+
+
+def print_report(report: dict) -> None:
+    print(f"\n{report['model']} ({report['dtype']}), one request: {report['prompt_len']} prompt + "
+          f"{report['new_tokens']} new tokens, {report['threads']} threads; load average "
+          f"{report['load_before']:.2f} -> {report['load_after']:.2f}")
+    print(f"{'phase':<14}{'TTFT ms':>10}{'decode tok/s':>14}")
+    for phase in ("loramux", "loramux_lora", "llama_cpp", "served"):
+        if phase in report:
+            print(f"{phase:<14}{report[phase]['ttft_ms']:10.1f}{report[phase]['decode_tok_s']:14.1f}")
+    for label, value in report["ratios"].items():
+        print(f"  {label:<36}{value:6.2f}x")
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
