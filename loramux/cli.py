@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import runpy
 import sys
@@ -26,6 +28,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                              "streaming while long prompts start")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per step at most (default 4096; with chunked prefill, e.g. 256)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
+                             "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
 
 
 def _engine_config(args) -> EngineConfig:
@@ -34,7 +39,21 @@ def _engine_config(args) -> EngineConfig:
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads, **budget)
+                        enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
+                        batch_invariant=args.batch_invariant, **budget)
+
+
+def _log_to_stderr(level: str) -> None:
+    """uvicorn configures its own loggers only: loramux's (a request's `user`, adapters that failed to load,
+    the engine's supervision, shutdown) go to stderr at --log-level too."""
+    logger = logging.getLogger("loramux")
+    if not any(getattr(h, "loramux_cli", False) for h in logger.handlers):  # once per process
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        handler.loramux_cli = True
+        logger.addHandler(handler)
+    logger.setLevel("DEBUG" if level == "trace" else level.upper())  # trace: uvicorn's own, below debug
+    logger.propagate = False  # the root logger's handlers, if any, would print it twice
 
 
 def serve(args) -> None:
@@ -42,8 +61,12 @@ def serve(args) -> None:
 
     from loramux.server.app import build_app
 
-    config = _server_config(args)
-    app = build_app(_engine_config(args), config, args.lora_modules)
+    _log_to_stderr(args.log_level)
+    try:
+        config = _server_config(args)
+        app = build_app(_engine_config(args), config, args.lora_modules)
+    except ValueError as e:  # a flag's value: the message names it (no traceback for a typo)
+        sys.exit(f"loramux serve: {e}")
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -113,7 +136,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM3)")
     for flag, kind, field, help_text in _SERVER_LIMITS:
         p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
 
 
 def generate(args) -> None:
@@ -121,8 +144,7 @@ def generate(args) -> None:
     from loramux.sampling_params import SamplingParams
 
     config = _engine_config(args)
-    llm = LLM(model=config.model, lora=config.lora, dtype=config.dtype, max_num_seqs=config.max_num_seqs,
-              device=config.device, max_model_len=config.max_model_len)
+    llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})  # every engine flag
     for spec in args.lora_modules:
         result = llm.load_adapter(spec)
         if not result:

@@ -78,6 +78,16 @@ class Tokenizer:
                                             **{**self.special_tokens, **kwargs})
         return rendered[0]
 
+    def shows_tools(self) -> bool:
+        """Whether the chat template writes the tools it is given into the prompt (rendered with a probe
+        tool: a template that ignores `tools` cannot tell the model about them)."""
+        probe = "loramux_probe_function_7f3a"
+        tool = {"type": "function", "function": {"name": probe, "description": "probe", "parameters": {"type": "object"}}}
+        try:
+            return probe in self.render_chat([{"role": "user", "content": "hi"}], True, tools=[tool])
+        except Exception:  # a template that raises on tools (or has none) does not show them
+            return False
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered conversation; the template writes its own special tokens."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)

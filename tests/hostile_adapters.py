@@ -124,6 +124,12 @@ def build_corpus(good: str, root: str, outside: str) -> list[Case]:
     tensors("rank-zero", lambda ts: ts.update({KEY_A: ts[KEY_A][:0].contiguous(), KEY_B: ts[KEY_B][:, :0].contiguous()}),
             "rank 0 in its weights")
     tensors("only-a", lambda ts: ts.pop(KEY_B), "lora_A but not its pair")
+    config_r40 = lambda ts: ts.update({k: torch.cat([t] * 5, dim=0 if "lora_A" in k else 1).contiguous()
+                                        for k, t in ts.items()})  # rank 8 -> 40, above max_lora_rank=32
+    rank40 = _copy(good, root, "rank-above-max")
+    _edit_tensors(rank40, config_r40)
+    _edit_config(rank40, r=40)
+    cases.append(Case("rank-above-max", rank40, "above max_lora_rank=32"))
     unknown = _copy(good, root, "unknown-module")
     _edit_tensors(unknown, lambda ts: ts.update({KEY_A.replace("q_proj", "foo_proj"): ts[KEY_A].clone(),
                                                  KEY_B.replace("q_proj", "foo_proj"): ts[KEY_B].clone()}))
@@ -144,6 +150,7 @@ def build_corpus(good: str, root: str, outside: str) -> list[Case]:
     config("targets-bad-regex", "not a valid regular expression", target_modules="q_proj(")
     config("alpha-nan", "lora_alpha must be a finite number", lora_alpha=float("nan"))
     config("alpha-inf", "lora_alpha must be a finite number", lora_alpha=float("inf"))
+    config("alpha-huge", "scaling 1.25e+29 folded in", lora_alpha=1e30)  # finite, but scales B past any trained value
     config("rank-pattern-zero", "rank_pattern['q_proj'] must be a positive integer", rank_pattern={"q_proj": 0})
     config("dora", "DoRA", use_dora=True)
     config("peft-type", "peft_type='IA3'", peft_type="IA3")

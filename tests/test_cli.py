@@ -58,16 +58,32 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
           "--max-pending-requests", "9", "--max-pending-tokens", "999", "--max-pending-per-client", "3",
           "--max-prompts-per-request", "5", "--shutdown-timeout", "7", "--num-threads", "1",
           "--enable-chunked-prefill", "--max-num-batched-tokens", "96", "--enable-auto-tool-choice",
-          "--tool-call-parser", "hermes"])
+          "--tool-call-parser", "hermes", "--log-level", "debug"])
     assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2 and seen["grace"] == 12
     engine = seen["engine"]
     assert (engine.num_threads, engine.enable_chunked_prefill, engine.max_num_batched_tokens) == (1, True, 96)
+    assert engine.batch_invariant is False  # (refused with chunked prefill below)
+    import logging
+    assert logging.getLogger("loramux.server").getEffectiveLevel() == logging.DEBUG
     assert seen["server"].tool_call_parser == "hermes"
     server = seen["server"]
     assert server.max_body_bytes == 2048 and server.api_key == "k" and server.shutdown_timeout == 7
     assert (server.max_pending_requests, server.max_pending_tokens, server.max_pending_per_client,
             server.max_prompts_per_request) == (9, 999, 3, 5)
-    with pytest.raises(ValueError, match="max_body_bytes"):
+    with pytest.raises(SystemExit, match="max_body_bytes"):  # a bad value: its message, no traceback
         main(["serve", "--max-body-bytes", "0"])
+    with pytest.raises(SystemExit, match="cannot be combined with enable_chunked_prefill"):
+        main(["serve", "--batch-invariant", "--enable-chunked-prefill"])
+    main(["serve", "--batch-invariant"])
+    assert seen["engine"].batch_invariant is True
+
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice"):
         main(["serve", "--tool-call-parser", "hermes"])
+
+
+def test_serve_refuses_a_bare_path_that_is_no_adapter_name(monkeypatch):
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server must not start"))
+    with pytest.raises(SystemExit, match="a bare path names the adapter after itself.*write NAME=/abs/pirate"):
+        main(["serve", "--lora-modules", "/abs/pirate"])  # clients could never send that name as `model`

@@ -244,7 +244,8 @@ class CompletionChunks(_Chunks):
         parts = []
         if with_prompt and self.request.echo:
             first_token = c.request.prompt_token_ids[0]
-            parts.append(self.formatter.completion(c.prompt_logprobs or Logprobs(), offset, skip, first_token))
+            parts.append(self.formatter.completion(c.prompt_logprobs or Logprobs(), offset, skip, first_token,
+                                                   self.request.logprobs))
             offset = parts[0]["text_offset"][-1] + len(parts[0]["tokens"][-1])
         parts.append(self.formatter.completion(lp or Logprobs(), offset, skip))
         return merge_completion(parts)
@@ -252,7 +253,8 @@ class CompletionChunks(_Chunks):
     def _prompt_logprobs(self, c: Choice) -> list | None:
         if self.request.prompt_logprobs is None:
             return None
-        return self.formatter.vllm_prompt(c.prompt_logprobs or Logprobs(), self.request.skip_special_tokens)
+        return self.formatter.vllm_prompt(c.prompt_logprobs or Logprobs(), self.request.skip_special_tokens,
+                                          self.request.prompt_logprobs)
 
 
 class ChatChunks(_Chunks):
@@ -274,7 +276,9 @@ class ChatChunks(_Chunks):
 
     def choice(self, c: Choice) -> dict:
         """A whole (non-streamed) choice."""
-        content, calls = tools.parse(self.mode, c.text, self.request.tool_choice) if self.mode != "none" else (c.text, [])
+        request = self.request
+        content, calls = (tools.parse(self.mode, c.text, request.tool_choice, request.parallel_tool_calls)
+                          if self.mode != "none" else (c.text, []))
         return p.chat_choice(c.index, content, tools.finish_reason(self.mode, calls, c.finish_reason),
                              self.logprobs(c.logprobs), calls)
 
@@ -283,7 +287,10 @@ class ChatChunks(_Chunks):
                 for c in choices]
 
     def delta(self, choice: Choice, text: str) -> list[dict]:
-        stream = self._tools.setdefault(choice.index, tools.ToolStream(self.mode, self.request.tool_choice))
+        stream = self._tools.get(choice.index)
+        if stream is None:
+            stream = self._tools[choice.index] = tools.ToolStream(self.mode, self.request.tool_choice,
+                                                                  self.request.parallel_tool_calls)
         content = stream.feed(text) + (stream.finish() if choice.finish_reason is not None else "")
         new, events = choice.unsent_logprobs(), []
         if content or new is not None:

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import Request
 
-from loramux.adapters.names import parse_adapter_arg
+from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.server import protocol as p
@@ -45,6 +45,11 @@ def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
     for spec in lora_modules:
         try:
             name, path = parse_adapter_arg(spec)
+            if name == path:  # a bare path names the adapter after itself: clients send it as `model`
+                check_adapter_name(name)
+        except InvalidAdapterNameError as e:
+            raise ValueError(f"--lora-modules {spec}: a bare path names the adapter after itself, and {e}; "
+                             f"write NAME={spec}") from e
         except ValueError as e:
             raise ValueError(f"--lora-modules {spec}: {e}") from e
         registry[name] = AdapterSource(name, path)
@@ -63,6 +68,7 @@ class Frontend:
         self.tokenizer: Tokenizer | None = None
         self.inputs: InputProcessor | None = None
         self.logprobs: LogprobFormatter | None = None
+        self.template_shows_tools = False
         self.model_name = self.model_root = ""
         self.max_model_len = 0
         self.draining = False
@@ -81,6 +87,7 @@ class Frontend:
         that no longer load are dropped from the registry (their requests get 404 from now on)."""
         if self.tokenizer is None:
             self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir)
+            self.template_shows_tools = self.tokenizer.shows_tools()  # tool_choice "auto" needs it
             self.inputs = InputProcessor(self.tokenizer, EngineLimits(ready.max_model_len, ready.vocab_size))
             self.logprobs = LogprobFormatter(self.tokenizer)
             self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
@@ -133,10 +140,10 @@ class Frontend:
             raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
                                  f"{self.config.max_prompts_per_request} per request", code="too_many_prompts")
         if chat and self._check(lambda: request.check_tools(self.config.tool_call_parser)) == "auto":
-            if "tools" not in (self.tokenizer.chat_template or ""):
+            if not self.template_shows_tools:
                 raise HTTPError(400, 'tool_choice "auto" needs a chat template that declares tools; this model\'s '
                                      'does not (use tool_choice "required" or a named function)')
-        asked = request.max_tokens_for(chat)
+        asked = request.max_tokens_for()
         params = self._sampling_params(request, max(1, asked or self.max_model_len), 0)  # checked before tokenizing
         tools = request.tools if chat else None
         ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, chat, params,
@@ -146,7 +153,7 @@ class Frontend:
             logger.info("%s: user %r", rid, request.user)
         requests = []
         for i, prompt_ids in enumerate(ids):
-            max_tokens = request.max_tokens_for(chat)
+            max_tokens = request.max_tokens_for()
             max_tokens = self.inputs.max_tokens_left(len(prompt_ids)) if max_tokens is None else max_tokens
             if max_tokens == 0 and getattr(request, "echo", False):
                 max_tokens = 1  # the prompt alone (scored, with logprobs): the engine's one token is discarded

@@ -32,9 +32,11 @@ class LogprobFormatter:
             text = self._texts[token_id, skip_special] = self.tokenizer.decode([token_id], skip_special_tokens=skip_special)
         return text
 
-    def completion(self, lp: Logprobs, text_offset: int, skip_special: bool = True, first_token: int | None = None) -> dict:
+    def completion(self, lp: Logprobs, text_offset: int, skip_special: bool = True, first_token: int | None = None,
+                   top: int | None = None) -> dict:
         """The legacy layout for `lp`'s tokens, their text offsets counted from `text_offset`. first_token:
-        the prompt's first token, which has no logprob (echo), put before them."""
+        the prompt's first token, which has no logprob (echo), put before them. top: alternatives per token
+        at most (lp may hold more: the prompt's are computed once for echo and prompt_logprobs)."""
         tokens, logprobs, tops = [], [], []
         if first_token is not None:
             tokens.append(self.token(first_token, skip_special))
@@ -43,9 +45,10 @@ class LogprobFormatter:
         for i, token_id in enumerate(lp.token_ids):
             tokens.append(self.token(token_id, skip_special))
             logprobs.append(_finite(lp.logprobs[i]))
-            top = {self.token(t, skip_special): _finite(v) for t, v in zip(lp.top_ids[i], lp.top_logprobs[i])}
-            top.setdefault(tokens[-1], logprobs[-1])  # the chosen token is always among them, as in vLLM
-            tops.append(top)
+            alternatives = zip(lp.top_ids[i][:top], lp.top_logprobs[i][:top])
+            entry = {self.token(t, skip_special): _finite(v) for t, v in alternatives}
+            entry.setdefault(tokens[-1], logprobs[-1])  # the chosen token is always among them, as in vLLM
+            tops.append(entry)
         offsets = []
         for token in tokens:
             offsets.append(text_offset)
@@ -58,13 +61,13 @@ class LogprobFormatter:
                  "top_logprobs": [self._entry(t, v, skip_special) for t, v in zip(lp.top_ids[i], lp.top_logprobs[i])]}
                 for i, token_id in enumerate(lp.token_ids)]
 
-    def vllm_prompt(self, lp: Logprobs, skip_special: bool = True) -> list:
+    def vllm_prompt(self, lp: Logprobs, skip_special: bool = True, top: int | None = None) -> list:
         """vLLM's `prompt_logprobs`: null for the first token, then per token {id: {logprob, rank,
-        decoded_token}} for the token itself and its top alternatives."""
+        decoded_token}} for the token itself and its top alternatives (`top` at most)."""
         out: list = [None]
         for i, token_id in enumerate(lp.token_ids):
             entry = {str(t): {"logprob": _finite(v), "rank": rank + 1, "decoded_token": self.token(t, skip_special)}
-                     for rank, (t, v) in enumerate(zip(lp.top_ids[i], lp.top_logprobs[i]))}
+                     for rank, (t, v) in enumerate(zip(lp.top_ids[i][:top], lp.top_logprobs[i][:top]))}
             entry[str(token_id)] = {"logprob": _finite(lp.logprobs[i]), "rank": lp.ranks[i],
                                     "decoded_token": self.token(token_id, skip_special)}
             out.append(entry)

@@ -51,6 +51,8 @@ class Metrics:
         self.running = Gauge("loramux:num_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("loramux:num_requests_waiting", "Requests waiting to run", registry=r)
         self.adapters = Gauge("loramux:num_loaded_adapters", "Adapters loaded (any tier)", registry=r)
+        self.pinned = Gauge("loramux:num_pinned_adapters", "Adapters pinned (never evicted until unpinned or "
+                            "unloaded)", registry=r)
         self.kv_usage = Gauge("loramux:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", registry=r)
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
@@ -73,6 +75,7 @@ class Metrics:
             self.running.set(stats["num_running"])
             self.waiting.set(stats["num_waiting"])
             self.adapters.set(stats["num_adapters"])
+            self.pinned.set(len(stats["pinned"]))
             self.kv_usage.set(1 - stats["kv_blocks_free"] / max(1, stats["kv_blocks_total"]))
             self.lora_info.clear()
             self.lora_info.labels(str(stats["max_loras"]), ",".join(stats["running_adapters"]),

@@ -28,6 +28,7 @@ NOT_IMPLEMENTED = frozenset({
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "echo",
     "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens", "logits_processors", "structural_tag",
     "prompt_embeds", "priority", "mm_processor_kwargs", "vllm_xargs", "kv_transfer_params", "cache_salt",
+    "max_completion_tokens",  # chat's field; /v1/completions has max_tokens (a chat request declares it)
 })
 """Fields that would change the answer, which loramux does not implement: refused by name unless "off"."""
 OURS = {"add_generation_prompt": True, "spaces_between_special_tokens": True, "priority": 0, "length_penalty": 1.0}
@@ -53,7 +54,6 @@ class GenerationRequest(BaseModel):
 
     model: str
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -96,6 +96,10 @@ class GenerationRequest(BaseModel):
                        if k in NOT_IMPLEMENTED and not _matches_ours(k, v, chat))
         if self.best_of is not None and self.best_of != self.n:
             extra.append("best_of (other than n)")
+        options = {k for k, v in (self.stream_options or {}).items() if not _is_off(v)}
+        extra += sorted(f"stream_options.{k}" for k in options - {"include_usage"})  # continuous_usage_stats, ...
+        if options and not self.stream:  # as vLLM
+            raise ValueError("stream_options can only be set when stream is true")
         if extra:
             raise ValueError(f"unsupported field(s): {', '.join(extra)}. loramux does not implement "
                              f"{'them' if len(extra) > 1 else 'it'} and refuses rather than ignores a field "
@@ -131,10 +135,8 @@ class GenerationRequest(BaseModel):
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    def max_tokens_for(self, chat: bool) -> int | None:
+    def max_tokens_for(self) -> int | None:
         """The request's max_tokens; None = up to the model's length (chat without one)."""
-        if chat:
-            return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default, also for an explicit null
 
     def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
@@ -190,10 +192,11 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
     def sampling_params(self, max_tokens: int, seed_offset: int = 0) -> SamplingParams:
-        """echo with logprobs scores the prompt too: the prompt logprobs it needs are asked for here."""
+        """echo with logprobs scores the prompt too: the prompt logprobs it needs are asked for here (as many
+        alternatives as logprobs or prompt_logprobs asks, whichever is more; each answer shows its own count)."""
         params = super().sampling_params(max_tokens, seed_offset)
-        if self.echo and self.logprobs is not None and params.prompt_logprobs is None:
-            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        if self.echo and self.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=max(self.logprobs, params.prompt_logprobs or 0))
         return params
 
     def prompts(self) -> list:
@@ -208,6 +211,7 @@ class CompletionRequest(GenerationRequest):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list = Field(min_length=1)  # each message is checked by the InputProcessor (one place for both APIs)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
@@ -233,10 +237,15 @@ class ChatCompletionRequest(GenerationRequest):
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: a chat stream has no place for them
+            raise ValueError("prompt_logprobs are not available when stream is true on /v1/chat/completions")
         return self
 
     def logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def max_tokens_for(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class TokenizeRequest(BaseModel):

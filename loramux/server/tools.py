@@ -82,9 +82,10 @@ def tool_call(name: str, arguments) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def parse(mode: str, text: str, tool_choice=None) -> tuple[str | None, list[dict]]:
+def parse(mode: str, text: str, tool_choice=None, parallel: bool | None = None) -> tuple[str | None, list[dict]]:
     """(content, tool calls) from a finished choice's text. Text that does not parse (cut by max_tokens, or a
-    model that wrote something else) stays content, with no calls."""
+    model that wrote something else) stays content, with no calls. parallel False: the first call only (in
+    "required" mode the grammar already allows one)."""
     try:
         if mode == "named":
             json.loads(text)
@@ -92,7 +93,8 @@ def parse(mode: str, text: str, tool_choice=None) -> tuple[str | None, list[dict
         if mode == "required":
             return None, [tool_call(c["name"], c["parameters"]) for c in json.loads(text)]
         if mode == "auto":
-            return _parse_hermes(text)
+            content, calls = _parse_hermes(text)
+            return content, calls[:1] if parallel is False else calls
     except (ValueError, KeyError, TypeError):
         pass
     return text, []
@@ -106,8 +108,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[dict]]:
     for match in _HERMES.finditer(text):
         call = json.loads(match.group(1) or match.group(2))
         calls.append(tool_call(call["name"], call.get("arguments", {})))
-    content = text[:start].strip()
-    return content or None, calls
+    return text[:start] or None, calls  # as it streamed: the text before the first call, whitespace included
 
 
 def finish_reason(mode: str, calls: list[dict], reason: str | None) -> str | None:
@@ -124,6 +125,7 @@ class ToolStream:
 
     mode: str
     tool_choice: object = None
+    parallel: bool | None = None
     held: str = ""
     calls: list[dict] = field(default_factory=list)
 
@@ -142,7 +144,7 @@ class ToolStream:
         """At the end: the rest of the content (self.calls set)."""
         if self.mode == "none":
             return ""
-        content, self.calls = parse(self.mode, self.held, self.tool_choice)
+        content, self.calls = parse(self.mode, self.held, self.tool_choice, self.parallel)
         return content or ""
 
 

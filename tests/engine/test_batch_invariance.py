@@ -1,6 +1,6 @@
 """EngineConfig.batch_invariant: a request's greedy tokens are the same alone and in any batch, in bfloat16
-too. (Measured without it on this test's model: the tokens differed in 4 of 16 request/batch pairs on a
-2-core AVX2 CPU; fp32 hides such differences, bf16 rounds them into different tokens.) ~20 s."""
+too. Without it, the test prints how many of its request/batch pairs differ (CPU-dependent: 5 of 6 on a 2-core
+AVX2 CPU; fp32 hides such differences, bf16 rounds them into different tokens). ~30 s."""
 import pytest
 import torch
 
@@ -31,17 +31,25 @@ def prompts(n, seed=1):
             for _ in range(n)]
 
 
-def test_bf16_tokens_do_not_depend_on_batch_mates(model):
-    _, path, adapters = model
-    llm = make(path, adapters, "bfloat16", batch_invariant=True)
+def differing_pairs(llm) -> list[tuple[int, int]]:
+    """The (request, batch size) pairs whose greedy tokens in a batch differ from the request's alone."""
     params = SamplingParams(max_tokens=56, temperature=0, ignore_eos=True)
-    inputs, names = prompts(40), [None, "a0", "a1", "a2"]
-    for target in (1, 2):  # without batch_invariant, request 1 diverges at its 49th token in every batch here
+    inputs, names, differ = prompts(40), [None, "a0", "a1", "a2"], []
+    for target in (1, 2):
         alone = llm.generate([inputs[target]], params, adapters=names[target], use_tqdm=False)[0].token_ids
         for size in (2, 13, 32):  # prefilled together with others, decoded in batches of every size
             batch = [inputs[target]] + inputs[4:4 + size - 1]
             mates = [names[target]] + [names[j % 4] for j in range(size - 1)]
-            assert llm.generate(batch, params, adapters=mates, use_tqdm=False)[0].token_ids == alone, (target, size)
+            if llm.generate(batch, params, adapters=mates, use_tqdm=False)[0].token_ids != alone:
+                differ.append((target, size))
+    return differ
+
+
+def test_bf16_tokens_do_not_depend_on_batch_mates(model):
+    _, path, adapters = model
+    without = differing_pairs(make(path, adapters, "bfloat16"))  # the figure the mode exists for (CPU-dependent)
+    print(f"\nbf16 without batch_invariant: {len(without)} of 6 request/batch pairs differ from the request alone")
+    assert differing_pairs(make(path, adapters, "bfloat16", batch_invariant=True)) == []
 
 
 def test_fp32_batch_invariant_mode_still_equals_hf_peft(model):

@@ -11,7 +11,7 @@ import pytest
 
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
-from serving import CHAT_TEMPLATE, make_files, openai_client, start_server, stop
+from serving import CHAT_TEMPLATE, make_files, openai_client, server_log, start_server, stop
 
 MAX_LEN = 256  # a character-level tokenizer: a tool call's JSON is ~60 tokens
 
@@ -29,11 +29,16 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(files):
+def served(files):
     proc, url = start_server(files, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                             "--max-model-len", str(MAX_LEN))
-    yield url
+                             "--max-model-len", str(MAX_LEN), "--log-level", "info")
+    yield proc, url
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +177,11 @@ def test_vllm_prompt_logprobs_extra_field(client, offline):
     ("chat", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ("chat", {"logprobs": True, "top_logprobs": 30}, "logprobs must be null or an integer in [0, 20]"),
     ("chat", {"echo": True}, "unsupported field(s): echo"),
+    ("completions", {"prompt": "a", "max_completion_tokens": 3}, "unsupported field(s): max_completion_tokens"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options can only be set when stream is true"),
+    ("chat", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs are not available when stream is true"),
+    ("chat", {"prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low"},
+     "unsupported field(s): prediction, reasoning_effort"),
 ])
 def test_fields_out_of_range_or_not_implemented_are_refused_by_name(client, api, body, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -182,7 +192,7 @@ def test_fields_out_of_range_or_not_implemented_are_refused_by_name(client, api,
     assert words in e.value.message
 
 
-def test_fields_sent_with_their_off_value_and_harmless_ones_are_accepted(client):
+def test_fields_sent_with_their_off_value_and_harmless_ones_are_accepted(client, served):
     body = {"logit_bias": None, "tools": [], "functions": None, "user": "someone", "best_of": 1, "suffix": None,
             "made_up_field": 1, "store": False, "metadata": {"k": "v"}, "add_generation_prompt": True,
             "add_special_tokens": False, "priority": 0, "n": None, "stream": None, "logprobs": None,
@@ -190,6 +200,7 @@ def test_fields_sent_with_their_off_value_and_harmless_ones_are_accepted(client)
     out = client.chat.completions.create(model="s0", messages=[{"role": "user", "content": "a"}], max_tokens=2,
                                          extra_body=body)
     assert out.choices[0].finish_reason in ("length", "stop")
+    assert "user 'someone'" in server_log(served[0])  # `user` is logged, as OpenAI means it to be used
 
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -308,7 +319,7 @@ def test_auto_tool_choice_parses_hermes_calls_and_keeps_the_content(client):
                 extra_body={"structured_outputs": {"regex": forced}})
     out = client.chat.completions.create(**args)
     message = out.choices[0].message
-    assert message.content == "Sure." and out.choices[0].finish_reason == "tool_calls"
+    assert message.content == "Sure. " and out.choices[0].finish_reason == "tool_calls"  # as streamed
     assert len(message.tool_calls) == 1
     check_call(message.tool_calls[0], ("get_time",))
     chunks = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]

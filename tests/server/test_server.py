@@ -13,8 +13,8 @@ import pytest
 
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
-from serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, openai_client, start_server,
-                     stop)
+from serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, metric, openai_client,
+                     start_server, stop)
 
 KEY = "test-key"
 
@@ -395,13 +395,18 @@ def test_the_hostile_adapter_corpus_gets_400s_and_changes_nothing(files, http, c
     print(f"\nhostile corpus over HTTP: {len(cases)} adapters and {len(BAD_NAMES) + 1} names refused; outputs unchanged")
 
 
-def test_pin_and_unpin_routes(files, http, client):
+def test_pin_and_unpin_routes(files, server, http, client):
     load = http.post("/v1/load_lora_adapter", json={"lora_name": "pinme", "lora_path": f"{files['allowed']}/new",
                                                     "pinned": True})
     assert load.status_code == 200
+    pinned = lambda: metric(server, "loramux:num_pinned_adapters", http.headers)  # as the engine's cache says
+    assert pinned() == 1
     assert http.post("/v1/unpin_lora_adapter", json={"lora_name": "pinme"}).status_code == 200
+    assert pinned() == 0
     assert http.post("/v1/pin_lora_adapter", json={"lora_name": "pinme"}).status_code == 200
+    assert pinned() == 1
     missing = http.post("/v1/pin_lora_adapter", json={"lora_name": "ghost"})
     assert missing.status_code == 404 and "ghost" in missing.json()["error"]["message"]
     assert client.completions.create(model="pinme", prompt="p", max_tokens=4, temperature=0).choices[0].text is not None
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "pinme"}).status_code == 200  # a pin ends with it
+    assert pinned() == 0

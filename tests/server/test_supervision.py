@@ -46,6 +46,11 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
         first = next(iter(stream))
         pid = engine_pid(proc.pid)
         os.kill(pid, signal.SIGSTOP)  # hold it mid-request, then kill it
+        unload = []  # an unload the engine never answers: the name must stay usable (and unloadable) after
+        asking = threading.Thread(target=lambda: unload.append(
+            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s2"}, timeout=60)))
+        asking.start()
+        time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         chunks = [first]
         with pytest.raises(openai.APIError, match="engine"):
@@ -57,6 +62,10 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
         print(f"\nkill -9 of the engine: healthy again after {time.monotonic() - killed:.1f} s")
         assert engine_pid(proc.pid) != pid
         assert {m: complete(url, m) for m in before} == before  # the runtime-loaded adapter is back too
+        asking.join(10)
+        assert unload[0].status_code == 503, unload[0].text
+        assert "s2" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] and complete(url, "s2")
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s2"}).status_code == 200
         assert metric(url, "loramux:engine_restarts") == 1.0
         assert "the engine process exited (code -9)" in server_log(proc)
     finally:
@@ -131,6 +140,38 @@ def test_sigterm_refuses_new_work_ends_what_outlives_the_grace_period_and_exits_
         httpx.get(f"{url}/health", timeout=2)
 
 
+def test_sigterm_lets_a_running_request_finish_within_the_grace_period(files):
+    proc, url = start_server(files, "--shutdown-timeout", "30")
+    client = openai_client(url)
+    stream = iter(client.completions.create(model="s1", prompt="x", max_tokens=30, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True}))
+    text = next(stream).choices[0].text
+    pid = engine_pid(proc.pid)
+    os.kill(pid, signal.SIGSTOP)  # the request is still running when the signal comes
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: health(url) != 200, 10, "the server stops taking work")
+    with pytest.raises(httpx.HTTPError):  # a new request is not served (connection refused, or 503 on a kept one)
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+        response.raise_for_status()
+    os.kill(pid, signal.SIGCONT)
+    chunks = list(stream)
+    text += "".join(c.choices[0].text for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert text == complete_offline(files, "s1", "x", 30)  # every token, as if no signal had come
+    assert proc.wait(20) == 0
+
+
+def complete_offline(files, adapter: str, prompt: str, max_tokens: int) -> str:
+    from loramux import LoRAConfig, SamplingParams
+    from loramux.llm import LLM
+
+    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=1, max_lora_rank=32), dtype="float32",
+              kv_cache_memory=2**22)
+    assert llm.load_adapter(adapter, files["served"][adapter])
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return llm.generate(prompt, params, adapters=adapter, use_tqdm=False)[0].text
+
+
 def test_past_the_admission_limits_requests_get_429_with_retry_after(files):
     proc, url = start_server(files, "--max-pending-requests", "2", "--max-pending-per-client", "0")
     try:
@@ -154,6 +195,42 @@ def test_past_the_admission_limits_requests_get_429_with_retry_after(files):
             t.join(30)
         assert [r.status_code for r in results] == [200, 200]
         assert complete(url, "tiny")  # room again
+    finally:
+        stop(proc)
+
+
+def test_the_token_and_per_client_limits_get_429_naming_the_limit(files):
+    proc, url = start_server(files, "--max-pending-tokens", "40", "--max-pending-per-client", "1")
+    try:
+        pid = engine_pid(proc.pid)
+        os.kill(pid, signal.SIGSTOP)  # nothing finishes while the limits are probed
+        results = []
+
+        def ask(client: str, max_tokens: int):
+            results.append(httpx.post(f"{url}/v1/completions", timeout=30, headers={"Authorization": client},
+                                      json={"model": "tiny", "prompt": "abc", "max_tokens": max_tokens,
+                                            "temperature": 0}))
+
+        first = threading.Thread(target=ask, args=("a", 8))
+        first.start()
+        wait_until(lambda: metric(url, "loramux:pending_requests") == 1, 10, "client a's request in flight")
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 8}
+        again = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "a"}, timeout=10)
+        assert again.status_code == 429 and int(again.headers["retry-after"]) >= 1
+        assert "this client has 1 requests in flight (limit 1)" in again.json()["error"]["message"]
+        pending = metric(url, "loramux:pending_tokens")  # client a's prompt + max_tokens
+        too_long = httpx.post(f"{url}/v1/completions", headers={"Authorization": "b"}, timeout=10,
+                              json={**body, "max_tokens": int(41 - pending)})
+        assert too_long.status_code == 429
+        assert f"{pending:.0f} tokens are in flight (limit 40)" in too_long.json()["error"]["message"]
+        second = threading.Thread(target=ask, args=("b", 4))  # another client, within the token budget
+        second.start()
+        wait_until(lambda: metric(url, "loramux:pending_requests") == 2, 10, "client b's request in flight")
+        os.kill(pid, signal.SIGCONT)
+        first.join(30)
+        second.join(30)
+        assert [r.status_code for r in results] == [200, 200]
+        assert metric(url, "loramux:pending_tokens") == 0
     finally:
         stop(proc)
 

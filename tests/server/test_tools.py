@@ -20,11 +20,15 @@ def test_auto_needs_a_parser_as_in_vllm():
 def test_hermes_calls_and_content():
     text = 'I will look.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>{"name": "g"}'
     content, calls = tools.parse("auto", text)
-    assert content == "I will look." and [c["function"]["name"] for c in calls] == ["f", "g"]
+    assert content == "I will look.\n" and [c["function"]["name"] for c in calls] == ["f", "g"]  # as streamed
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": 1} and calls[1]["function"]["arguments"] == "{}"
     assert tools.parse("auto", "no calls here") == ("no calls here", [])
     assert tools.parse("auto", "<tool_call>{broken") == ("<tool_call>{broken", [])  # unparsable: left as content
     assert tools.parse("required", '[{"name": "f", "par') == ('[{"name": "f", "par', [])  # cut by max_tokens
+    _, first = tools.parse("auto", text, parallel=False)  # parallel_tool_calls false: the first call only
+    assert [c["function"]["name"] for c in first] == ["f"]
+    stream = tools.ToolStream("auto", parallel=False)
+    assert stream.feed(text) + stream.finish() == "I will look.\n" and len(stream.calls) == 1
 
 
 def test_streaming_holds_back_what_may_start_a_call():
