@@ -18,6 +18,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept in host memory")
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                        help="the base model's weights: (not given) as the checkpoint is, a GGUF or GPTQ/AWQ stays "
+                             "quantized; none = dequantized to --dtype; int8 / int4 = quantized at load")
+    parser.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
+                        help="inputs per scale for --quantization int4")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -37,7 +42,8 @@ def _engine_config(args) -> EngineConfig:
     lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_cpu_loras, args.max_loras),
                       max_lora_rank=args.max_lora_rank)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora,
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,
+                        quantization_group_size=args.quantization_group_size,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                         batch_invariant=args.batch_invariant, **budget)

@@ -74,8 +74,9 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
         main(["serve", "--max-body-bytes", "0"])
     with pytest.raises(SystemExit, match="cannot be combined with enable_chunked_prefill"):
         main(["serve", "--batch-invariant", "--enable-chunked-prefill"])
-    main(["serve", "--batch-invariant"])
+    main(["serve", "--batch-invariant", "--quantization", "int4", "--quantization-group-size", "64"])
     assert seen["engine"].batch_invariant is True
+    assert (seen["engine"].quantization, seen["engine"].quantization_group_size) == ("int4", 64)
 
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice"):
         main(["serve", "--tool-call-parser", "hermes"])

@@ -22,6 +22,7 @@ from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
 from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
+from loramux.layers.quantized import QuantizedLinear
 from loramux.ops import select_backend, wants_grouped_tokens
 
 logger = logging.getLogger(__name__)
@@ -79,10 +80,10 @@ class LoRAManager:
         linear = set()  # what PEFT's "all-linear" stands for here: every Linear but the output head
         for name, module in self.model.named_modules():
             attr = name.rsplit(".", 1)[-1]
-            if isinstance(module, (nn.Linear, LoRALinear)) and attr not in _OUTPUT_HEADS:
+            if isinstance(module, (nn.Linear, QuantizedLinear, LoRALinear)) and attr not in _OUTPUT_HEADS:
                 linear.update(packed.get(attr, (attr,)))
-            if not isinstance(module, nn.Linear):
-                continue  # a LoRALinear is no nn.Linear, so nothing is wrapped twice
+            if not isinstance(module, (nn.Linear, QuantizedLinear)):
+                continue  # a LoRALinear is neither, so nothing is wrapped twice
             if attr in targets or targets & set(packed.get(attr, ())):
                 found.append((name, module, packed.get(attr)))
         if not found:

@@ -50,7 +50,8 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        loaded = load_model(config.model, config.dtype, self.device, config.max_model_len)
+        loaded = load_model(config.model, config.dtype, self.device, config.max_model_len, config.quantization,
+                            config.quantization_group_size)
         self.config = replace(config, max_model_len=loaded.max_model_len)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         lora = self.config.lora

@@ -21,7 +21,8 @@ from loramux.engine.output import Logprobs
 from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_logprobs
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
-from loramux.ops import LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend
+from loramux.ops import (LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend,
+                         select_quant_backend)
 from loramux.ops.attention_torch import decode_attention_by_length
 
 INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
@@ -66,15 +67,19 @@ class ModelRunner:
         self.block_size = config.block_size
         lora_backend = "torch-fixed-rows" if config.batch_invariant else config.lora_backend
         self.manager = LoRAManager(self.model, config.lora, lora_backend, cache) if cache else None
-        self.dtype = self.model.model.embed_tokens.weight.dtype
+        self.dtype = loaded.dtype
+        self.weight_bytes = loaded.weight_bytes
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
         if config.batch_invariant:
             fix_linear_rows(self.model, INVARIANT_ROWS)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
-        for module in self.model.modules():  # RMSNorm, SiluAndMul, RotaryEmbedding name the ops they run
+        quant = select_quant_backend(config.quant_backend, device)
+        for module in self.model.modules():  # layers name the ops they run: RMSNorm, SiluAndMul, QuantizedLinear, ...
             for attr, name in getattr(module, "pointwise_ops", {}).items():
                 setattr(module, attr, getattr(pointwise, name))
+            for attr, name in getattr(module, "quant_ops", {}).items():
+                setattr(module, attr, getattr(quant, name))
         self.argmax = pointwise.argmax  # greedy sampling
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)

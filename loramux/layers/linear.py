@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from loramux.layers.quantized import QuantizedLinear
+
 
 class PackedLinear(nn.Linear):
     """`output_sizes` says which output columns belong to which projection; LoRAManager reads it to
@@ -59,8 +61,9 @@ class FixedRowsLinear(nn.Module):
 
 
 def fix_linear_rows(model: nn.Module, rows: int = 32) -> int:
-    """Wrap every Linear in `model` (prepacked or not; LoRA layers' base Linears too) in a FixedRowsLinear."""
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, PrepackedLinear))]
+    """Wrap every Linear in `model` (prepacked, quantized or not; LoRA layers' base Linears too) in a
+    FixedRowsLinear."""
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, PrepackedLinear, QuantizedLinear))]
     for name, linear in targets:
         prefix, _, attr = name.rpartition(".")
         parent = model.get_submodule(prefix) if prefix else model

@@ -44,7 +44,8 @@ class LoRALinear(nn.Module):
         if sum(self.output_slices) != base.out_features:
             raise ValueError(f"output slices {self.output_slices} do not add up to {base.out_features}")
         a_rows = len(self.output_slices) * max_rank
-        kw = dict(dtype=base.weight.dtype, device=base.weight.device)
+        ref = base.weight if isinstance(base, nn.Linear) else base  # a QuantizedLinear says its activations' dtype
+        kw = dict(dtype=ref.dtype, device=ref.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, a_rows, base.in_features, **kw), persistent=False)
         rank_major = torch.zeros(max_loras, max_rank, base.out_features, **kw)
         self.register_buffer("lora_b", rank_major.transpose(1, 2), persistent=False)  # [max_loras, out, max_rank]

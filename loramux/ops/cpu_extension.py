@@ -18,6 +18,9 @@ import torch
 logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
+KERNEL_CPU_FLAGS = {"quant_cpu": ("avx2", "fma", "f16c")}  # plain loops the compiler vectorizes: AVX2 is enough
+# quant_cpu decodes weights bit for bit as gguf-py does (a * q + b rounded twice): no contraction into FMAs
+KERNEL_CFLAGS = {"quant_cpu": ["-ffp-contract=off"]}
 
 
 def _cpu_flags() -> set[str]:
@@ -44,7 +47,7 @@ def _put_ninja_on_path() -> None:
 @functools.cache
 def load_extension(name: str):
     """The compiled module for csrc/<name>.cpp, or None where this machine cannot build or run it."""
-    missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in _cpu_flags()]
+    missing = [flag for flag in KERNEL_CPU_FLAGS.get(name, REQUIRED_CPU_FLAGS) if flag not in _cpu_flags()]
     if missing:
         logger.info("CPU kernel %s off: this CPU lacks %s", name, ", ".join(missing))
         return None
@@ -52,7 +55,8 @@ def load_extension(name: str):
 
     _put_ninja_on_path()
     source = os.path.join(CSRC, f"{name}.cpp")
-    digest = hashlib.sha256(torch.__version__.encode())
+    cflags = ["-O3", "-march=native", "-fopenmp", *KERNEL_CFLAGS.get(name, [])]
+    digest = hashlib.sha256((torch.__version__ + " ".join(cflags)).encode())
     for path in [source] + sorted(glob.glob(os.path.join(CSRC, "*.h"))):  # shared headers rebuild every kernel
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -62,7 +66,7 @@ def load_extension(name: str):
     os.makedirs(build_dir, exist_ok=True)
     try:
         return load(name=f"loramux_{name}_{digest}", sources=[source], build_directory=build_dir,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                    extra_cflags=cflags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         logger.warning("CPU kernel %s could not be built (%s); using the torch path", name, e)
         return None

@@ -202,6 +202,7 @@ class EngineLoop:
             "num_adapters": len(manager.loras) if manager else 0,
             "pinned": sorted(name_of(k) for k in manager.cache.pinned) if manager else [],
             "kv_blocks_total": core.block_manager.num_blocks, "kv_blocks_free": core.block_manager.num_free_blocks,
+            "weight_bytes": core.runner.weight_bytes,
             "finished": dict(core.num_finished),
         }
 

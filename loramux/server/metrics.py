@@ -54,6 +54,8 @@ class Metrics:
         self.pinned = Gauge("loramux:num_pinned_adapters", "Adapters pinned (never evicted until unpinned or "
                             "unloaded)", registry=r)
         self.kv_usage = Gauge("loramux:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", registry=r)
+        self.weight_bytes = Gauge("loramux:model_weight_bytes", "Bytes of the base model's weights (quantized ones "
+                                  "as stored)", registry=r)
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
@@ -76,6 +78,7 @@ class Metrics:
             self.waiting.set(stats["num_waiting"])
             self.adapters.set(stats["num_adapters"])
             self.pinned.set(len(stats["pinned"]))
+            self.weight_bytes.set(stats["weight_bytes"])
             self.kv_usage.set(1 - stats["kv_blocks_free"] / max(1, stats["kv_blocks_total"]))
             self.lora_info.clear()
             self.lora_info.labels(str(stats["max_loras"]), ",".join(stats["running_adapters"]),

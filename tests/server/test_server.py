@@ -223,6 +223,21 @@ def test_metrics_in_prometheus_format(http, client):
         assert name in text, name
 
 
+def test_a_quantized_base_serves_adapters_and_reports_its_weight_bytes(files, server, http):
+    proc, url = start_server(files, "--quantization", "int4", "--quantization-group-size", "32")
+    try:
+        plain, quantized = metric(server, "loramux:model_weight_bytes", http.headers), metric(url, "loramux:model_weight_bytes")
+        assert 0 < quantized < plain * 0.75  # the head stays plain; every other projection is int4
+        body = {"model": "s1", "prompt": "quant", "max_tokens": 8, "temperature": 0}
+        text = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=1, max_lora_rank=32), dtype="float32",
+                  quantization="int4", quantization_group_size=32, kv_cache_memory=2**22, max_model_len=MAX_MODEL_LEN)
+        assert llm.load_adapter("s1", files["served"]["s1"])
+        assert text == llm.generate("quant", SamplingParams(max_tokens=8, temperature=0), adapters="s1")[0].text
+    finally:
+        stop(proc)
+
+
 def test_a_dead_engine_gives_fast_503s(files):
     proc, url = start_server(files)
     try:

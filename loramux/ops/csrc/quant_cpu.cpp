@@ -1,0 +1,411 @@
+// Weight-only quantized linear layers on CPU: y = x @ W^T (+ bias), W stored as raw blocks (the formats of
+// ops/quant_torch.py: GGUF q8_0, q4_0, q4_1, q4_k, q5_k, q6_k as gguf-py/llama.cpp lay them out; i8c; i4g<G>).
+//
+//   qlinear(x [M, K] f32|bf16, data [N, row_bytes] u8, fmt, K, bias [N] | None) -> y [M, N] (x's dtype)
+//   dequantize(data, fmt, K, dtype) -> W [N, K] (f32 | bf16)
+//
+// Every block decodes in runs of 32 weights (w = a * q + b, fp32 a and b per group of 16 or 32: the same
+// values gguf-py's dequantize gives); x is widened to fp32 and the sums are fp32, so the result is the
+// reference's (dequantize to fp32, then matmul) up to the order of the sums.
+// Few rows (decode, M <= kFusedRows): each weight row is decoded once and dotted with every row of x while
+// its 32 weights sit in registers: the weights stream from memory once per call, the cost at batch 1.
+// More rows (prefill): panels of W are decoded into a buffer and multiplied by torch's GEMM (oneDNN).
+// Written as plain loops over 32 lanes that the compiler vectorizes (-march=native: AVX2 or AVX-512).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+namespace {
+
+constexpr int64_t kFusedRows = 8;   // up to this many x rows: the fused decode-and-dot path
+constexpr int64_t kPanelBytes = 4 << 20;  // GEMM path: W decoded this many bytes of rows at a time
+
+static inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef __F16C__
+  return _cvtsh_ss(h);  // one instruction (c10::Half's portable conversion is a few dozen)
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+static inline float f32(const uint8_t* p) {
+  float v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- decoders: run r (32 weights) of the block at p -> out[32] ---------------------------------------
+// 16 bytes of nibbles -> 32 weights a * q (+ b): low nibbles are elements 0-15, high nibbles 16-31.
+static inline void nibbles32(const uint8_t* q, float a, float b, int offset, float* out) {
+  for (int i = 0; i < 16; ++i) out[i] = a * static_cast<float>((q[i] & 0xF) + offset) + b;
+  for (int i = 0; i < 16; ++i) out[i + 16] = a * static_cast<float>((q[i] >> 4) + offset) + b;
+}
+
+struct Q8_0 {
+  static constexpr int64_t kElems = 32, kBytes = 34;
+  static inline void decode(const uint8_t* p, int, float* out) {
+    const float d = f16(p);
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
+  }
+};
+
+struct Q4_0 {
+  static constexpr int64_t kElems = 32, kBytes = 18;
+  static inline void decode(const uint8_t* p, int, float* out) {
+    nibbles32(p + 2, f16(p), -0.0f, -8, out);  // d * (q - 8) (+ -0: exact, keeps a zero's sign as gguf-py)
+  }
+};
+
+struct Q4_1 {
+  static constexpr int64_t kElems = 32, kBytes = 20;
+  static inline void decode(const uint8_t* p, int, float* out) {
+    nibbles32(p + 4, f16(p), f16(p + 2), 0, out);
+  }
+};
+
+// q4_k / q5_k: sub-block j (of 8) has a 6-bit scale and min packed in 12 bytes
+static inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+struct Q4_K {
+  static constexpr int64_t kElems = 256, kBytes = 144;
+  static inline void decode(const uint8_t* p, int r, float* out) {
+    int sc, mn;
+    scale_min_k4(r, p + 4, &sc, &mn);
+    const float d = f16(p) * static_cast<float>(sc), dm = f16(p + 2) * static_cast<float>(mn);
+    const uint8_t* q = p + 16 + (r / 2) * 32;  // runs 2i and 2i+1 share 32 bytes (low, then high nibbles)
+    const int shift = (r % 2) * 4;
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>((q[i] >> shift) & 0xF) - dm;
+  }
+};
+
+struct Q5_K {
+  static constexpr int64_t kElems = 256, kBytes = 176;
+  static inline void decode(const uint8_t* p, int r, float* out) {
+    int sc, mn;
+    scale_min_k4(r, p + 4, &sc, &mn);
+    const float d = f16(p) * static_cast<float>(sc), dm = f16(p + 2) * static_cast<float>(mn);
+    const uint8_t* qh = p + 16;
+    const uint8_t* q = p + 48 + (r / 2) * 32;
+    const int shift = (r % 2) * 4;
+    for (int i = 0; i < 32; ++i) {
+      const int v = ((q[i] >> shift) & 0xF) | (((qh[i] >> r) & 1) << 4);
+      out[i] = d * static_cast<float>(v) - dm;
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int64_t kElems = 256, kBytes = 210;
+  static inline void decode(const uint8_t* p, int r, float* out) {
+    // half h = r / 4 (128 weights): run j = r % 4 takes ql[l + 32 * (j % 2)] nibble (j / 2) and qh bits 2j
+    const int h = r / 4, j = r % 4;
+    const uint8_t* ql = p + h * 64 + (j % 2) * 32;
+    const uint8_t* qh = p + 128 + h * 32;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192) + h * 8;
+    const float d = f16(p + 208);
+    const int shift = (j / 2) * 4;
+    const float d0 = d * static_cast<float>(scales[2 * j]), d1 = d * static_cast<float>(scales[2 * j + 1]);
+    for (int i = 0; i < 32; ++i) {
+      const int v = (((ql[i] >> shift) & 0xF) | (((qh[i] >> (2 * j)) & 3) << 4)) - 32;
+      out[i] = (i < 16 ? d0 : d1) * static_cast<float>(v);
+    }
+  }
+};
+
+struct I8C {  // a block is the whole row: fp32 scale, then K int8
+  static constexpr int64_t kElems = 0, kBytes = 0;  // per tensor (see run_format)
+  static inline void decode(const uint8_t* p, int r, float* out) {
+    const float s = f32(p);
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 4) + r * 32;
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * s;
+  }
+};
+
+struct I4G {  // fp32 a, fp32 b, then G/2 bytes: runs of 32 as q4_0
+  static constexpr int64_t kElems = 0, kBytes = 0;
+  static inline void decode(const uint8_t* p, int r, float* out) {
+    nibbles32(p + 8 + r * 16, f32(p), f32(p + 4), 0, out);
+  }
+};
+
+#ifdef __AVX512F__
+// AVX-512 decoders: run r of a block -> weights 0-15 (lo) and 16-31 (hi) in registers, the same values as the
+// plain decoders above (the same multiplies and adds, each rounded once).
+struct W32 {
+  __m512 lo, hi;
+};
+static inline __m512 u8x16(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512i u8x16i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+static inline __m512 i8x16(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+static inline __m512 nib(__m512i v, int shift, int offset) {
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF)),
+                                             _mm512_set1_epi32(offset)));
+}
+static inline W32 nibbles32v(const uint8_t* q, float a, float b, int offset) {
+  const __m512i v = u8x16i(q);
+  const __m512 av = _mm512_set1_ps(a), bv = _mm512_set1_ps(b);
+  return {_mm512_add_ps(_mm512_mul_ps(av, nib(v, 0, offset)), bv), _mm512_add_ps(_mm512_mul_ps(av, nib(v, 4, offset)), bv)};
+}
+static inline W32 decode_v(Q8_0, const uint8_t* p, int) {
+  const __m512 d = _mm512_set1_ps(f16(p));
+  return {_mm512_mul_ps(i8x16(p + 2), d), _mm512_mul_ps(i8x16(p + 18), d)};
+}
+static inline W32 decode_v(Q4_0, const uint8_t* p, int) { return nibbles32v(p + 2, f16(p), -0.0f, -8); }
+static inline W32 decode_v(Q4_1, const uint8_t* p, int) { return nibbles32v(p + 4, f16(p), f16(p + 2), 0); }
+static inline W32 k_quant(__m512 qlo, __m512 qhi, float d, float dm) {
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(dm);
+  return {_mm512_sub_ps(_mm512_mul_ps(dv, qlo), mv), _mm512_sub_ps(_mm512_mul_ps(dv, qhi), mv)};
+}
+static inline W32 decode_v(Q4_K, const uint8_t* p, int r) {
+  int sc, mn;
+  scale_min_k4(r, p + 4, &sc, &mn);
+  const uint8_t* q = p + 16 + (r / 2) * 32;
+  const int shift = (r % 2) * 4;
+  return k_quant(nib(u8x16i(q), shift, 0), nib(u8x16i(q + 16), shift, 0), f16(p) * static_cast<float>(sc),
+                 f16(p + 2) * static_cast<float>(mn));
+}
+static inline __m512 q5(const uint8_t* q, const uint8_t* qh, int shift, int r) {
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u8x16i(q), shift), _mm512_set1_epi32(0xF));
+  const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16i(qh), r), _mm512_set1_epi32(1)), 4);
+  return _mm512_cvtepi32_ps(_mm512_or_si512(low, high));
+}
+static inline W32 decode_v(Q5_K, const uint8_t* p, int r) {
+  int sc, mn;
+  scale_min_k4(r, p + 4, &sc, &mn);
+  const uint8_t* q = p + 48 + (r / 2) * 32;
+  const int shift = (r % 2) * 4;
+  return k_quant(q5(q, p + 16, shift, r), q5(q + 16, p + 32, shift, r), f16(p) * static_cast<float>(sc),
+                 f16(p + 2) * static_cast<float>(mn));
+}
+static inline __m512 q6(const uint8_t* ql, const uint8_t* qh, int shift, int j) {
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u8x16i(ql), shift), _mm512_set1_epi32(0xF));
+  const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16i(qh), 2 * j), _mm512_set1_epi32(3)), 4);
+  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(low, high), _mm512_set1_epi32(32)));
+}
+static inline W32 decode_v(Q6_K, const uint8_t* p, int r) {
+  const int h = r / 4, j = r % 4;
+  const uint8_t* ql = p + h * 64 + (j % 2) * 32;
+  const uint8_t* qh = p + 128 + h * 32;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192) + h * 8;
+  const float d = f16(p + 208);
+  const int shift = (j / 2) * 4;
+  return {_mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * j])), q6(ql, qh, shift, j)),
+          _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * j + 1])), q6(ql + 16, qh + 16, shift, j))};
+}
+static inline W32 decode_v(I8C, const uint8_t* p, int r) {
+  const __m512 s = _mm512_set1_ps(f32(p));
+  const uint8_t* q = p + 4 + r * 32;
+  return {_mm512_mul_ps(i8x16(q), s), _mm512_mul_ps(i8x16(q + 16), s)};
+}
+static inline W32 decode_v(I4G, const uint8_t* p, int r) { return nibbles32v(p + 8 + r * 16, f32(p), f32(p + 4), 0); }
+#endif
+
+// The shape of one format's rows: block_elems weights in block_bytes, runs of 32 inside.
+struct Layout {
+  int64_t elems, bytes, row_bytes;
+};
+
+// ---- the fused path: rows [n0, n1) of W against M <= kFusedRows rows of x (fp32) -------------------------
+// A thread reads its rows as one stream; the hardware prefetchers alone leave it latency-bound (~4 GB/s a
+// thread, measured), so each row asks for the row kPrefetchBytes ahead.
+constexpr int64_t kPrefetchBytes = 4096;
+static inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
+  const uint8_t* ahead = row + std::max<int64_t>(row_bytes, kPrefetchBytes / row_bytes * row_bytes);
+  for (int64_t off = 0; off < row_bytes && ahead + off < end; off += 64) _mm_prefetch((const char*)(ahead + off), _MM_HINT_T0);
+}
+
+#ifdef __AVX512F__
+template <typename Dec, int64_t MT>
+static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
+                       int64_t n1, float* y, int64_t ldy) {
+  const int64_t runs = L.elems / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[MT][2];
+    for (int64_t m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const uint8_t* row = w + n * L.row_bytes;
+    prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
+    for (int64_t b = 0, k = 0; k < K; ++b) {
+      const uint8_t* block = row + b * L.bytes;
+      for (int64_t r = 0; r < runs; ++r, k += 32) {
+        const W32 wv = decode_v(Dec{}, block, static_cast<int>(r));
+        for (int64_t m = 0; m < MT; ++m) {
+          if (m >= M) break;
+          const float* xr = x + m * K + k;
+          acc[m][0] = _mm512_fmadd_ps(wv.lo, _mm512_loadu_ps(xr), acc[m][0]);
+          acc[m][1] = _mm512_fmadd_ps(wv.hi, _mm512_loadu_ps(xr + 16), acc[m][1]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+  }
+}
+#else
+template <typename Dec, int64_t MT>
+static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
+                       int64_t n1, float* y, int64_t ldy) {
+  alignas(64) float wv[32];
+  const int64_t runs = L.elems / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    alignas(64) float acc[MT][32] = {};
+    const uint8_t* row = w + n * L.row_bytes;
+    for (int64_t b = 0, k = 0; k < K; ++b) {
+      const uint8_t* block = row + b * L.bytes;
+      for (int64_t r = 0; r < runs; ++r, k += 32) {
+        Dec::decode(block, static_cast<int>(r), wv);
+        for (int64_t m = 0; m < MT && m < M; ++m) {
+          const float* xr = x + m * K + k;
+          for (int i = 0; i < 32; ++i) acc[m][i] = std::fma(wv[i], xr[i], acc[m][i]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int i = 0; i < 32; ++i) s += acc[m][i];
+      y[m * ldy + n] = s;
+    }
+  }
+}
+#endif
+
+// Rows [n0, n1) decoded into out [n1 - n0, K] (f32 or bf16).
+template <typename Dec, typename T>
+static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, T* out) {
+  alignas(64) float wv[32];
+  const int64_t runs = L.elems / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * L.row_bytes;
+    T* o = out + (n - n0) * K;
+    for (int64_t b = 0, k = 0; k < K; ++b)
+      for (int64_t r = 0; r < runs; ++r, k += 32) {
+#ifdef __AVX512F__
+        const W32 v = decode_v(Dec{}, row + b * L.bytes, static_cast<int>(r));
+        _mm512_storeu_ps(wv, v.lo);
+        _mm512_storeu_ps(wv + 16, v.hi);
+#else
+        Dec::decode(row + b * L.bytes, static_cast<int>(r), wv);
+#endif
+        for (int i = 0; i < 32; ++i) o[k + i] = static_cast<T>(wv[i]);
+      }
+  }
+}
+
+template <typename Dec>
+static void fused(const at::Tensor& xf, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
+  const int64_t M = xf.size(0);
+  const float* x = xf.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (M == 1) fused_rows<Dec, 1>(x, M, K, w, L, n0, n1, y, N);
+    else if (M <= 2) fused_rows<Dec, 2>(x, M, K, w, L, n0, n1, y, N);
+    else if (M <= 4) fused_rows<Dec, 4>(x, M, K, w, L, n0, n1, y, N);
+    else fused_rows<Dec, kFusedRows>(x, M, K, w, L, n0, n1, y, N);
+  });
+}
+
+template <typename Dec>
+static void decode_all(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, at::Tensor& out) {
+  at::parallel_for(n0, n1, std::max<int64_t>(1, (n1 - n0) / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
+    if (out.scalar_type() == at::kFloat) decode_rows<Dec, float>(w, L, K, a, b, out.data_ptr<float>() + (a - n0) * K);
+    else decode_rows<Dec, c10::BFloat16>(w, L, K, a, b, out.data_ptr<c10::BFloat16>() + (a - n0) * K);
+  });
+}
+
+// Calls f.template operator()<Dec>(layout) for the format's decoder.
+template <typename F>
+static void with_format(const std::string& fmt, int64_t K, F&& f) {
+  auto fixed = [&](auto dec) {
+    using Dec = decltype(dec);
+    f(dec, Layout{Dec::kElems, Dec::kBytes, K / Dec::kElems * Dec::kBytes});
+  };
+  if (fmt == "q8_0") fixed(Q8_0{});
+  else if (fmt == "q4_0") fixed(Q4_0{});
+  else if (fmt == "q4_1") fixed(Q4_1{});
+  else if (fmt == "q4_k") fixed(Q4_K{});
+  else if (fmt == "q5_k") fixed(Q5_K{});
+  else if (fmt == "q6_k") fixed(Q6_K{});
+  else if (fmt == "i8c") f(I8C{}, Layout{K, 4 + K, 4 + K});
+  else if (fmt.rfind("i4g", 0) == 0) {
+    const int64_t g = std::stoll(fmt.substr(3));
+    f(I4G{}, Layout{g, 8 + g / 2, K / g * (8 + g / 2)});
+  } else {
+    TORCH_CHECK(false, "unknown quantized format ", fmt);
+  }
+}
+
+static void check_args(const at::Tensor& data, const std::string& fmt, int64_t K) {
+  TORCH_CHECK(data.device().is_cpu() && data.scalar_type() == at::kByte && data.dim() == 2 && data.is_contiguous(),
+              "data must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(K % 32 == 0, "the input size must be a multiple of 32, got ", K);
+  with_format(fmt, K, [&](auto, const Layout& L) {
+    TORCH_CHECK(K % L.elems == 0 && data.size(1) == L.row_bytes, fmt, " rows of ", K, " weights take ", L.row_bytes,
+                " bytes; data has ", data.size(1));
+  });
+}
+
+at::Tensor dequantize(const at::Tensor& data, const std::string& fmt, int64_t K, at::ScalarType dtype) {
+  check_args(data, fmt, K);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dequantize to float32 or bfloat16");
+  at::Tensor out = at::empty({data.size(0), K}, at::TensorOptions().dtype(dtype));
+  with_format(fmt, K, [&](auto dec, const Layout& L) {
+    decode_all<decltype(dec)>(data.data_ptr<uint8_t>(), L, K, 0, data.size(0), out);
+  });
+  return out;
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K,
+                   const c10::optional<at::Tensor>& bias) {
+  check_args(data, fmt, K);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.device().is_cpu(), "x must be [M, ", K, "] on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  const int64_t M = x.size(0), N = data.size(0);
+  at::Tensor y;
+  if (M <= kFusedRows) {
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
+    with_format(fmt, K, [&](auto dec, const Layout& L) {
+      fused<decltype(dec)>(xf, data.data_ptr<uint8_t>(), L, N, K, yf.data_ptr<float>());
+    });
+    if (bias.has_value()) yf.add_(bias->to(at::kFloat));
+    return yf.to(x.scalar_type());
+  }
+  // Panels of W in x's dtype through torch's GEMM (bf16: the weights rounded to bf16, as a bf16 model's are).
+  y = at::empty({M, N}, x.options());
+  const int64_t rows = std::max<int64_t>(1, kPanelBytes / (K * x.element_size()));
+  at::Tensor panel = at::empty({std::min(rows, N), K}, x.options());
+  with_format(fmt, K, [&](auto dec, const Layout& L) {
+    for (int64_t n0 = 0; n0 < N; n0 += rows) {
+      const int64_t n1 = std::min(N, n0 + rows);
+      at::Tensor p = panel.narrow(0, 0, n1 - n0);
+      decode_all<decltype(dec)>(data.data_ptr<uint8_t>(), L, K, n0, n1, p);
+      y.narrow(1, n0, n1 - n0).copy_(at::linear(x, p));
+    }
+  });
+  if (bias.has_value()) y.add_(bias->to(x.scalar_type()));
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "x @ W^T (+ bias), W quantized (fmt)", py::arg("x"), py::arg("data"), py::arg("fmt"),
+        py::arg("in_features"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize", &dequantize, "W [N, K] decoded", py::arg("data"), py::arg("fmt"), py::arg("in_features"),
+        py::arg("dtype"), py::call_guard<py::gil_scoped_release>());
+}

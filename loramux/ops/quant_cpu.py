@@ -1,0 +1,28 @@
+"""The CPU kernel for weight-only quantized linear layers (csrc/quant_cpu.cpp): same contract as
+quant_torch.quantized_linear. Decode (a few rows of x) reads each weight once, decoded in registers;
+prefill decodes panels of W and runs torch's GEMM."""
+from __future__ import annotations
+
+import torch
+
+from loramux.ops import quant_torch
+from loramux.ops.cpu_extension import load_extension
+from loramux.ops.quant_torch import QuantizedWeight
+
+
+def available() -> bool:
+    return load_extension("quant_cpu") is not None
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16) or weight.in_features % 32:
+        return quant_torch.quantized_linear(x, weight, bias)
+    flat = x.reshape(-1, weight.in_features)
+    out = load_extension("quant_cpu").qlinear(flat, weight.data, weight.fmt, weight.in_features, bias)
+    return out.view(*x.shape[:-1], weight.out_features)
+
+
+def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if dtype not in (torch.float32, torch.bfloat16) or weight.in_features % 32:
+        return quant_torch.dequantize(weight).to(dtype)
+    return load_extension("quant_cpu").dequantize(weight.data, weight.fmt, weight.in_features, dtype)

@@ -1,0 +1,246 @@
+"""Quantized base models: GGUF files kept quantized, int8 / int4 at load, GPTQ and AWQ checkpoints. Each is
+checked against the same weights dequantized to fp32: transformers' own GGUF loader for GGUF files, and
+for GPTQ / AWQ (packed here, in their layouts) the formula w = s * (q - z) on the integers we packed."""
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY, save_checkpoint, save_peft_adapter
+from gguf_files import write_gguf
+from loramux import LoRAConfig, SamplingParams
+from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from loramux.llm import LLM
+from loramux.models.loader import load_model
+from loramux.ops import QUANT_BACKENDS, quant_cpu
+from loramux.ops.quant_torch import dequantize, quantize
+from models.test_llama import prefill_logits
+
+WIDE = dict(TINY, hidden_size=256, intermediate_size=512)  # K-quants need inputs in multiples of 256
+# {case: (model size, tied head, the GGUF type of each tensor)}: types as llama.cpp's presets mix them
+GGUF_CASES = {
+    "q8_0": (TINY, True, lambda name: "Q8_0"),
+    "q4_0": (TINY, False, lambda name: "Q8_0" if name.startswith(("token_embd", "output")) else "Q4_0"),
+    "q4_1": (TINY, True, lambda name: "Q8_0" if name.startswith("token_embd") else "Q4_1"),
+    "q4_k_m": (WIDE, True, lambda name: "Q6_K" if "attn_v" in name or "ffn_down" in name else "Q4_K"),
+    "q5_k": (WIDE, False, lambda name: "Q5_K"),
+    "q5_0-dequantized": (TINY, False, lambda name: "Q5_0" if "ffn" in name else "F16"),
+}
+
+
+def use_backend(model, backend: str):
+    """What the model runner does: every quantized layer runs the chosen backend's op."""
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.op = QUANT_BACKENDS[backend].quantized_linear
+    return model
+
+
+BACKENDS = ["torch"] + (["cpu"] if quant_cpu.available() else [])
+
+
+@pytest.fixture(scope="module", params=list(GGUF_CASES))
+def gguf_case(request, tmp_path_factory):
+    size, tied, type_of = GGUF_CASES[request.param]
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**size, tie_word_embeddings=tied)).eval()
+    root = tmp_path_factory.mktemp(request.param)
+    path = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: type_of(name))
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+    return request.param, path, reference
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gguf_kept_quantized_gives_the_logits_of_its_dequantized_weights(gguf_case, backend, caplog):
+    case, path, reference = gguf_case
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(path, dtype="float32", max_model_len=64)
+    model = use_backend(loaded.model, backend)
+    layer = model.model.layers[0]
+    if case == "q5_0-dequantized":  # no kernel for Q5_0: dequantized, with a warning naming the type
+        assert "Q5_0" in caplog.text and isinstance(layer.mlp.down_proj, torch.nn.Linear)
+    else:
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedLinear)
+        assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    if case == "q4_k_m":  # q|k in Q4_K, v in Q6_K: one layer, two weights
+        assert [w.fmt for w in layer.self_attn.qkv_proj.weights] == ["q4_k", "q6_k"]
+    input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(prefill_logits(model, input_ids), expected, atol=2e-5, rtol=1e-4)
+    plain = sum(t.numel() * 4 for t in reference.state_dict().values())
+    assert loaded.weight_bytes <= (plain if case == "q5_0-dequantized" else plain / 3)
+
+
+def test_gguf_quantization_none_dequantizes_everything(gguf_case):
+    case, path, reference = gguf_case
+    loaded = load_model(path, dtype="float32", max_model_len=64, quantization="none")
+    assert not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in loaded.model.modules())
+    input_ids = torch.randint(0, 128, (1, 7))
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(prefill_logits(loaded.model, input_ids), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mixed_setup(tmp_path_factory):
+    """A Q4_K_M-style GGUF of a tiny Llama and three PEFT adapters of different ranks for it."""
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**WIDE, tie_word_embeddings=True)).eval()
+    root = tmp_path_factory.mktemp("mixed")
+    path = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: GGUF_CASES["q4_k_m"][2](name))
+    adapters = {f"a{r}": save_peft_adapter(hf, root / f"a{r}", seed=r, r=r) for r in (4, 8, 16)}
+    return path, adapters
+
+
+def test_lora_on_a_kept_quantized_base_equals_the_dequantized_run(mixed_setup):
+    """Mixed adapters in one batch over a quantized base: the greedy tokens of the same weights dequantized."""
+    path, adapters = mixed_setup
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18], [19, 20, 21]]
+    rows = ["a4", None, "a16", "a8", "a4"]
+    outputs = {}
+    for quantization in (None, "none"):
+        llm = LLM(model=path, lora=LoRAConfig(max_loras=3, max_lora_rank=16), dtype="float32",
+                  quantization=quantization, kv_cache_memory=2**24, max_model_len=64)
+        for name, adapter in adapters.items():
+            assert llm.load_adapter(name, adapter)
+        layer = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
+        assert isinstance(layer.base, QuantizedLinear) == (quantization is None)  # LoRA wraps the quantized layer
+        outputs[quantization] = [o.token_ids for o in llm.generate(prompts, params, adapters=rows)]
+    assert outputs[None] == outputs["none"]
+
+
+def plain_checkpoint(tmp_path, **extra):
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**TINY, **extra)).eval()
+    return hf, save_checkpoint(hf, tmp_path / "plain")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("quantization, fmt", [("int8", "i8c"), ("int4", "i4g32")])
+def test_int8_and_int4_at_load_give_the_logits_of_the_rounded_weights(tmp_path, backend, quantization, fmt):
+    hf, path = plain_checkpoint(tmp_path)
+    loaded = load_model(path, dtype="float32", quantization=quantization, group_size=32)
+    model = use_backend(loaded.model, backend)
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the head stays in the model's dtype
+    reference = LlamaForCausalLM(hf.config).eval()
+    state = {name: dequantize(quantize(t, fmt)) if t.dim() == 2 and "embed" not in name and "lm_head" not in name else t
+             for name, t in hf.state_dict().items()}
+    reference.load_state_dict(state)
+    input_ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(prefill_logits(model, input_ids), expected, atol=2e-5, rtol=1e-4)
+
+
+# ---- GPTQ and AWQ, packed here in their layouts --------------------------------------------------------------
+def _words(nibbles: np.ndarray, axis: int, order=range(8)) -> torch.Tensor:
+    """Pack 8 nibbles along `axis` into int32 words: position 8c + order[i] at bits 4i."""
+    moved = np.moveaxis(nibbles.astype(np.uint32), axis, -1)
+    groups = moved.reshape(*moved.shape[:-1], -1, 8)[..., list(order)]
+    words = (groups << (np.arange(8, dtype=np.uint32) * 4)).sum(-1, dtype=np.uint32)
+    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(words, -1, axis)).view(np.int32))
+
+
+def _quantize_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int):
+    """Asymmetric int4 per (group, output): q [N, K], zeros and fp16-exact scales [groups, N]."""
+    n = w.shape[0]
+    lo = torch.stack([w[:, g_idx == g].amin(1) for g in range(groups)])  # [groups, N]
+    hi = torch.stack([w[:, g_idx == g].amax(1) for g in range(groups)])
+    scales = ((hi - lo) / 15).clamp(min=1e-4).half().float()
+    zeros = torch.round(-lo / scales).clamp(0, 15)
+    q = torch.round(w / scales[g_idx].t() + zeros[g_idx].t()).clamp(0, 15)
+    assert q.shape == (n, w.shape[1])
+    return q.to(torch.int64), zeros.to(torch.int64), scales
+
+
+def pack(method: str, w: torch.Tensor, group: int, act_order: bool = False):
+    """One Linear's tensors in `method`'s layout, and the weight they stand for (s * (q - z), float32)."""
+    k = w.shape[1]
+    group = k if group == -1 else group  # -1: one group per output (per channel)
+    g_idx = torch.arange(k) // group
+    if act_order:
+        g_idx = g_idx[torch.randperm(k, generator=torch.Generator().manual_seed(7))]
+    q, zeros, scales = _quantize_int4(w, g_idx, k // group)
+    weight = scales[g_idx].t() * (q - zeros[g_idx].t()).float()
+    if method == "gptq":  # v1 checkpoint format: zeros stored minus one
+        tensors = {"qweight": _words(q.t().numpy(), 0), "qzeros": _words(((zeros - 1) & 0xF).numpy(), 1),
+                   "scales": scales.half(), "g_idx": g_idx.to(torch.int32)}
+    else:
+        order = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's packing order
+        tensors = {"qweight": _words(q.t().numpy(), 1, order), "qzeros": _words(zeros.numpy(), 1, order),
+                   "scales": scales.half()}
+    return tensors, weight
+
+
+def quantized_checkpoint(tmp_path, method: str, group: int, act_order: bool = False):
+    """A tiny Llama saved as a `method` checkpoint; returns (its path, an HF model with the weights it holds)."""
+    hf, path = plain_checkpoint(tmp_path, tie_word_embeddings=False)
+    state, reference = load_file(os.path.join(path, "model.safetensors")), hf.state_dict()
+    for name in [n for n in state if n.endswith("_proj.weight")]:
+        tensors, weight = pack(method, state.pop(name), group, act_order)
+        prefix = name.removesuffix(".weight")
+        state.update({f"{prefix}.{key}": t for key, t in tensors.items()})
+        reference[name] = weight
+    save_file(state, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = ({"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order,
+                                      "sym": False, "checkpoint_format": "gptq"} if method == "gptq" else
+                                     {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                      "version": "gemm"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    model = LlamaForCausalLM(hf.config).eval()
+    model.load_state_dict(reference)
+    return path, model
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method, group", [("gptq", 32), ("awq", 32), ("gptq", -1)])  # -1: i4g's groups repeat it
+def test_gptq_and_awq_checkpoints_stay_int4_and_equal_their_weights(tmp_path, backend, method, group):
+    path, reference = quantized_checkpoint(tmp_path, method, group)
+    loaded = load_model(path, dtype="float32")
+    model = use_backend(loaded.model, backend)
+    layer = model.model.layers[1].mlp.down_proj
+    assert isinstance(layer, QuantizedLinear) and layer.weights[0].fmt == "i4g32"
+    input_ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(prefill_logits(model, input_ids), expected, atol=2e-5, rtol=1e-4)
+    dequantized = load_model(path, dtype="float32", quantization="none").model
+    torch.testing.assert_close(prefill_logits(dequantized, input_ids), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_act_order_gptq_is_dequantized_with_a_warning(tmp_path, caplog):
+    path, reference = quantized_checkpoint(tmp_path, "gptq", 32, act_order=True)
+    with caplog.at_level(logging.WARNING):
+        model = load_model(path, dtype="float32").model
+    assert "act-order" in caplog.text and isinstance(model.model.layers[0].mlp.down_proj, torch.nn.Linear)
+    input_ids = torch.randint(0, 128, (1, 8))
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(prefill_logits(model, input_ids), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes' are not supported"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "gptq checkpoints with 8 bits are not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
+])
+def test_other_quantization_methods_are_refused_naming_them(tmp_path, config, words):
+    _, path = plain_checkpoint(tmp_path)
+    with open(os.path.join(path, "config.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**data, "quantization_config": config}, f)
+    with pytest.raises(ValueError, match=words):
+        load_model(path, dtype="float32")

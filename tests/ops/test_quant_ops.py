@@ -1,0 +1,113 @@
+"""Quantized weights: the torch decoders equal gguf-py's dequantize bit for bit (every GGUF format loramux
+keeps), loramux's own formats round-trip, and every quantized-matmul backend equals the reference
+(dequantize to fp32, then matmul) for decode and prefill sizes, fp32 and bf16, with and without bias."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import backend_params
+from gguf_files import random_blocks
+from loramux.ops import QUANT_BACKENDS, quant_cpu
+from loramux.ops.quant_torch import (GGUF_FORMATS, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
+                                     quantized_linear, stack_rows)
+
+OWN_FORMATS = ("i8c", "i4g32", "i4g64", "i4g128")
+
+
+def gguf_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    """A random weight in a GGUF format: q8_0 / q4_0 / q4_1 quantized by gguf-py, K-quants random blocks."""
+    import gguf
+
+    kind = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    if fmt.endswith("_k"):
+        raw = random_blocks(kind, n, k, seed)
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(seed).normal(0, 0.05, (n, k)).astype(np.float32), kind)
+    return QuantizedWeight(fmt, torch.from_numpy(np.ascontiguousarray(raw)), n, k)
+
+
+def any_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
+    if fmt in GGUF_FORMATS:
+        return gguf_weight(fmt, n, k, seed)
+    return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05, fmt)
+
+
+@pytest.mark.parametrize("fmt", GGUF_FORMATS)
+def test_decoders_equal_gguf_py_bit_for_bit(fmt):
+    import gguf
+
+    weight = gguf_weight(fmt, 6, 512, seed=3)
+    expected = gguf.quants.dequantize(weight.data.numpy(), getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    assert torch.equal(dequantize(weight), torch.from_numpy(expected).float())
+
+
+@pytest.mark.parametrize("fmt", OWN_FORMATS)
+def test_own_formats_round_to_nearest_within_half_a_step(fmt):
+    w = torch.randn(8, 256) * 0.1
+    q = quantize(w, fmt)
+    assert q.data.shape == (8, QuantFormat.parse(fmt, 256).row_bytes(256))
+    error = (dequantize(q) - w).abs()
+    if fmt == "i8c":
+        assert (error <= w.abs().amax(1, keepdim=True) / 127 / 2 + 1e-7).all()
+    else:
+        g = int(fmt[3:])
+        groups = w.reshape(8, -1, g)
+        step = (groups.amax(-1) - groups.amin(-1)) / 15
+        assert (error.reshape(8, -1, g) <= step.unsqueeze(-1) / 2 + 1e-6).all()
+    assert torch.equal(dequantize(quantize(torch.zeros(4, 256), fmt)), torch.zeros(4, 256))  # no 0/0
+
+
+def test_pack_i4g_and_stack_rows():
+    q = torch.randint(0, 16, (3, 64))
+    a, b = torch.rand(3, 2), torch.randn(3, 2)
+    weight = pack_i4g(q, a, b)
+    assert weight.fmt == "i4g32"
+    assert torch.equal(dequantize(weight), a.repeat_interleave(32, 1) * q.float() + b.repeat_interleave(32, 1))
+    both = stack_rows([weight, weight])
+    assert torch.equal(dequantize(both), torch.cat([dequantize(weight)] * 2))
+    with pytest.raises(ValueError, match="one format"):
+        stack_rows([weight, quantize(torch.randn(2, 64), "i8c")])
+
+
+def test_bad_shapes_and_formats_are_refused():
+    with pytest.raises(ValueError, match="unknown quantized format"):
+        QuantFormat.parse("q3_k", 256)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        QuantizedWeight("q4_k", torch.zeros(2, 144, dtype=torch.uint8), 2, 128)
+    with pytest.raises(ValueError, match="needs uint8 data of shape"):
+        QuantizedWeight("q8_0", torch.zeros(2, 33, dtype=torch.uint8), 2, 32)
+
+
+@pytest.mark.parametrize("backend", backend_params(QUANT_BACKENDS, quant_cpu.available))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_equal_the_reference(backend, fmt, dtype):
+    op = QUANT_BACKENDS[backend].quantized_linear
+    weight = any_weight(fmt, 40, 512, seed=1)
+    bias = torch.randn(40).to(dtype)
+    for rows in (1, 2, 3, 5, 8, 9, 33):  # decode sizes (the fused path) and prefill sizes (panels + GEMM)
+        x = torch.randn(rows, 512).to(dtype)
+        expected = quantized_linear(x, weight, bias).float()
+        out = op(x, weight, bias if rows % 2 else None)
+        if not rows % 2:
+            expected = quantized_linear(x, weight).float()
+        assert out.dtype == dtype and out.shape == (rows, 40)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the result rounded (prefill: the weights too)
+        assert ((out.float() - expected).abs().max() / expected.abs().max()).item() < tol, rows
+
+
+@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+def test_cpu_dequantize_equals_the_torch_decoders(fmt):
+    weight = any_weight(fmt, 17, 768 if fmt.endswith("_k") or fmt.startswith("i4g") else 224, seed=2)
+    assert torch.equal(quant_cpu.dequantize(weight), dequantize(weight))
+    assert torch.equal(quant_cpu.dequantize(weight, torch.bfloat16), dequantize(weight).bfloat16())
+
+
+@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
+def test_cpu_kernel_uses_every_thread_split_and_leading_dims():
+    weight = any_weight("q4_1", 1000, 128)
+    x = torch.randn(2, 3, 128)
+    torch.testing.assert_close(quant_cpu.quantized_linear(x, weight), quantized_linear(x, weight), rtol=1e-5, atol=1e-5)
+    odd = any_weight("i8c", 3, 96)  # K not a multiple of 64 or 128, three rows for two threads
+    torch.testing.assert_close(quant_cpu.quantized_linear(x[0, :, :96], odd), quantized_linear(x[0, :, :96], odd))
