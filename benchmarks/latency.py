@@ -2,7 +2,8 @@
 
 Phases, each on one request at a time (--prompt-len random prompt tokens, --new-tokens greedy new tokens,
 ignore_eos), --repeats times, medians reported:
-  loramux          LLM on the model (the embedded default: its GGUF, dequantized), no adapter
+  loramux          LLM on the model (the embedded default: its Q4_1 GGUF, kept quantized as `loramux serve`
+                   serves it; --quantization none: dequantized), no adapter
   loramux_lora     the same with one random PEFT adapter (rank 16, all 7 projections)
   llama_cpp        llama-cpp-python on the same GGUF file (quantized, as llama.cpp runs it), same threads
   served           `loramux serve` with that adapter, driven by vLLM's load generator (`vllm bench serve`,
@@ -79,12 +80,12 @@ def llama_cpp_alone(gguf: str, prompt: list[int], args) -> dict:
     return summary(ttfts[1:], decode[1:])
 
 
-def served_alone(args, path: str, adapter_dir: str, workdir: str) -> dict:
+def served_alone(args, model: str | None, tokenizer: str, adapter_dir: str, workdir: str) -> dict:
     ns = argparse.Namespace(dtype=args.dtype, concurrency=1, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                            serve_args=[], vllm_venv=args.vllm_venv, quiet=True)
-    proc, url = start_server(ns, path, {"a0": adapter_dir})
+                            serve_args=[], vllm_venv=args.vllm_venv, quiet=True, quantization=args.quantization)
+    proc, url = start_server(ns, model, {"a0": adapter_dir})
     try:
-        result = bench_serve(ns, url, path, ["a0"], workdir, "single",
+        result = bench_serve(ns, url, tokenizer, ["a0"], workdir, "single",
                              ["--num-prompts", str(args.repeats + 1), "--max-concurrency", "1"])
     finally:
         proc.terminate()
@@ -95,9 +96,12 @@ def served_alone(args, path: str, adapter_dir: str, workdir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help="HF directory or GGUF (default: the embedded SmolLM2, from its "
+                                                      "GGUF, as `loramux serve` serves it)")
+    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                        help="loramux's --quantization (default: as the checkpoint is; the default model stays Q4_1)")
     parser.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs (default: the embedded default's)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="loramux's dtype (auto: a GGUF's is float32)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -106,17 +110,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv", help="a venv with vLLM (for `vllm bench serve`)")
     args = parser.parse_args(argv)
 
-    path = args.model or default_model_path()
     from transformers import AutoConfig
 
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_dir = default_model_path() if args.model is None or args.model.endswith(".gguf") else args.model
+    hf_config = AutoConfig.from_pretrained(hf_dir)  # (a GGUF's own: use --model with an HF directory then)
     prompt = torch.randint(10, hf_config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     workdir = tempfile.mkdtemp(prefix="loramux-latency-")
     adapter_dir = write_adapter(os.path.join(workdir, "a0"), hf_config, 16, seed=0)
-    report = {"model": os.path.basename(path.rstrip("/")), "dtype": args.dtype, "prompt_len": args.prompt_len,
-              "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "load_before": cpu_load()}
-    llm = LLM(model=path, lora=LoRAConfig(max_loras=1, max_lora_rank=16), dtype=args.dtype, max_num_seqs=1,
-              max_model_len=args.prompt_len + args.new_tokens + 16)
+    report = {"model": os.path.basename((args.model or default_gguf_path()).rstrip("/")), "dtype": args.dtype,
+              "quantization": args.quantization, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "threads": torch.get_num_threads(), "load_before": cpu_load()}
+    llm = LLM(model=args.model, lora=LoRAConfig(max_loras=1, max_lora_rank=16), dtype=args.dtype, max_num_seqs=1,
+              max_model_len=args.prompt_len + args.new_tokens + 16, quantization=args.quantization)
+    report["weight_mb"] = llm.engine.core.runner.weight_bytes / 2**20
     assert llm.load_adapter("a0", adapter_dir)
     loramux_alone(llm, prompt, "a0", argparse.Namespace(new_tokens=4, repeats=1))  # warm-up (slot written too)
     report["loramux"] = loramux_alone(llm, prompt, None, args)
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_llama_cpp:
         report["llama_cpp"] = llama_cpp_alone(args.gguf or default_gguf_path(), prompt, args)
     if not args.skip_served:
-        report["served"] = served_alone(args, path, adapter_dir, workdir)
+        report["served"] = served_alone(args, args.model, hf_dir, adapter_dir, workdir)
     report["load_after"] = cpu_load()
     report["ratios"] = ratios(report)
     print_report(report)

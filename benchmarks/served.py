@@ -20,8 +20,11 @@ def free_port() -> int:
 
 
 def start_server(args, path, adapters) -> tuple[subprocess.Popen, str]:
+    """path: the model (None: the embedded default, as `loramux serve` serves it); args.quantization if set."""
     port = free_port()
-    cmd = [sys.executable, "-m", "loramux", "serve", "--model", path, "--port", str(port), "--dtype", args.dtype,
+    model = [] if path is None else ["--model", path]
+    quantization = [] if getattr(args, "quantization", None) is None else ["--quantization", args.quantization]
+    cmd = [sys.executable, "-m", "loramux", "serve", *model, *quantization, "--port", str(port), "--dtype", args.dtype,
            "--max-loras", "8", "--max-lora-rank", "16", "--max-num-seqs", str(args.concurrency),
            "--max-model-len", str(args.prompt_len + args.new_tokens + 16), "--served-model-name", "base",
            "--log-level", "warning", "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()], *args.serve_args]

@@ -158,17 +158,29 @@ static inline __m512 nib(__m512i v, int shift, int offset) {
   return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF)),
                                              _mm512_set1_epi32(offset)));
 }
-static inline W32 nibbles32v(const uint8_t* q, float a, float b, int offset) {
-  const __m512i v = u8x16i(q);
-  const __m512 av = _mm512_set1_ps(a), bv = _mm512_set1_ps(b);
-  return {_mm512_add_ps(_mm512_mul_ps(av, nib(v, 0, offset)), bv), _mm512_add_ps(_mm512_mul_ps(av, nib(v, 4, offset)), bv)};
+static inline __m512 f16x16(const uint8_t* p) {  // the fp16 at p, broadcast (vpbroadcastw + vcvtph2ps)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
 }
 static inline W32 decode_v(Q8_0, const uint8_t* p, int) {
-  const __m512 d = _mm512_set1_ps(f16(p));
+  const __m512 d = f16x16(p);
   return {_mm512_mul_ps(i8x16(p + 2), d), _mm512_mul_ps(i8x16(p + 18), d)};
 }
-static inline W32 decode_v(Q4_0, const uint8_t* p, int) { return nibbles32v(p + 2, f16(p), -0.0f, -8); }
-static inline W32 decode_v(Q4_1, const uint8_t* p, int) { return nibbles32v(p + 4, f16(p), f16(p + 2), 0); }
+// 4-bit formats by table lookup: table[j] = the weight of nibble value j (computed as the plain decoder
+// computes a * j + b, so the values are the same), vpermps picks by each lane's low 4 bits.
+static inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline W32 lut32(const uint8_t* q, __m512 table) {  // 16 bytes: low nibbles 0-15, high 16-31
+  const __m512i v = u8x16i(q);
+  return {_mm512_permutexvar_ps(v, table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table)};
+}
+static inline W32 decode_v(Q4_0, const uint8_t* p, int) {
+  const __m512 q = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));  // exact: q - 8 as gguf-py, then * d
+  return lut32(p + 2, _mm512_mul_ps(f16x16(p), q));
+}
+static inline W32 decode_v(Q4_1, const uint8_t* p, int) {
+  return lut32(p + 4, _mm512_add_ps(_mm512_mul_ps(f16x16(p), iota16()), f16x16(p + 2)));
+}
 static inline W32 k_quant(__m512 qlo, __m512 qhi, float d, float dm) {
   const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(dm);
   return {_mm512_sub_ps(_mm512_mul_ps(dv, qlo), mv), _mm512_sub_ps(_mm512_mul_ps(dv, qhi), mv)};
@@ -176,10 +188,12 @@ static inline W32 k_quant(__m512 qlo, __m512 qhi, float d, float dm) {
 static inline W32 decode_v(Q4_K, const uint8_t* p, int r) {
   int sc, mn;
   scale_min_k4(r, p + 4, &sc, &mn);
-  const uint8_t* q = p + 16 + (r / 2) * 32;
+  const uint8_t* q = p + 16 + (r / 2) * 32;  // 32 bytes: this run's nibble of each
   const int shift = (r % 2) * 4;
-  return k_quant(nib(u8x16i(q), shift, 0), nib(u8x16i(q + 16), shift, 0), f16(p) * static_cast<float>(sc),
-                 f16(p + 2) * static_cast<float>(mn));
+  const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(f16(p) * static_cast<float>(sc)), iota16()),
+                                     _mm512_set1_ps(f16(p + 2) * static_cast<float>(mn)));
+  return {_mm512_permutexvar_ps(_mm512_srli_epi32(u8x16i(q), shift), table),
+          _mm512_permutexvar_ps(_mm512_srli_epi32(u8x16i(q + 16), shift), table)};
 }
 static inline __m512 q5(const uint8_t* q, const uint8_t* qh, int shift, int r) {
   const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u8x16i(q), shift), _mm512_set1_epi32(0xF));
@@ -214,7 +228,9 @@ static inline W32 decode_v(I8C, const uint8_t* p, int r) {
   const uint8_t* q = p + 4 + r * 32;
   return {_mm512_mul_ps(i8x16(q), s), _mm512_mul_ps(i8x16(q + 16), s)};
 }
-static inline W32 decode_v(I4G, const uint8_t* p, int r) { return nibbles32v(p + 8 + r * 16, f32(p), f32(p + 4), 0); }
+static inline W32 decode_v(I4G, const uint8_t* p, int r) {
+  return lut32(p + 8 + r * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f32(p)), iota16()), _mm512_set1_ps(f32(p + 4))));
+}
 #endif
 
 // The shape of one format's rows: block_elems weights in block_bytes, runs of 32 inside.
