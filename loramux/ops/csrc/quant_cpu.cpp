@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 
 namespace {
 
@@ -151,13 +152,8 @@ struct I4G {  // fp32 a, fp32 b, then G/2 bytes: runs of 32 as q4_0
 struct W32 {
   __m512 lo, hi;
 };
-static inline __m512 u8x16(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p))); }
 static inline __m512i u8x16i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 static inline __m512 i8x16(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-static inline __m512 nib(__m512i v, int shift, int offset) {
-  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(v, shift), _mm512_set1_epi32(0xF)),
-                                             _mm512_set1_epi32(offset)));
-}
 static inline __m512 f16x16(const uint8_t* p) {  // the fp16 at p, broadcast (vpbroadcastw + vcvtph2ps)
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -181,47 +177,66 @@ static inline W32 decode_v(Q4_0, const uint8_t* p, int) {
 static inline W32 decode_v(Q4_1, const uint8_t* p, int) {
   return lut32(p + 4, _mm512_add_ps(_mm512_mul_ps(f16x16(p), iota16()), f16x16(p + 2)));
 }
-static inline W32 k_quant(__m512 qlo, __m512 qhi, float d, float dm) {
-  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(dm);
-  return {_mm512_sub_ps(_mm512_mul_ps(dv, qlo), mv), _mm512_sub_ps(_mm512_mul_ps(dv, qhi), mv)};
+// K-quants: a block's scales (d * sc, dmin * mn per run; q6_k: d * scale per 16 weights) are worked out once
+// per block of 256 (BlockScales), the runs then broadcast them.
+struct BlockScales {
+  float d[16], m[8];
+};
+static inline BlockScales k4_scales(const uint8_t* p) {
+  // the 8 six-bit scales and mins unpacked with 32-bit masks (as llama.cpp does; scale_min_k4 one by one
+  // took a third of the decode time), then widened and multiplied 8 at a time
+  uint32_t u[4];
+  std::memcpy(u, p + 4, 12);
+  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // mins 4-7
+  const uint32_t mins = u[1] & k6;                          // mins 0-3
+  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);           // scales 4-7
+  u[2] = mins;
+  u[0] &= k6;                                               // scales 0-3
+  const __m128i bytes = _mm_loadu_si128((const __m128i*)u);  // scales 0-7, then mins 0-7
+  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
+  BlockScales s;
+  _mm256_storeu_ps(s.d, _mm256_mul_ps(_mm256_set1_ps(f16(p)), sc));
+  _mm256_storeu_ps(s.m, _mm256_mul_ps(_mm256_set1_ps(f16(p + 2)), mn));
+  return s;
 }
-static inline W32 decode_v(Q4_K, const uint8_t* p, int r) {
-  int sc, mn;
-  scale_min_k4(r, p + 4, &sc, &mn);
+static inline W32 decode_v(Q4_K, const BlockScales& s, const uint8_t* p, int r) {
   const uint8_t* q = p + 16 + (r / 2) * 32;  // 32 bytes: this run's nibble of each
   const int shift = (r % 2) * 4;
-  const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(f16(p) * static_cast<float>(sc)), iota16()),
-                                     _mm512_set1_ps(f16(p + 2) * static_cast<float>(mn)));
+  const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[r]), iota16()), _mm512_set1_ps(s.m[r]));
   return {_mm512_permutexvar_ps(_mm512_srli_epi32(u8x16i(q), shift), table),
           _mm512_permutexvar_ps(_mm512_srli_epi32(u8x16i(q + 16), shift), table)};
 }
-static inline __m512 q5(const uint8_t* q, const uint8_t* qh, int shift, int r) {
-  const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u8x16i(q), shift), _mm512_set1_epi32(0xF));
-  const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16i(qh), r), _mm512_set1_epi32(1)), 4);
-  return _mm512_cvtepi32_ps(_mm512_or_si512(low, high));
+// 32 bytes widened to 32 16-bit lanes; 16-bit lanes -> two fp32 halves
+static inline __m512i u8x32w(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
+static inline W32 scaled(__m512i q16, __m512 d_lo, __m512 d_hi, __m512 m) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q16)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q16, 1)));
+  return {_mm512_sub_ps(_mm512_mul_ps(d_lo, lo), m), _mm512_sub_ps(_mm512_mul_ps(d_hi, hi), m)};
 }
-static inline W32 decode_v(Q5_K, const uint8_t* p, int r) {
-  int sc, mn;
-  scale_min_k4(r, p + 4, &sc, &mn);
-  const uint8_t* q = p + 48 + (r / 2) * 32;
+static inline W32 decode_v(Q5_K, const BlockScales& s, const uint8_t* p, int r) {
   const int shift = (r % 2) * 4;
-  return k_quant(q5(q, p + 16, shift, r), q5(q + 16, p + 32, shift, r), f16(p) * static_cast<float>(sc),
-                 f16(p + 2) * static_cast<float>(mn));
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi16(u8x32w(p + 48 + (r / 2) * 32), shift), _mm512_set1_epi16(0xF));
+  const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(u8x32w(p + 16), r), _mm512_set1_epi16(1)), 4);
+  const __m512 d = _mm512_set1_ps(s.d[r]);
+  return scaled(_mm512_or_si512(low, high), d, d, _mm512_set1_ps(s.m[r]));
 }
-static inline __m512 q6(const uint8_t* ql, const uint8_t* qh, int shift, int j) {
-  const __m512i low = _mm512_and_si512(_mm512_srli_epi32(u8x16i(ql), shift), _mm512_set1_epi32(0xF));
-  const __m512i high = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u8x16i(qh), 2 * j), _mm512_set1_epi32(3)), 4);
-  return _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(low, high), _mm512_set1_epi32(32)));
+static inline BlockScales q6_scales(const uint8_t* p) {
+  BlockScales s;
+  _mm512_storeu_ps(s.d, _mm512_mul_ps(_mm512_set1_ps(f16(p + 208)), i8x16(p + 192)));
+  return s;
 }
-static inline W32 decode_v(Q6_K, const uint8_t* p, int r) {
+static inline W32 decode_v(Q6_K, const BlockScales& s, const uint8_t* p, int r) {
+  // half h = r / 4 (128 weights): run j = r % 4 takes ql[l + 32 * (j % 2)] nibble (j / 2) and qh bits 2j
   const int h = r / 4, j = r % 4;
-  const uint8_t* ql = p + h * 64 + (j % 2) * 32;
-  const uint8_t* qh = p + 128 + h * 32;
-  const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192) + h * 8;
-  const float d = f16(p + 208);
-  const int shift = (j / 2) * 4;
-  return {_mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * j])), q6(ql, qh, shift, j)),
-          _mm512_mul_ps(_mm512_set1_ps(d * static_cast<float>(scales[2 * j + 1])), q6(ql + 16, qh + 16, shift, j))};
+  const __m512i low = _mm512_and_si512(_mm512_srli_epi16(u8x32w(p + h * 64 + (j % 2) * 32), (j / 2) * 4),
+                                       _mm512_set1_epi16(0xF));
+  const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(u8x32w(p + 128 + h * 32), 2 * j),
+                                                          _mm512_set1_epi16(3)), 4);
+  const __m512i q = _mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(32));
+  const int g = h * 8 + 2 * j;  // its two groups of 16
+  return scaled(q, _mm512_set1_ps(s.d[g]), _mm512_set1_ps(s.d[g + 1]), _mm512_setzero_ps());  // (- +0: exact)
 }
 static inline W32 decode_v(I8C, const uint8_t* p, int r) {
   const __m512 s = _mm512_set1_ps(f32(p));
@@ -231,6 +246,16 @@ static inline W32 decode_v(I8C, const uint8_t* p, int r) {
 static inline W32 decode_v(I4G, const uint8_t* p, int r) {
   return lut32(p + 8 + r * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f32(p)), iota16()), _mm512_set1_ps(f32(p + 4))));
 }
+// What a block's runs share, worked out once per block (none for most formats).
+template <typename Dec>
+struct BlockState {
+  static int make(const uint8_t*) { return 0; }
+};
+template <> struct BlockState<Q4_K> { static BlockScales make(const uint8_t* p) { return k4_scales(p); } };
+template <> struct BlockState<Q5_K> { static BlockScales make(const uint8_t* p) { return k4_scales(p); } };
+template <> struct BlockState<Q6_K> { static BlockScales make(const uint8_t* p) { return q6_scales(p); } };
+template <typename Dec>
+static inline W32 decode_v(Dec dec, int, const uint8_t* p, int r) { return decode_v(dec, p, r); }
 #endif
 
 // The shape of one format's rows: block_elems weights in block_bytes, runs of 32 inside.
@@ -248,28 +273,59 @@ static inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const u
 }
 
 #ifdef __AVX512F__
+// acc[m][0..1] += w * x[m] for one run of 32 weights (lo/hi halves); kAcc = 4: runs alternate between two
+// accumulator pairs (shorter FMA chains) where registers allow (few rows)
+template <int64_t MT, int64_t kAcc, int kParity>
+static inline void fma_run(const W32& w, const float* x, int64_t M, int64_t K, int64_t k, __m512 (&acc)[MT][kAcc]) {
+  constexpr int a = kAcc == 4 ? 2 * kParity : 0;
+  for (int64_t m = 0; m < MT && m < M; ++m) {
+    const float* xr = x + m * K + k;
+    acc[m][a] = _mm512_fmadd_ps(w.lo, _mm512_loadu_ps(xr), acc[m][a]);
+    acc[m][a + 1] = _mm512_fmadd_ps(w.hi, _mm512_loadu_ps(xr + 16), acc[m][a + 1]);
+  }
+}
+
+template <typename Dec, int64_t MT, int64_t kAcc, typename State, int... R>
+static inline void block_runs(const State& state, const uint8_t* block, const float* x, int64_t M, int64_t K, int64_t k,
+                              __m512 (&acc)[MT][kAcc], std::integer_sequence<int, R...>) {
+  (fma_run<MT, kAcc, R % 2>(decode_v(Dec{}, state, block, R), x, M, K, k + 32 * R, acc), ...);
+}
+
 template <typename Dec, int64_t MT>
 static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
                        int64_t n1, float* y, int64_t ldy) {
-  const int64_t runs = L.elems / 32;
+  constexpr int64_t kAcc = MT <= 4 ? 4 : 2;  // 8 rows x 4 accumulators would not fit in 32 registers
   for (int64_t n = n0; n < n1; ++n) {
-    __m512 acc[MT][2];
-    for (int64_t m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    __m512 acc[MT][kAcc];
+    for (int64_t m = 0; m < MT; ++m)
+      for (int64_t a = 0; a < kAcc; ++a) acc[m][a] = _mm512_setzero_ps();
     const uint8_t* row = w + n * L.row_bytes;
     prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
     for (int64_t b = 0, k = 0; k < K; ++b) {
       const uint8_t* block = row + b * L.bytes;
-      for (int64_t r = 0; r < runs; ++r, k += 32) {
-        const W32 wv = decode_v(Dec{}, block, static_cast<int>(r));
-        for (int64_t m = 0; m < MT; ++m) {
-          if (m >= M) break;
-          const float* xr = x + m * K + k;
-          acc[m][0] = _mm512_fmadd_ps(wv.lo, _mm512_loadu_ps(xr), acc[m][0]);
-          acc[m][1] = _mm512_fmadd_ps(wv.hi, _mm512_loadu_ps(xr + 16), acc[m][1]);
+      const auto state = BlockState<Dec>::make(block);
+      if constexpr (Dec::kElems > 0) {
+        // a known number of runs, unrolled: each run's offsets and shifts are constants, and runs that share
+        // bytes (a K-quant's runs 2i and 2i+1) load them once
+        block_runs<Dec, MT, kAcc>(state, block, x, M, K, k, acc, std::make_integer_sequence<int, Dec::kElems / 32>{});
+        k += Dec::kElems;
+      } else {
+        int64_t r = 0;
+        for (; r + 1 < L.elems / 32; r += 2, k += 64) {
+          fma_run<MT, kAcc, 0>(decode_v(Dec{}, state, block, static_cast<int>(r)), x, M, K, k, acc);
+          fma_run<MT, kAcc, 1>(decode_v(Dec{}, state, block, static_cast<int>(r + 1)), x, M, K, k + 32, acc);
+        }
+        if (r < L.elems / 32) {
+          fma_run<MT, kAcc, 0>(decode_v(Dec{}, state, block, static_cast<int>(r)), x, M, K, k, acc);
+          k += 32;
         }
       }
     }
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    for (int64_t m = 0; m < M; ++m) {
+      __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
+      if constexpr (kAcc == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[m][2], acc[m][3]));
+      y[m * ldy + n] = _mm512_reduce_add_ps(sum);
+    }
   }
 }
 #else
@@ -308,10 +364,13 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * L.row_bytes;
     T* o = out + (n - n0) * K;
-    for (int64_t b = 0, k = 0; k < K; ++b)
+    for (int64_t b = 0, k = 0; k < K; ++b) {
+#ifdef __AVX512F__
+      const auto state = BlockState<Dec>::make(row + b * L.bytes);
+#endif
       for (int64_t r = 0; r < runs; ++r, k += 32) {
 #ifdef __AVX512F__
-        const W32 v = decode_v(Dec{}, row + b * L.bytes, static_cast<int>(r));
+        const W32 v = decode_v(Dec{}, state, row + b * L.bytes, static_cast<int>(r));
         _mm512_storeu_ps(wv, v.lo);
         _mm512_storeu_ps(wv + 16, v.hi);
 #else
@@ -319,6 +378,7 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
 #endif
         for (int i = 0; i < 32; ++i) o[k + i] = static_cast<T>(wv[i]);
       }
+    }
   }
 }
 
