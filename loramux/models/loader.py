@@ -286,9 +286,25 @@ def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_le
     model = build_model(hf_config, checkpoint.state, torch_dtype, device, max_len, checkpoint.quantized)
     if quantization in ("int8", "int4"):
         quantize_linears(model, "i8c" if quantization == "int8" else f"i4g{group_size}")
+    tokenizer = checkpoint.tokenizer
+    del checkpoint  # the file's tensors, fused or quantized copies of which the model holds
+    _return_freed_memory()
     size = weight_bytes(model)
     logger.info("model weights: %.1f MB (%s)", size / 2**20, _formats(model))
-    return LoadedModel(model, checkpoint.tokenizer, hf_config, max_len, name=name, dtype=torch_dtype, weight_bytes=size)
+    return LoadedModel(model, tokenizer, hf_config, max_len, name=name, dtype=torch_dtype, weight_bytes=size)
+
+
+def _return_freed_memory() -> None:
+    """Loading frees as much as it keeps (file copies, permuted and fused tensors); glibc keeps freed heap
+    pages until told otherwise (-145 MB resident for a 1 GB GGUF, measured). Elsewhere: nothing to do."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _formats(model: nn.Module) -> str:

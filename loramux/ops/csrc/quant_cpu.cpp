@@ -357,6 +357,39 @@ static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, c
 #endif
 
 // Rows [n0, n1) decoded into out [n1 - n0, K] (f32 or bf16).
+#ifdef __AVX512F__
+static inline void store_run(float* o, const W32& v) {
+  _mm512_storeu_ps(o, v.lo);
+  _mm512_storeu_ps(o + 16, v.hi);
+}
+static inline void store_run(c10::BFloat16* o, const W32& v) {  // round to nearest even, as torch's .to(bfloat16)
+  _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(v.lo));
+  _mm256_storeu_si256((__m256i*)(o + 16), (__m256i)_mm512_cvtneps_pbh(v.hi));
+}
+template <typename Dec, typename T, int... R>
+static inline void store_block(const uint8_t* block, T* o, std::integer_sequence<int, R...>) {
+  const auto state = BlockState<Dec>::make(block);
+  (store_run(o + 32 * R, decode_v(Dec{}, state, block, R)), ...);
+}
+template <typename Dec, typename T>
+static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, T* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * L.row_bytes;
+    T* o = out + (n - n0) * K;
+    prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
+    for (int64_t b = 0, k = 0; k < K; ++b) {
+      const uint8_t* block = row + b * L.bytes;
+      if constexpr (Dec::kElems > 0) {
+        store_block<Dec>(block, o + k, std::make_integer_sequence<int, Dec::kElems / 32>{});
+        k += Dec::kElems;
+      } else {
+        const auto state = BlockState<Dec>::make(block);
+        for (int64_t r = 0; r < L.elems / 32; ++r, k += 32) store_run(o + k, decode_v(Dec{}, state, block, static_cast<int>(r)));
+      }
+    }
+  }
+}
+#else
 template <typename Dec, typename T>
 static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, T* out) {
   alignas(64) float wv[32];
@@ -364,23 +397,14 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * L.row_bytes;
     T* o = out + (n - n0) * K;
-    for (int64_t b = 0, k = 0; k < K; ++b) {
-#ifdef __AVX512F__
-      const auto state = BlockState<Dec>::make(row + b * L.bytes);
-#endif
+    for (int64_t b = 0, k = 0; k < K; ++b)
       for (int64_t r = 0; r < runs; ++r, k += 32) {
-#ifdef __AVX512F__
-        const W32 v = decode_v(Dec{}, state, row + b * L.bytes, static_cast<int>(r));
-        _mm512_storeu_ps(wv, v.lo);
-        _mm512_storeu_ps(wv + 16, v.hi);
-#else
         Dec::decode(row + b * L.bytes, static_cast<int>(r), wv);
-#endif
         for (int i = 0; i < 32; ++i) o[k + i] = static_cast<T>(wv[i]);
       }
-    }
   }
 }
+#endif
 
 template <typename Dec>
 static void fused(const at::Tensor& xf, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
