@@ -13,7 +13,8 @@ Phases, each in its own process (resident memory is per process):
   baseline   a process that imports torch and loramux and loads no model
 For each loramux phase: decode tok/s at batch 1, 8 and 32 (--prompt-len prompts, --new-tokens greedy tokens,
 the decode steps timed after the prefill), prefill tok/s of one --prefill-len prompt, the weights' bytes and
-the process's resident memory; q4_k_m and bf16 also with 8 random rank-16 adapters mixed at batch 32.
+the process's resident memory (against the file, the KV cache and the LoRA slot buffers, allocated for
+max_loras=8 x rank 16 at start); q4_k_m and bf16 also with 8 random rank-16 adapters mixed at batch 32.
 Prints ratios for the issue's targets and one JSON line.
 
   .venv/bin/python benchmarks/quantized.py [--workdir DIR] [--skip-llama-cpp]
@@ -160,8 +161,9 @@ def _loramux(name: str, paths: dict, args) -> dict:
     llm = LLM(model=model, lora=LoRAConfig(max_loras=8, max_lora_rank=16), dtype="bfloat16", max_num_seqs=32,
               quantization="int8" if name == "int8" else None, max_model_len=args.prefill_len + 16,
               kv_cache_memory=kv_bytes)
+    slots = llm.engine.core.runner.manager.slot_bytes
     out = {"weight_mb": llm.engine.core.runner.weight_bytes / 2**20, "kv_mb": kv_bytes / 2**20,
-           "rss_mb": rss_mb(), "file_mb": _size_mb(model)}
+           "lora_slots_mb": slots / 2**20, "rss_mb": rss_mb(), "file_mb": _size_mb(model)}
     out["prefill_tok_s"] = _prefill(llm, args)
     for batch in (1, 8, 32):
         out[f"decode_b{batch}_tok_s"] = _decode(llm, batch, args)
@@ -284,7 +286,8 @@ def ratios(report: dict) -> dict:
     q4, bf16, base = report["q4_k_m"], report["bf16"], report["baseline"]["rss_mb"]
     out = {"q4_k_m/bf16 decode b1": q4["decode_b1_tok_s"] / bf16["decode_b1_tok_s"],
            "q4_k_m mixed8 b32 / bf16 base b32": q4["decode_b32_mixed8_tok_s"] / bf16["decode_b32_tok_s"],
-           "q4_k_m (rss - baseline) / (file + kv)": (q4["rss_run_mb"] - base) / (q4["file_mb"] + q4["kv_mb"])}
+           "q4_k_m (rss - baseline) / (file + kv + lora slots)":
+               (q4["rss_run_mb"] - base) / (q4["file_mb"] + q4["kv_mb"] + q4["lora_slots_mb"])}
     if "llama_cpp" in report:
         lc = report["llama_cpp"]
         out["q4_k_m/llama_cpp decode b1"] = q4["decode_b1_tok_s"] / lc["decode_b1_tok_s"]

@@ -111,6 +111,11 @@ class LoRAManager:
         for i, module in enumerate(modules):
             self._bindings[module] = _Binding(layer, i)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the LoRA layers' slot buffers, allocated for max_loras x max_lora_rank at start."""
+        return sum(buffer.nbytes for layer, _ in self._layers.values() for buffer in layer.buffers())
+
     def _module_shapes(self) -> dict[str, tuple[int, int]]:
         return {m: (b.layer.in_features, b.layer.output_slices[b.slice_index]) for m, b in self._bindings.items()}
 

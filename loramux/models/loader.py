@@ -139,7 +139,9 @@ def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
 
     state = {}
     for file in _weight_files(path):
-        state.update(load_file(file))
+        # load_file maps the file: one tensor kept from it (an embedding) would keep every page of it that loading
+        # touches resident beside the fused and prepacked copies (a 3.3 GB model took 7 GB). Copies own their memory.
+        state.update({name: t.clone() for name, t in load_file(file).items()})
     quantized = {}
     method = _quantization_config(hf_config)
     if method is not None:
