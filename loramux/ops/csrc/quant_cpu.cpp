@@ -22,6 +22,7 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -469,6 +470,120 @@ at::Tensor dequantize(const at::Tensor& data, const std::string& fmt, int64_t K,
   return out;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+// ---- AMX (bf16 activations, 2..kAmxRows rows of x): y^T = W x^T by tiles --------------------------------
+// The weights are the A operand (16 rows of W x 32 inputs: a decoded run of each row, rounded to bf16 as a
+// bf16 model's weights are, is one row of A: no transposition), x^T the B operand (x packed once per call in
+// AMX's pair-interleaved layout), and C holds 16 outputs x 16 rows of x in fp32. The decode is the fused
+// path's, so the weights still stream once; the multiply no longer grows with the rows of x.
+#include <sys/syscall.h>
+#include <unistd.h>
+constexpr int64_t kAmxRows = 32;  // two B tiles of 16 rows of x
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+static bool amx_usable() {  // Linux hands out the AMX tile state only on request (once per process)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+// x [M, K] bf16 -> [K / 32][tiles][16 pairs][16 rows][2]: the B tile of rows 16t..16t+15, inputs 32c..32c+31
+static std::vector<uint32_t> pack_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t tiles) {
+  std::vector<uint32_t> out(static_cast<size_t>(K / 32 * tiles * 256), 0);
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t c = 0; c < K / 32; ++c)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* pair = src + m * K + 32 * c + 2 * i;
+        out[((c * tiles + m / 16) * 16 + i) * 16 + m % 16] = pair[0] | (static_cast<uint32_t>(pair[1]) << 16);
+      }
+  return out;
+}
+
+template <typename Dec, int... R>
+static inline void amx_block(const uint8_t* const* blocks, int rows, const uint32_t* xb, int64_t tiles,
+                             int64_t chunk, uint16_t (*a)[32], std::integer_sequence<int, R...>) {
+  using State = decltype(BlockState<Dec>::make(blocks[0]));
+  State state[16];
+  for (int i = 0; i < rows; ++i) state[i] = BlockState<Dec>::make(blocks[i]);
+  auto run = [&](int r) {
+    for (int i = 0; i < rows; ++i) {
+      const W32 w = decode_v(Dec{}, state[i], blocks[i], r);
+      _mm512_storeu_si512(a[i], (__m512i)_mm512_cvtne2ps_pbh(w.hi, w.lo));
+    }
+    _tile_loadd(2, a, 64);
+    _tile_loadd(3, xb + (chunk + r) * tiles * 256, 64);
+    _tile_dpbf16ps(0, 2, 3);
+    if (tiles > 1) {
+      _tile_loadd(4, xb + ((chunk + r) * tiles + 1) * 256, 64);
+      _tile_dpbf16ps(1, 2, 4);
+    }
+  };
+  (run(R), ...);
+}
+
+// rows [n0, n1) of W, 16 at a time
+template <typename Dec>
+static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
+                     int64_t n1, float* y, int64_t ldy) {
+  const int64_t tiles = (M + 15) / 16;
+  TileConfig cfg;
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = cfg.rows[4] = 16;
+  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t a[16][32] = {};
+  alignas(64) float c[16][16];
+  for (int64_t g = n0; g < n1; g += 16) {
+    const int rows = static_cast<int>(std::min<int64_t>(16, n1 - g));
+    _tile_zero(0);
+    _tile_zero(1);
+    const uint8_t* blocks[16];
+    for (int64_t b = 0, k = 0; k < K; ++b) {
+      for (int i = 0; i < rows; ++i) blocks[i] = w + (g + i) * L.row_bytes + b * L.bytes;
+      if constexpr (Dec::kElems > 0) {
+        amx_block<Dec>(blocks, rows, xb, tiles, k / 32, a, std::make_integer_sequence<int, Dec::kElems / 32>{});
+        k += Dec::kElems;
+      } else {
+        for (int64_t r = 0; r < L.elems / 32; ++r, k += 32) {
+          for (int i = 0; i < rows; ++i) {
+            const W32 v = decode_v(Dec{}, 0, blocks[i], static_cast<int>(r));
+            _mm512_storeu_si512(a[i], (__m512i)_mm512_cvtne2ps_pbh(v.hi, v.lo));
+          }
+          _tile_loadd(2, a, 64);
+          _tile_loadd(3, xb + (k / 32) * tiles * 256, 64);
+          _tile_dpbf16ps(0, 2, 3);
+          if (tiles > 1) {
+            _tile_loadd(4, xb + ((k / 32) * tiles + 1) * 256, 64);
+            _tile_dpbf16ps(1, 2, 4);
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < tiles; ++t) {  // C: [16 outputs][16 rows of x]
+      if (t == 0) _tile_stored(0, c, 64);
+      else _tile_stored(1, c, 64);
+      for (int i = 0; i < rows; ++i)
+        for (int64_t m = 16 * t; m < std::min(M, 16 * t + 16); ++m) y[m * ldy + g + i] = c[i][m - 16 * t];
+    }
+  }
+  _tile_release();
+}
+
+template <typename Dec>
+static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
+  const int64_t M = x.size(0);
+  const std::vector<uint32_t> xb = pack_x(x.data_ptr<c10::BFloat16>(), M, K, (M + 15) / 16);
+  const int64_t groups = (N + 15) / 16;
+  at::parallel_for(0, groups, std::max<int64_t>(1, groups / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
+    amx_rows<Dec>(xb.data(), M, K, w, L, 16 * a, std::min(N, 16 * b), y, N);
+  });
+}
+#endif
+
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K,
                    const c10::optional<at::Tensor>& bias) {
   check_args(data, fmt, K);
@@ -476,6 +591,15 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), N = data.size(0);
   at::Tensor y;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+  if (x.scalar_type() == at::kBFloat16 && M >= 2 && M <= kAmxRows && amx_usable()) {
+    at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
+    const at::Tensor xb = x.contiguous();
+    with_format(fmt, K, [&](auto dec, const Layout& L) { amx<decltype(dec)>(xb, data.data_ptr<uint8_t>(), L, N, K, yf.data_ptr<float>()); });
+    if (bias.has_value()) yf.add_(bias->to(at::kFloat));
+    return yf.to(x.scalar_type());
+  }
+#endif
   if (M <= kFusedRows) {
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
