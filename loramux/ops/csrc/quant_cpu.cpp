@@ -539,6 +539,11 @@ static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w,
   alignas(64) float c[16][16];
   for (int64_t g = n0; g < n1; g += 16) {
     const int rows = static_cast<int>(std::min<int64_t>(16, n1 - g));
+    // the next 16 rows are one contiguous stretch: ask for it while these are decoded (16 interleaved row
+    // streams are more than the hardware prefetchers follow; batch 8 of the 1.7B Q4_K_M: 41.7 -> 45.7 tok/s)
+    const uint8_t* next = w + (g + 16) * L.row_bytes;
+    for (int64_t off = 0; off < 16 * L.row_bytes && next + off < w + n1 * L.row_bytes; off += 64)
+      _mm_prefetch((const char*)(next + off), _MM_HINT_T1);
     _tile_zero(0);
     _tile_zero(1);
     const uint8_t* blocks[16];
