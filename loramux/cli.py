@@ -17,6 +17,12 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
     parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept in host memory")
     parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
+                        help="modules that get LoRA layers (default: the 7 projections); add embed_tokens and "
+                             "lm_head for embedding / output-head LoRA")
+    parser.add_argument("--max-module-copies-bytes", type=int, default=0,
+                        help="bytes for adapters' whole copies of embed_tokens / lm_head (PEFT modules_to_save); "
+                             "0 = such adapters are refused")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
                         help="the base model's weights: (not given) as the checkpoint is, a GGUF or GPTQ/AWQ stays "
@@ -39,8 +45,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args) -> EngineConfig:
+    targets = tuple(args.lora_target_modules) if args.lora_target_modules else None
     lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_cpu_loras, args.max_loras),
-                      max_lora_rank=args.max_lora_rank)
+                      max_lora_rank=args.max_lora_rank, target_modules=targets,
+                      max_module_copies_bytes=args.max_module_copies_bytes)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,
                         quantization_group_size=args.quantization_group_size,

@@ -23,14 +23,20 @@ class LoRAConfig:
     max_lora_rank: int = 64
     """Slot buffers are padded to this rank; adapters of higher rank are refused at load."""
     target_modules: tuple[str, ...] | None = None
-    """Module-name suffixes to wrap with LoRA layers; None = DEFAULT_TARGET_MODULES."""
+    """Module-name suffixes to wrap with LoRA layers; None = DEFAULT_TARGET_MODULES. "embed_tokens" and "lm_head"
+    add embedding / output-head LoRA (and, with max_module_copies_bytes, modules_to_save copies of them)."""
     allow_pickle: bool = False
     """Read `adapter_model.bin` (with torch.load(weights_only=True)); off by default."""
+    max_module_copies_bytes: int = 0
+    """Bytes all loaded adapters' whole module copies (PEFT modules_to_save of embed_tokens / lm_head: one full
+    table each) may take together; 0 = such adapters are refused. The modules must be in target_modules."""
 
     def __post_init__(self) -> None:
         _check_positive("max_loras", self.max_loras)
         _check_positive("max_cpu_loras", self.max_cpu_loras)
         _check_positive("max_lora_rank", self.max_lora_rank)
+        if not isinstance(self.max_module_copies_bytes, int) or self.max_module_copies_bytes < 0:
+            raise ValueError(f"max_module_copies_bytes must be an integer >= 0, got {self.max_module_copies_bytes!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,9 +27,15 @@ MAX_ABS_WEIGHT = 1e4
 this would overflow the activations into NaN logits (found with weights x1e18)."""
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 
-# `.lora_A.weight`, or `.lora_A.<adapter name>.weight` as some trainers save it.
+# `.lora_A.weight`, or `.lora_A.<adapter name>.weight` as some trainers save it; an embedding's
+# `.lora_embedding_A` ([r, vocab]) and `.lora_embedding_B` ([hidden, r]) have no `.weight`.
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
-_EMBEDDING_KEY = re.compile(r"lora_embedding_[AB]|lora_magnitude_vector|\.lora_[AB].*\.bias$")
+_EMBEDDING_PAIR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?$")
+_ODD_KEY = re.compile(r"lora_magnitude_vector|\.lora_[AB].*\.bias$")
+# PEFT's save_embedding_layers writes the base embedding / head next to their LoRA, and modules_to_save
+# writes a saved module's whole weight
+_BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
+_WHOLE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.weight$")
 
 
 class AdapterPathError(FileNotFoundError):
@@ -49,20 +56,26 @@ class ModuleLoRA:
 
 @dataclass(frozen=True)
 class AdapterWeights:
-    """An adapter in host memory, keyed by the model's module names (e.g. model.layers.0.self_attn.q_proj)."""
+    """An adapter in host memory, keyed by the model's module names (e.g. model.layers.0.self_attn.q_proj).
+    copies: modules_to_save, the adapter's own whole weight of a module (embed_tokens, lm_head)."""
 
     name: str
     spec: AdapterSpec
     modules: dict[str, ModuleLoRA]
     path: str | None = None
+    copies: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_rank(self) -> int:
-        return max(m.rank for m in self.modules.values())
+        return max((m.rank for m in self.modules.values()), default=0)
 
     @property
     def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values()) + self.copies_nbytes
+
+    @property
+    def copies_nbytes(self) -> int:
+        return sum(t.nbytes for t in self.copies.values())
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -178,17 +191,32 @@ def _unique_keys(pairs: list) -> dict:
 
 
 # ---- building ---------------------------------------------------------------------------------------
-def _pair_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, torch.Tensor]], list[str]]:
-    """{module: {"A": t, "B": t}} plus the keys that are no plain LoRA weights."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    odd = []
+@dataclass
+class _Sorted:
+    """An adapter file's tensors by kind."""
+
+    pairs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> {"A": t, "B": t}
+    base_copies: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> its base weight, as saved
+    whole: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> a whole weight (modules_to_save)
+    odd: list[str] = field(default_factory=list)  # keys that are none of these (biases, DoRA magnitudes, ...)
+
+
+def _sort_tensors(tensors: dict[str, torch.Tensor], saved: tuple[str, ...]) -> _Sorted:
+    out = _Sorted()
     for key, tensor in tensors.items():
-        match = _KEY.match(key)
-        if match is None or _EMBEDDING_KEY.search(key):
-            odd.append(key)
-            continue
-        pairs.setdefault(match["module"], {})[match["ab"]] = tensor
-    return pairs, odd
+        pair = _KEY.match(key) or _EMBEDDING_PAIR.match(key)
+        base, whole = _BASE_COPY.match(key), _WHOLE.match(key)
+        if _ODD_KEY.search(key):
+            out.odd.append(key)
+        elif pair:
+            out.pairs.setdefault(pair["module"], {})[pair["ab"]] = tensor
+        elif base:
+            out.base_copies[base["module"]] = tensor
+        elif whole and whole["module"].rsplit(".", 1)[-1] in saved:
+            out.whole[whole["module"]] = tensor
+        else:
+            out.odd.append(key)
+    return out
 
 
 def _dtype_problems(tensors: dict[str, torch.Tensor]) -> list[str]:
@@ -206,25 +234,37 @@ def build_adapter(
     dtype: torch.dtype = torch.float32,
     path: str | None = None,
     all_linear: tuple[str, ...] | None = None,
+    base_weight: Callable[[str], torch.Tensor | None] | None = None,
+    whole_copies: bool = True,
 ) -> AdapterWeights:
     """Check an adapter against the model and fold scaling into B.
 
-    module_shapes: LoRA-able (wrapped) module name -> (in_features, out_features), as the model names them.
+    module_shapes: LoRA-able (wrapped) module name -> (in_features, out_features), as the model names them
+    (an embedding's "in" is its vocabulary: its LoRA is a LoRA on one-hot rows).
     all_linear: the module-name suffixes PEFT's "all-linear" stands for in this model: every Linear but the
     output head, wrapped or not (default: the wrapped ones), so that an "all-linear" adapter with weights for
     a module that is not wrapped is refused as the same adapter written as a list is.
+    base_weight: the model's own weight of a module an adapter may carry whole (modules_to_save) or as a
+    base copy (PEFT's save_embedding_layers), None where the model does not wrap that module.
+    whole_copies: whether modules_to_save copies are served at all (LoRAConfig.max_module_copies_bytes > 0).
     Raises InvalidAdapterError listing every problem found, not only the first.
     """
     problems = unsupported_features(config) + _dtype_problems(tensors)
-    pairs, odd = _pair_tensors(tensors)
-    problems += [f"non-LoRA tensor {key!r} (embedding LoRA, DoRA or bias weights)" for key in odd]
-    problems += [f"embedding/lm_head LoRA ({m})" for m in pairs if m.rsplit(".", 1)[-1] in ("embed_tokens", "lm_head")]
+    saved = tuple(config.get("modules_to_save") or ()) if isinstance(config.get("modules_to_save"), (list, tuple)) else ()
+    parts = _sort_tensors(tensors, saved)
+    problems += [f"non-LoRA tensor {key!r} (DoRA, bias or other weights)" for key in parts.odd]
     if problems:
         raise InvalidAdapterError(f"adapter {name!r} uses unsupported PEFT features: " + "; ".join(problems))
     spec = AdapterSpec.from_dict(config)
     linear = all_linear if all_linear is not None else tuple({m.rsplit(".", 1)[-1] for m in module_shapes})
-    targeted = {m: ab for m, ab in sorted(pairs.items()) if spec.targets(m, linear)}
-    if not targeted:
+    targeted = {m: ab for m, ab in sorted(parts.pairs.items()) if spec.targets(m, linear)}
+    stray = sorted(set(parts.pairs) - set(targeted))
+    if stray:  # PEFT never writes these: a hand-made or damaged file, whose weights would be dropped unseen
+        named = [f"{m} (lora_{'embedding_' if m.endswith('embed_tokens') else ''}{sorted(parts.pairs[m])[0]})"
+                 for m in stray[:3]]
+        raise InvalidAdapterError(f"adapter {name!r} has weights for modules its adapter_config.json does not "
+                                  f"target: {', '.join(named)}{' ...' if len(stray) > 3 else ''}")
+    if not targeted and not parts.whole:
         raise InvalidAdapterError(f"adapter {name!r} has no LoRA weights for the modules its config targets")
     modules, errors = {}, []
     for module, ab in targeted.items():
@@ -232,10 +272,52 @@ def build_adapter(
             modules[module] = _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype)
         except InvalidAdapterError as e:
             errors.append(str(e))
+    errors += [_base_copy_problem(name, m, t, base_weight) for m, t in sorted(parts.base_copies.items())]
+    copies = {}
+    for module, weight in sorted(parts.whole.items()):
+        try:
+            if not whole_copies:
+                raise InvalidAdapterError(f"adapter {name!r} saves a whole {module!r} (modules_to_save): set "
+                                          "LoRAConfig.max_module_copies_bytes (--max-module-copies-bytes) to serve "
+                                          "per-adapter copies")
+            copies[module] = _whole_copy(name, module, weight, base_weight, dtype)
+        except InvalidAdapterError as e:
+            errors.append(str(e))
+    errors = [e for e in errors if e]
     if errors:
         more = f" (and {len(errors) - 3} more modules)" if len(errors) > 3 else ""
         raise InvalidAdapterError("; ".join(errors[:3]) + more)
-    return AdapterWeights(name=name, spec=spec, modules=modules, path=path)
+    return AdapterWeights(name=name, spec=spec, modules=modules, path=path, copies=copies)
+
+
+def _vocabulary_problem(name: str, module: str, rows: int, model_rows: int) -> str:
+    return (f"adapter {name!r} adds tokens: its {module} has {rows} rows, the model's vocabulary {model_rows}; "
+            "adapters with new tokens are not supported")
+
+
+def _base_copy_problem(name: str, module: str, weight: torch.Tensor, base_weight) -> str:
+    """A base-layer copy (save_embedding_layers) must be the model's own weight: '' if it is."""
+    base = base_weight(module) if base_weight else None
+    if base is None:
+        return f"adapter {name!r} holds base weights for {module!r}, which this model does not serve with LoRA"
+    if weight.shape != base.shape:
+        return _vocabulary_problem(name, module, weight.shape[0], base.shape[0])
+    if not torch.equal(weight.to(base.dtype), base):
+        return (f"adapter {name!r} holds weights for {module!r} that differ from this model's (a fine-tuned "
+                "embedding): list it in modules_to_save for a per-adapter copy")
+    return ""
+
+
+def _whole_copy(name: str, module: str, weight: torch.Tensor, base_weight, dtype: torch.dtype) -> torch.Tensor:
+    """A modules_to_save weight: this adapter's own copy of the whole module."""
+    base = base_weight(module) if base_weight else None
+    if base is None:
+        raise InvalidAdapterError(f"adapter {name!r} saves a whole {module!r} (modules_to_save), which this model "
+                                  "does not wrap: add it to LoRAConfig.target_modules")
+    if weight.shape != base.shape:
+        raise InvalidAdapterError(_vocabulary_problem(name, module, weight.shape[0], base.shape[0]))
+    _check_values(name, f"{module}.weight (modules_to_save)", weight)
+    return weight.to(dtype).contiguous()
 
 
 def _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype) -> ModuleLoRA:
@@ -249,6 +331,10 @@ def _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype) -> Modu
         raise InvalidAdapterError(f"adapter {name!r}: module {module!r} has lora_{next(iter(ab))} but not its pair")
     a, b = ab["A"], ab["B"]
     in_features, out_features = module_shapes[module]
+    if module.endswith("embed_tokens") and a.dim() == 2 and a.shape[1] != in_features:
+        raise InvalidAdapterError(_vocabulary_problem(name, module, a.shape[1], in_features))
+    if module.endswith("lm_head") and b.dim() == 2 and b.shape[0] != out_features:
+        raise InvalidAdapterError(_vocabulary_problem(name, module, b.shape[0], out_features))
     r = a.shape[0] if a.dim() == 2 else -1
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != in_features or b.shape != (out_features, r):
         raise InvalidAdapterError(

@@ -21,9 +21,9 @@ from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, 
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
-from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
-from loramux.layers.quantized import QuantizedLinear
-from loramux.ops import select_backend, wants_grouped_tokens
+from loramux.layers.lora import LoRAContext, LoRAEmbedding, LoRAHead, LoRALinear, PackedLoRALinear
+from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from loramux.ops import LoRAMapping, select_backend, wants_grouped_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,16 @@ class _Binding:
 _OUTPUT_HEADS = ("lm_head", "embed_out", "output")  # PEFT's "all-linear" leaves the output layer out
 
 
+def _plain_weight(module: nn.Module) -> torch.Tensor:
+    """An embedding's or head's weight as plain values ([vocab, hidden]; a quantized one decoded)."""
+    if isinstance(module, (QuantizedEmbedding, QuantizedLinear)):
+        from loramux.ops.quant_torch import dequantize
+
+        weights = [module.qweight] if isinstance(module, QuantizedEmbedding) else module.weights
+        return torch.cat([dequantize(w) for w in weights])
+    return module.weight
+
+
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig | None = None, backend: str = "auto",
                  cache: AdapterCache | None = None):
@@ -56,7 +66,9 @@ class LoRAManager:
         None = a new one sized by `config`."""
         self.model = model
         self.config = config or LoRAConfig()
-        self.context = LoRAContext()
+        self.context = LoRAContext()  # the forward pass's tokens
+        self.head_context = LoRAContext()  # the rows whose logits are computed (the output head's LoRA)
+        self._base_weights: dict[str, torch.Tensor] = {}  # wrapped embedding / head -> its plain weight
         self.cache = cache or AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
         if (self.cache.max_loras, self.cache.max_cpu_loras) != (self.config.max_loras, self.config.max_cpu_loras):
             raise ValueError(f"the AdapterCache holds {self.cache.max_loras} slots / {self.cache.max_cpu_loras} host "
@@ -82,8 +94,8 @@ class LoRAManager:
             attr = name.rsplit(".", 1)[-1]
             if isinstance(module, (nn.Linear, QuantizedLinear, LoRALinear)) and attr not in _OUTPUT_HEADS:
                 linear.update(packed.get(attr, (attr,)))
-            if not isinstance(module, (nn.Linear, QuantizedLinear)):
-                continue  # a LoRALinear is neither, so nothing is wrapped twice
+            if not isinstance(module, (nn.Linear, QuantizedLinear, nn.Embedding, QuantizedEmbedding)):
+                continue  # a LoRA layer is none of these, so nothing is wrapped twice
             if attr in targets or targets & set(packed.get(attr, ())):
                 found.append((name, module, packed.get(attr)))
         if not found:
@@ -91,12 +103,19 @@ class LoRAManager:
         for name, module, sub_names in found:
             self._wrap(name, module, sub_names)
         self.all_linear = tuple(sorted(linear))
+        self.wraps_head = any(isinstance(layer, LoRAHead) for layer, _ in self._layers.values())
 
-    def _wrap(self, name: str, base: nn.Linear, sub_names: Sequence[str] | None) -> None:
+    def _wrap(self, name: str, base: nn.Module, sub_names: Sequence[str] | None) -> None:
         prefix, _, attr = name.rpartition(".")
         kw = dict(max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank, context=self.context,
                   add_lora=self._add_lora)
-        if sub_names:
+        if isinstance(base, (nn.Embedding, QuantizedEmbedding)) or attr in _OUTPUT_HEADS:
+            self._base_weights[name] = _plain_weight(base)  # (before prepacking) for adapters' copies of it
+        if isinstance(base, (nn.Embedding, QuantizedEmbedding)):
+            layer, modules = LoRAEmbedding(base, self.config.max_loras, self.config.max_lora_rank, self.context), (name,)
+        elif attr in _OUTPUT_HEADS:  # its rows are the ones whose logits are computed: a context of its own
+            layer, modules = LoRAHead(base, **{**kw, "context": self.head_context}), (name,)
+        elif sub_names:
             sizes = getattr(base, "output_sizes", None)
             if sizes is None or len(sizes) != len(sub_names):
                 raise ValueError(f"packed module {name!r} needs output_sizes for {list(sub_names)}")
@@ -121,9 +140,12 @@ class LoRAManager:
 
     def _max_weight_bytes(self) -> int:
         """The most bytes a weights file of a servable adapter can need: every wrapped module at max rank in
-        fp32, with room for a header and for weights of modules PEFT would ignore (x2)."""
+        fp32, and whole copies of a wrapped embedding / head (PEFT's save_embedding_layers and modules_to_save:
+        two each), with room for a header and for weights of modules PEFT would ignore (x2)."""
         rank = self.config.max_lora_rank
-        return 2 * sum(4 * rank * (i + o) for i, o in self._module_shapes().values()) + (1 << 20)
+        lora = sum(4 * rank * (i + o) for i, o in self._module_shapes().values())
+        whole = sum(2 * 4 * w.numel() for w in self._base_weights.values())
+        return 2 * (lora + whole) + (1 << 20)
 
     # ---- loading ---------------------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, allow_pickle: bool | None = None,
@@ -211,8 +233,17 @@ class LoRAManager:
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
         layer = next(iter(self._layers.values()))[0]
-        return build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
-                             dtype=layer.lora_a.dtype, path=path, all_linear=self.all_linear)
+        copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
+        weights = build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
+                                dtype=layer.lora_a.dtype, path=path, all_linear=self.all_linear,
+                                base_weight=self._base_weights.get, whole_copies=copies)
+        held = sum(w.copies_nbytes for key, w in self._weights.items() if name_of(key) != name)
+        if weights.copies and held + weights.copies_nbytes > self.config.max_module_copies_bytes:
+            raise InvalidAdapterError(
+                f"adapter {name!r} saves whole modules ({', '.join(weights.copies)}: {weights.copies_nbytes} bytes); "
+                f"with the {held} bytes other adapters' copies take, that is over max_module_copies_bytes="
+                f"{self.config.max_module_copies_bytes}")
+        return weights
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """Forget the adapter: frees its host copy and its slot. Refused while requests use it. (Replaced
@@ -304,6 +335,8 @@ class LoRAManager:
         for layer, modules in self._layers.values():
             parts = [weights.modules.get(m) for m in modules]
             layer.write_slot(slot, [None if p is None else (p.a, p.b) for p in parts])
+            if isinstance(layer, (LoRAHead, LoRAEmbedding)):
+                layer.set_copy(slot, weights.copies.get(modules[0]))
 
     # ---- queries ---------------------------------------------------------------------------------
     def is_lora(self, name: str) -> bool:
@@ -359,6 +392,19 @@ class LoRAManager:
             yield
         finally:
             self.context.mapping = previous
+
+    @contextlib.contextmanager
+    def head_mapping(self, row_slots: Sequence[int]) -> Iterator[None]:
+        """The slot of each row whose logits are computed next, for a LoRA output head (when it is wrapped)."""
+        if not self.wraps_head or all(s < 0 for s in row_slots):
+            yield
+            return
+        previous, self.head_context.mapping = self.head_context.mapping, LoRAMapping.from_slots(row_slots, self._device)
+        try:
+            yield
+        finally:
+            self.head_context.mapping = previous
+
 
     @property
     def _device(self) -> torch.device:

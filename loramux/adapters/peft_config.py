@@ -19,7 +19,6 @@ class InvalidAdapterError(ValueError):
 _UNSUPPORTED_FIELDS = (
     ("use_dora", bool, "DoRA (use_dora=true)"),
     ("bias", lambda v: v not in (None, "none"), "trained biases (bias={!r})"),
-    ("modules_to_save", bool, "modules_to_save={!r}"),
     ("lora_bias", bool, "LoRA bias (lora_bias=true)"),
     ("use_qalora", bool, "QALoRA (use_qalora=true)"),
     ("layer_replication", bool, "layer_replication={!r}"),
@@ -29,7 +28,8 @@ _UNSUPPORTED_FIELDS = (
     ("megatron_config", bool, "megatron_config"),
     ("use_bdlora", bool, "block-diagonal LoRA (use_bdlora)"),
 )
-_EMBEDDING_MODULES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
+SAVABLE_MODULES = ("embed_tokens", "lm_head")
+"""modules_to_save loramux runs: full per-adapter copies of the embedding table and the output head."""
 
 
 def unsupported_features(config: dict) -> list[str]:
@@ -42,9 +42,13 @@ def unsupported_features(config: dict) -> list[str]:
         value = config.get(name)
         if value is not None and is_set(value):
             found.append(label.format(value))
-    targets = config.get("target_modules")
-    if isinstance(targets, (list, tuple)):
-        found += [f"embedding/lm_head LoRA ({t})" for t in targets if t in _EMBEDDING_MODULES]
+    saved = config.get("modules_to_save") or []
+    if isinstance(saved, str) or not isinstance(saved, (list, tuple)):
+        found.append(f"modules_to_save={saved!r} (a list of module names)")
+    else:
+        others = [m for m in saved if m not in SAVABLE_MODULES]
+        if others:
+            found.append(f"modules_to_save={others!r} (only {' and '.join(SAVABLE_MODULES)} can be saved)")
     return found
 
 
@@ -142,6 +146,7 @@ class AdapterSpec:
     exclude_modules: tuple[str, ...] | str | None = None
     layers_to_transform: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] | None = None
+    modules_to_save: tuple[str, ...] = ()  # whole modules the adapter replaces (embed_tokens, lm_head)
     # Only the base layer's weight layout (GPT-2 Conv1D) depends on this; lora_A is [r, in] and
     # lora_B is [out, r] either way, so the LoRA delta is computed the same.
     fan_in_fan_out: bool = False
@@ -179,6 +184,7 @@ class AdapterSpec:
             layers_to_transform=_layers(config.get("layers_to_transform")),
             layers_pattern=layers_pattern or None,
             fan_in_fan_out=_flag(config, "fan_in_fan_out"),
+            modules_to_save=tuple(config.get("modules_to_save") or ()),
         )
 
     def targets(self, module: str, all_linear: tuple[str, ...] = ()) -> bool:

@@ -127,9 +127,10 @@ class ModelRunner:
             prepare = self._prepare_prefill if is_prefill else self._prepare_decode
             input_ids, positions, meta, token_counts, offsets = prepare(ordered)
         hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
-        prompt = self._prompt_logprobs(ordered, ordered_spans, hidden, offsets)
+        prompt = self._prompt_logprobs(ordered, ordered_slots, ordered_spans, hidden, offsets)
         done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s)]
-        sampled = self._sample([ordered[i] for i in done], hidden[[offsets[i + 1] - 1 for i in done]])
+        sampled = self._sample([ordered[i] for i in done], hidden[[offsets[i + 1] - 1 for i in done]],
+                               [ordered_slots[i] for i in done])
         # Nothing raised: commit. (Sampling advanced generators and grammars, so it comes last: a step that
         # raises is rerun per sequence and must not have changed any sequence's state.)
         for i, parts in prompt.items():
@@ -139,12 +140,20 @@ class ModelRunner:
             result[order[i]] = out._replace(prompt_logprobs=prompt.get(i))
         return result
 
-    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor) -> list[Sampled]:
+    def _logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:
+        """hidden: [rows, hidden] -> float32 logits [rows, vocab]; row_slots: each row's adapter slot (a LoRA
+        output head reads them)."""
+        if self.manager is None:
+            return self.model.compute_logits(hidden)
+        with self.manager.head_mapping(row_slots):
+            return self.model.compute_logits(hidden)
+
+    def _sample(self, seqs: list[Sequence], hidden: torch.Tensor, slots: list[int]) -> list[Sampled]:
         """hidden: [len(seqs), hidden], each sequence's last position -> its next token (and logprobs); then
         each grammar consumes its token."""
         if not seqs:
             return []
-        logits = self.model.compute_logits(hidden)
+        logits = self._logits(hidden, slots)
         asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw = torch.log_softmax(logits[asking], -1) if asking else None  # before sampling changes the logits
         tokens = sample(logits, [self._sampling_row(s, logits.shape[1]) for s in seqs], self.argmax)
@@ -164,8 +173,8 @@ class ModelRunner:
             return f"the structured output's grammar failed: {seq.grammar.get_error()}"
         return None
 
-    def _prompt_logprobs(self, seqs: list[Sequence], spans: list[tuple[int, int]], hidden: torch.Tensor,
-                         offsets: list[int]) -> dict[int, Logprobs]:
+    def _prompt_logprobs(self, seqs: list[Sequence], slots: list[int], spans: list[tuple[int, int]],
+                         hidden: torch.Tensor, offsets: list[int]) -> dict[int, Logprobs]:
         """For the sequences in their first prefill whose requests ask: the logprobs of prompt tokens 1..n-1,
         each from the hidden state of the position before it (sequence i's rows: offsets[i]:offsets[i+1], its
         positions spans[i]). A chunked prefill's pieces gather on the sequence; the whole comes out with the
@@ -181,7 +190,7 @@ class ModelRunner:
             for a in range(start, last, PROMPT_LOGPROBS_ROWS):
                 b = min(a + PROMPT_LOGPROBS_ROWS, last)
                 rows = hidden[offsets[i] + a - start: offsets[i] + b - start]
-                parts.extend(token_logprobs(torch.log_softmax(self.model.compute_logits(rows), -1),
+                parts.extend(token_logprobs(torch.log_softmax(self._logits(rows, [slots[i]] * rows.shape[0]), -1),
                                             seq.token_ids[a + 1:b + 1], k))
             out[i] = parts
         return out

@@ -62,7 +62,9 @@ class LoRALinear(nn.Module):
         return self.base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+        return self._add_lora(x, self.base(x))
+
+    def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mapping = self.context.mapping
         if mapping is None:
             return y
@@ -121,3 +123,97 @@ class PackedLoRALinear(LoRALinear):
         scaling = scaling or [1.0] * len(a)
         parts = [None if ai is None else (ai, bi * si) for ai, bi, si in zip(a, b, scaling)]
         self.write_slot(slot, parts)
+
+
+class LoRAHead(LoRALinear):
+    """The output head with LoRA, over the rows whose logits are computed (its context maps those rows, not
+    the forward pass's tokens), and whole per-slot copies (PEFT modules_to_save): a row whose adapter saved
+    the head takes its logits from that adapter's copy."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.copies: dict[int, torch.Tensor] = {}  # slot -> [vocab, hidden]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, hidden] -> [rows, vocab]."""
+        y = self.base(x)
+        if self.copies and self.context.mapping is not None:
+            slots = self.context.mapping.token_slots
+            for slot, weight in self.copies.items():
+                rows = (slots == slot).nonzero().squeeze(1)
+                if rows.numel():
+                    y[rows] = torch.nn.functional.linear(x[rows], weight).to(y.dtype)
+        return self._add_lora(x, y)
+
+    def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
+        if weight is None:
+            self.copies.pop(slot, None)
+        else:
+            self.copies[slot] = weight
+
+    def clear_slot(self, slot: int) -> None:
+        super().clear_slot(slot)
+        self.copies.pop(slot, None)
+
+
+class LoRAEmbedding(nn.Module):
+    """An embedding table with per-slot LoRA (PEFT's lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]:
+    a token t adds s * B @ A[:, t]) and whole per-slot copies of the table (modules_to_save).
+
+    Buffers: lora_a[max_loras, vocab, max_rank] holds A transposed (a token's rank vector is one row, so a
+    lookup is a gather), lora_b[max_loras, hidden, max_rank]. Only the slots that hold an embedding LoRA or a
+    copy cost anything: a forward pass over adapters without them is the base lookup."""
+
+    def __init__(self, base: nn.Module, max_loras: int, max_rank: int, context: LoRAContext):
+        super().__init__()
+        self.base, self.context, self.max_rank = base, context, max_rank
+        self.in_features, self.out_features = base.num_embeddings, base.embedding_dim  # (one-hot rows in)
+        self.output_slices = (self.out_features,)
+        ref = base.weight if isinstance(base, nn.Embedding) else base.qweight.data
+        kw = dict(dtype=base.weight.dtype if isinstance(base, nn.Embedding) else base.dtype, device=ref.device)
+        self.register_buffer("lora_a", torch.zeros(max_loras, self.in_features, max_rank, **kw), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw), persistent=False)
+        self.ranks: dict[int, int] = {}  # slot -> its embedding LoRA's rank (slots without one are absent)
+        self.copies: dict[int, torch.Tensor] = {}  # slot -> [vocab, hidden]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [n] -> [n, hidden]."""
+        y = self.base(ids)
+        mapping = self.context.mapping
+        if mapping is None or not (self.ranks or self.copies):
+            return y
+        slots = mapping.token_slots
+        for slot in set(self.ranks) | set(self.copies):
+            rows = (slots == slot).nonzero().squeeze(1)
+            if not rows.numel():
+                continue
+            tokens = ids[rows]
+            if slot in self.copies:
+                y[rows] = self.copies[slot][tokens].to(y.dtype)
+            r = self.ranks.get(slot, 0)
+            if r:
+                y[rows] += self.lora_a[slot, tokens, :r] @ self.lora_b[slot, :, :r].t()
+        return y
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """parts: [(a [r, vocab], b [hidden, r])] or [None]; scaling already folded into b."""
+        self.clear_slot(slot)
+        if parts[0] is not None:
+            a, b = parts[0]
+            self.lora_a[slot, :, : a.shape[0]].copy_(a.t())
+            self.lora_b[slot, :, : a.shape[0]].copy_(b)
+            self.ranks[slot] = a.shape[0]
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.ranks.pop(slot, None)
+        self.copies.pop(slot, None)
+
+    def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
+        if weight is None:
+            self.copies.pop(slot, None)
+        else:
+            self.copies[slot] = weight

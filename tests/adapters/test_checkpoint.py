@@ -132,7 +132,7 @@ def build(adapter, shapes=SHAPES, max_rank=64, **config_changes):
         (dict(shapes={k: (64, 48) for k in SHAPES}), ["q_proj", "lora_B (64, 8)", "[48, r]"]),
         (dict(r=4), ["rank 8 in its weights but 4"]),
         (dict(use_dora=True, bias="lora_only"), ["DoRA", "bias='lora_only'"]),
-        (dict(target_modules=["o_proj"]), ["no LoRA weights"]),
+        (dict(target_modules=["o_proj"]), ["weights for modules its adapter_config.json does not target", "q_proj"]),
     ],
 )
 def test_invalid_adapters_name_the_cause(adapter, kwargs, words):

@@ -52,12 +52,12 @@ def test_rank_and_scaling(config, module, rank, scaling):
 
 def test_every_unsupported_feature_is_named_in_one_error():
     config = {"r": 8, "target_modules": ["q_proj", "embed_tokens"], "use_dora": True, "bias": "all",
-              "modules_to_save": ["lm_head"], "peft_type": "IA3"}
+              "modules_to_save": ["lm_head", "score"], "peft_type": "IA3"}
     with pytest.raises(InvalidAdapterError) as err:
         AdapterSpec.from_dict(config)
-    for cause in ("DoRA", "bias='all'", "modules_to_save", "IA3", "embed_tokens"):
+    for cause in ("DoRA", "bias='all'", "modules_to_save=['score'] (only embed_tokens and lm_head", "IA3"):
         assert cause in str(err.value)
-    assert len(unsupported_features(config)) == 5
+    assert len(unsupported_features(config)) == 4  # embedding LoRA and a saved lm_head are supported
 
 
 @pytest.mark.parametrize("config, cause", [({"target_modules": ["q_proj"]}, "'r'"), ({"r": 8}, "target_modules")])

@@ -1,0 +1,100 @@
+"""Embedding and output-head LoRA (PEFT's lora_embedding_A/B, LoRA on lm_head) and whole per-adapter copies of
+either (modules_to_save), in mixed batches: every row gives the prompt logprobs and greedy tokens of HF + PEFT
+running that adapter alone (fp32), with base rows and plain adapters beside it."""
+import copy
+
+import pytest
+import torch
+
+from conftest import hf_greedy, peft_logits, save_checkpoint, save_peft_adapter, tiny_llama
+from loramux import LoRAConfig, LoRAStatus, SamplingParams
+from loramux.config import DEFAULT_TARGET_MODULES
+from loramux.llm import LLM
+
+TARGETS = (*DEFAULT_TARGET_MODULES, "embed_tokens", "lm_head")
+
+
+def save_adapter(base, path, seed, **kwargs) -> str:
+    """A PEFT adapter whose embedding LoRA and saved modules differ clearly from the base (PEFT initialises
+    them to no-ops)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, lora_alpha=8, **kwargs))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding" in name:
+                p.normal_(0, 0.2)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setup(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp("emb")
+    base = tiny_llama(tie_word_embeddings=request.param)
+    adapters = {
+        "emb_head": save_adapter(base, root / "a", 1, r=4, target_modules=["embed_tokens", "lm_head", "q_proj"]),
+        "save_head": save_adapter(base, root / "b", 2, r=8, target_modules=["q_proj", "v_proj"],
+                                  modules_to_save=["lm_head"]),
+        "save_embed": save_adapter(base, root / "c", 3, r=6, target_modules=["o_proj"], modules_to_save=["embed_tokens"]),
+        "plain": save_peft_adapter(base, root / "d", seed=4, r=8),
+    }
+    copies = 4 * 2 * base.config.vocab_size * base.config.hidden_size
+    llm = LLM(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**23, max_model_len=64,
+              lora=LoRAConfig(max_loras=4, max_lora_rank=8, target_modules=TARGETS, max_module_copies_bytes=copies))
+    for name, path in adapters.items():
+        result = llm.load_adapter(name, path)
+        assert result, result.message
+    return base, adapters, llm
+
+
+ROWS = ["emb_head", None, "save_head", "save_embed", "plain", "emb_head"]
+
+
+def test_mixed_rows_give_peft_prompt_logprobs(setup):
+    base, adapters, llm = setup
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 64 - i, 3] for i in range(len(ROWS))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=ROWS)
+    for prompt, row, out in zip(prompts, ROWS, outs):
+        oracle = torch.log_softmax(peft_logits(base, adapters.get(row), torch.tensor([prompt]))[0].float(), -1)
+        expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_rows_give_peft_greedy_tokens(setup):
+    base, adapters, llm = setup
+    prompts = [[7, 8 + i, 9, 10 + 3 * i] for i in range(len(ROWS))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), adapters=ROWS)
+    for prompt, row, out in zip(prompts, ROWS, outs):
+        assert out.token_ids == hf_greedy(base, adapters.get(row), prompt, 8), row
+
+
+def test_copies_are_held_to_their_byte_budget_and_need_the_module_wrapped(setup, tmp_path):
+    base, adapters, _ = setup
+    model = save_checkpoint(base, tmp_path / "model")
+    one_copy = 4 * base.config.vocab_size * base.config.hidden_size
+    llm = LLM(model=model, dtype="float32", kv_cache_memory=2**22, max_model_len=64,
+              lora=LoRAConfig(max_loras=2, max_lora_rank=8, target_modules=TARGETS, max_module_copies_bytes=one_copy))
+    assert llm.load_adapter("save_head", adapters["save_head"])
+    over = llm.load_adapter("save_embed", adapters["save_embed"])
+    assert over == LoRAStatus.LOAD_INVALID_ADAPTER and "over max_module_copies_bytes" in over.message
+    assert llm.unload_adapter("save_head")
+    assert llm.load_adapter("save_embed", adapters["save_embed"])  # the budget counts loaded adapters only
+    off = LLM(model=model, dtype="float32", kv_cache_memory=2**22, max_model_len=64,
+              lora=LoRAConfig(max_loras=2, max_lora_rank=8))
+    refused = off.load_adapter("save_head", adapters["save_head"])
+    assert refused == LoRAStatus.LOAD_INVALID_ADAPTER and "max_module_copies_bytes" in refused.message
+    refused = off.load_adapter("emb_head", adapters["emb_head"])
+    assert "does not target" not in refused.message and "embed_tokens" in refused.message
+
+
+def test_adapters_with_new_tokens_are_refused_naming_both_sizes(setup, tmp_path):
+    base, _, llm = setup
+    bigger = tiny_llama(vocab_size=136, tie_word_embeddings=base.config.tie_word_embeddings)
+    path = save_adapter(bigger, tmp_path / "big", 5, r=4, target_modules=["embed_tokens", "q_proj"])
+    result = llm.load_adapter("big", path)
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER
+    assert "adds tokens" in result.message and "136" in result.message and "128" in result.message
