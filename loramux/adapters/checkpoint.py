@@ -44,14 +44,16 @@ class AdapterPathError(FileNotFoundError):
 
 @dataclass(frozen=True)
 class ModuleLoRA:
-    """One module's low-rank update: delta_W = b @ a, scaling already folded into b."""
+    """One module's low-rank update: delta_W = b @ a, scaling already folded into b. An MoE block's experts
+    (module <block>.experts.gate_up_proj / .down_proj) have one per expert and slice: a [E, slices, r, in],
+    b [E, out, r], slice i of a serving the i-th equal part of the outputs (gate_up: gate, then up)."""
 
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
 
     @property
     def rank(self) -> int:
-        return self.a.shape[0]
+        return self.b.shape[-1]
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,7 @@ def build_adapter(
     all_linear: tuple[str, ...] | None = None,
     base_weight: Callable[[str], torch.Tensor | None] | None = None,
     whole_copies: bool = True,
+    experts: dict[str, tuple[int, int, int]] | None = None,
 ) -> AdapterWeights:
     """Check an adapter against the model and fold scaling into B.
 
@@ -247,6 +250,8 @@ def build_adapter(
     base_weight: the model's own weight of a module an adapter may carry whole (modules_to_save) or as a
     base copy (PEFT's save_embedding_layers), None where the model does not wrap that module.
     whole_copies: whether modules_to_save copies are served at all (LoRAConfig.max_module_copies_bytes > 0).
+    experts: the MoE blocks whose experts have LoRA layers: block (e.g. model.layers.0.mlp.experts) ->
+    (experts, hidden, one expert's intermediate size).
     Raises InvalidAdapterError listing every problem found, not only the first.
     """
     problems = unsupported_features(config) + _dtype_problems(tensors)
@@ -256,15 +261,11 @@ def build_adapter(
     if problems:
         raise InvalidAdapterError(f"adapter {name!r} uses unsupported PEFT features: " + "; ".join(problems))
     spec = AdapterSpec.from_dict(config)
+    expert_pairs = _take_expert_pairs(parts.pairs, experts or {})
     linear = all_linear if all_linear is not None else tuple({m.rsplit(".", 1)[-1] for m in module_shapes})
     targeted = {m: ab for m, ab in sorted(parts.pairs.items()) if spec.targets(m, linear)}
     stray = sorted(set(parts.pairs) - set(targeted))
-    if stray:  # PEFT never writes these: a hand-made or damaged file, whose weights would be dropped unseen
-        named = [f"{m} (lora_{'embedding_' if m.endswith('embed_tokens') else ''}{sorted(parts.pairs[m])[0]})"
-                 for m in stray[:3]]
-        raise InvalidAdapterError(f"adapter {name!r} has weights for modules its adapter_config.json does not "
-                                  f"target: {', '.join(named)}{' ...' if len(stray) > 3 else ''}")
-    if not targeted and not parts.whole:
+    if not targeted and not parts.whole and not expert_pairs and not stray:
         raise InvalidAdapterError(f"adapter {name!r} has no LoRA weights for the modules its config targets")
     modules, errors = {}, []
     for module, ab in targeted.items():
@@ -272,6 +273,16 @@ def build_adapter(
             modules[module] = _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype)
         except InvalidAdapterError as e:
             errors.append(str(e))
+    for block, found in sorted(expert_pairs.items()):
+        try:
+            modules.update(_expert_loras(name, block, found, spec, experts[block], max_rank, dtype))
+        except InvalidAdapterError as e:
+            errors.append(str(e))
+    if stray:  # PEFT never writes these: a hand-made or damaged file, whose weights would be dropped unseen
+        named = [f"{m} (lora_{'embedding_' if m.endswith('embed_tokens') else ''}{sorted(parts.pairs[m])[0]})"
+                 for m in stray[:3]]
+        errors.append(f"adapter {name!r} has weights for modules its adapter_config.json does not target: "
+                      f"{', '.join(named)}{' ...' if len(stray) > 3 else ''}")
     errors += [_base_copy_problem(name, m, t, base_weight) for m, t in sorted(parts.base_copies.items())]
     copies = {}
     for module, weight in sorted(parts.whole.items()):
@@ -288,6 +299,106 @@ def build_adapter(
         more = f" (and {len(errors) - 3} more modules)" if len(errors) > 3 else ""
         raise InvalidAdapterError("; ".join(errors[:3]) + more)
     return AdapterWeights(name=name, spec=spec, modules=modules, path=path, copies=copies)
+
+
+# ---- MoE experts -------------------------------------------------------------------------------------
+# PEFT's target_parameters (ParamWrapper) on a block's 3D weights: `<block>.lora_A.weight` [r * E, in],
+# `.lora_B.weight` [out, r * E]; several parameters of one block nest, the first listed innermost (its keys
+# carry one `.base_layer` per parameter listed after it). Older checkpoints: one Linear per expert,
+# `<layer>.mlp.experts.<e>.gate_proj` (Qwen) or `<layer>.block_sparse_moe.experts.<e>.w1` (Mixtral: w1 gate,
+# w3 up, w2 down).
+_NESTED = re.compile(r"^(?P<module>.+?)(?P<depth>(?:\.base_layer)*)$")
+_PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?P<expert>\d+)\."
+                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)$")
+_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _take_expert_pairs(pairs: dict, experts: dict) -> dict[str, dict]:
+    """Moves the experts' pairs out of `pairs`: {block: {(param or (expert, proj)), depth): {"A", "B"}, key}}."""
+    found: dict[str, dict] = {}
+    for module in list(pairs):
+        nested, per = _NESTED.match(module), _PER_EXPERT.match(module)
+        if nested["module"] in experts:
+            found.setdefault(nested["module"], {})["3d", nested["depth"].count(".base_layer")] = (pairs.pop(module), module)
+        elif per and f"{per['layer']}.mlp.experts" in experts:
+            proj = _PROJ.get(per["proj"], per["proj"])
+            found.setdefault(f"{per['layer']}.mlp.experts", {})[(int(per["expert"]), proj)] = (pairs.pop(module), module)
+    return found
+
+
+def _expert_loras(name, block, found, spec, shape, max_rank, dtype) -> dict[str, ModuleLoRA]:
+    """The block's gate_up_proj and down_proj ModuleLoRAs (a [E, slices, r, in], b [E, out, r])."""
+    if any(key[0] == "3d" for key in found):
+        return _expert_loras_3d(name, block, found, spec, shape, max_rank, dtype)
+    return _expert_loras_per_expert(name, block, found, spec, shape, max_rank, dtype)
+
+
+def _expert_loras_3d(name, block, found, spec, shape, max_rank, dtype) -> dict[str, ModuleLoRA]:
+    num, hidden, inter = shape
+    params = spec.parameters_of(block)
+    sizes = {"gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}  # (in, out): never equal
+    out = {}
+    for ab, key in found.values():
+        # which parameter a nesting depth holds follows PEFT's wrapping order, which is not the config's (it
+        # changed from run to run here); the shapes tell them apart
+        a, b = ab.get("A"), ab.get("B")
+        param = next((p for p in params if a is not None and b is not None and a.dim() == b.dim() == 2
+                      and (a.shape[1], b.shape[0]) == sizes[p]), None)
+        if param is None or a.shape[0] % num or b.shape[1] != a.shape[0]:
+            wanted = "; ".join(f"{p}: lora_A [r * {num}, {sizes[p][0]}] and lora_B [{sizes[p][1]}, r * {num}]" for p in params)
+            raise InvalidAdapterError(f"adapter {name!r}: {key} fits none of its target_parameters ({wanted or 'none'}); "
+                                      f"the file has {_shapes(ab)}")
+        n_in, n_out = sizes[param]
+        r = a.shape[0] // num
+        _check_rank(name, f"{block}.{param}", r, spec.rank(block), max_rank)
+        a_e = a.reshape(num, r, n_in)
+        b_e = b.reshape(n_out, r, num).permute(2, 0, 1) * spec.scaling(block)  # PEFT: expert e's columns j * E + e
+        slices = 2 if param == "gate_up_proj" else 1  # one A for both halves: both slices get it
+        out[f"{block}.{param}"] = _checked_expert(name, f"{block}.{param}", a_e.unsqueeze(1).expand(-1, slices, -1, -1), b_e, dtype)
+    return out
+
+
+def _expert_loras_per_expert(name, block, found, spec, shape, max_rank, dtype) -> dict[str, ModuleLoRA]:
+    num, hidden, inter = shape
+    sizes = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    ranks = [ab["B"].shape[1] for ab, _ in found.values() if "B" in ab and ab["B"].dim() == 2]
+    r = max(ranks, default=0)
+    a_gu, b_gu = torch.zeros(num, 2, r, hidden), torch.zeros(num, 2 * inter, r)
+    a_d, b_d = torch.zeros(num, 1, r, inter), torch.zeros(num, hidden, r)
+    for (expert, proj), (ab, key) in found.items():
+        n_in, n_out = sizes[proj]
+        a, b = ab.get("A"), ab.get("B")
+        if expert >= num or a is None or b is None or a.shape[1:] != (n_in,) or b.shape[0] != n_out or b.shape[1] != a.shape[0]:
+            raise InvalidAdapterError(f"adapter {name!r}: {key} needs expert < {num}, lora_A [r, {n_in}] and lora_B "
+                                      f"[{n_out}, r]; the file has {_shapes(ab)}")
+        k = a.shape[0]
+        _check_rank(name, key, k, spec.rank(key), max_rank)
+        b = b.float() * spec.scaling(key)
+        if proj == "down_proj":
+            a_d[expert, 0, :k], b_d[expert, :, :k] = a, b
+        else:
+            part = 0 if proj == "gate_proj" else 1
+            a_gu[expert, part, :k], b_gu[expert, part * inter:(part + 1) * inter, :k] = a, b
+    return {f"{block}.gate_up_proj": _checked_expert(name, f"{block}.gate_up_proj", a_gu, b_gu, dtype),
+            f"{block}.down_proj": _checked_expert(name, f"{block}.down_proj", a_d, b_d, dtype)}
+
+
+def _checked_expert(name, module, a, b, dtype) -> ModuleLoRA:
+    _check_values(name, f"{module} lora_A", a)
+    _check_values(name, f"{module} lora_B (scaling folded in)", b)
+    return ModuleLoRA(a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous())
+
+
+def _check_rank(name: str, module: str, r: int, configured: int, max_rank: int) -> None:
+    if r > max_rank:
+        raise InvalidAdapterError(f"adapter {name!r} has rank {r} (module {module!r}), above max_lora_rank={max_rank}")
+    if r != configured:
+        raise InvalidAdapterError(f"adapter {name!r}: module {module!r} has rank {r} in its weights but {configured} "
+                                  "in adapter_config.json")
+
+
+def _shapes(ab: dict) -> str:
+    return ", ".join(f"lora_{k} {tuple(t.shape)}" for k, t in sorted(ab.items())) or "nothing"
 
 
 def _vocabulary_problem(name: str, module: str, rows: int, model_rows: int) -> str:
@@ -321,6 +432,8 @@ def _whole_copy(name: str, module: str, weight: torch.Tensor, base_weight, dtype
 
 
 def _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype) -> ModuleLoRA:
+    if module.endswith((".mlp.gate", ".block_sparse_moe.gate")):
+        raise InvalidAdapterError(f"adapter {name!r} has LoRA on an MoE router ({module}); router LoRA is not supported")
     if module not in module_shapes:
         wrapped = sorted({m.rsplit(".", 1)[-1] for m in module_shapes})
         raise InvalidAdapterError(

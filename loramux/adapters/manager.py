@@ -21,8 +21,9 @@ from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, 
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
-from loramux.layers.lora import LoRAContext, LoRAEmbedding, LoRAHead, LoRALinear, PackedLoRALinear
+from loramux.layers.lora import LoRAContext, LoRAEmbedding, LoRAExperts, LoRAHead, LoRALinear, PackedLoRALinear
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
+from loramux.models.moe import FusedExperts
 from loramux.ops import LoRAMapping, select_backend, wants_grouped_tokens
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class LoRAManager:
             attr = name.rsplit(".", 1)[-1]
             if isinstance(module, (nn.Linear, QuantizedLinear, LoRALinear)) and attr not in _OUTPUT_HEADS:
                 linear.update(packed.get(attr, (attr,)))
-            if not isinstance(module, (nn.Linear, QuantizedLinear, nn.Embedding, QuantizedEmbedding)):
+            if not isinstance(module, (nn.Linear, QuantizedLinear, nn.Embedding, QuantizedEmbedding, FusedExperts)):
                 continue  # a LoRA layer is none of these, so nothing is wrapped twice
             if attr in targets or targets & set(packed.get(attr, ())):
                 found.append((name, module, packed.get(attr)))
@@ -111,7 +112,10 @@ class LoRAManager:
                   add_lora=self._add_lora)
         if isinstance(base, (nn.Embedding, QuantizedEmbedding)) or attr in _OUTPUT_HEADS:
             self._base_weights[name] = _plain_weight(base)  # (before prepacking) for adapters' copies of it
-        if isinstance(base, (nn.Embedding, QuantizedEmbedding)):
+        if isinstance(base, FusedExperts):  # an MoE block's experts: one layer, both 3D weights
+            layer = LoRAExperts(base, self.config.max_loras, self.config.max_lora_rank, self.context)
+            modules = (f"{name}.gate_up_proj", f"{name}.down_proj")
+        elif isinstance(base, (nn.Embedding, QuantizedEmbedding)):
             layer, modules = LoRAEmbedding(base, self.config.max_loras, self.config.max_lora_rank, self.context), (name,)
         elif attr in _OUTPUT_HEADS:  # its rows are the ones whose logits are computed: a context of its own
             layer, modules = LoRAHead(base, **{**kw, "context": self.head_context}), (name,)
@@ -136,7 +140,12 @@ class LoRAManager:
         return sum(buffer.nbytes for layer, _ in self._layers.values() for buffer in layer.buffers())
 
     def _module_shapes(self) -> dict[str, tuple[int, int]]:
-        return {m: (b.layer.in_features, b.layer.output_slices[b.slice_index]) for m, b in self._bindings.items()}
+        return {m: (b.layer.in_features, b.layer.output_slices[b.slice_index]) for m, b in self._bindings.items()
+                if not isinstance(b.layer, LoRAExperts)}
+
+    def _expert_shapes(self) -> dict[str, tuple[int, int, int]]:
+        """MoE blocks with expert LoRA: block name -> (experts, hidden, one expert's intermediate size)."""
+        return {name: layer.shape for name, (layer, _) in self._layers.items() if isinstance(layer, LoRAExperts)}
 
     def _max_weight_bytes(self) -> int:
         """The most bytes a weights file of a servable adapter can need: every wrapped module at max rank in
@@ -144,6 +153,7 @@ class LoRAManager:
         two each), with room for a header and for weights of modules PEFT would ignore (x2)."""
         rank = self.config.max_lora_rank
         lora = sum(4 * rank * (i + o) for i, o in self._module_shapes().values())
+        lora += sum(4 * rank * e * (4 * h + 3 * i) for e, h, i in self._expert_shapes().values())
         whole = sum(2 * 4 * w.numel() for w in self._base_weights.values())
         return 2 * (lora + whole) + (1 << 20)
 
@@ -232,11 +242,11 @@ class LoRAManager:
         return self._build(name_of(key), config, tensors, source.path)
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
-        layer = next(iter(self._layers.values()))[0]
+        dtype = next(next(iter(self._layers.values()))[0].buffers()).dtype  # every LoRA layer's buffers share it
         copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
         weights = build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
-                                dtype=layer.lora_a.dtype, path=path, all_linear=self.all_linear,
-                                base_weight=self._base_weights.get, whole_copies=copies)
+                                dtype=dtype, path=path, all_linear=self.all_linear,
+                                base_weight=self._base_weights.get, whole_copies=copies, experts=self._expert_shapes())
         held = sum(w.copies_nbytes for key, w in self._weights.items() if name_of(key) != name)
         if weights.copies and held + weights.copies_nbytes > self.config.max_module_copies_bytes:
             raise InvalidAdapterError(
@@ -408,4 +418,4 @@ class LoRAManager:
 
     @property
     def _device(self) -> torch.device:
-        return next(iter(self._layers.values()))[0].lora_a.device
+        return next(next(iter(self._layers.values()))[0].buffers()).device

@@ -23,11 +23,12 @@ _UNSUPPORTED_FIELDS = (
     ("use_qalora", bool, "QALoRA (use_qalora=true)"),
     ("layer_replication", bool, "layer_replication={!r}"),
     ("trainable_token_indices", bool, "trainable_token_indices"),
-    ("target_parameters", bool, "target_parameters={!r}"),
     ("alora_invocation_tokens", bool, "aLoRA (alora_invocation_tokens)"),
     ("megatron_config", bool, "megatron_config"),
     ("use_bdlora", bool, "block-diagonal LoRA (use_bdlora)"),
 )
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+"""target_parameters loramux runs: the 3D expert weights of MoE models (PEFT's ParamWrapper)."""
 SAVABLE_MODULES = ("embed_tokens", "lm_head")
 """modules_to_save loramux runs: full per-adapter copies of the embedding table and the output head."""
 
@@ -42,6 +43,13 @@ def unsupported_features(config: dict) -> list[str]:
         value = config.get(name)
         if value is not None and is_set(value):
             found.append(label.format(value))
+    params = config.get("target_parameters") or []
+    if isinstance(params, str) or not isinstance(params, (list, tuple)):
+        found.append(f"target_parameters={params!r} (a list of parameter names)")
+    else:
+        others = [p for p in params if not str(p).endswith(EXPERT_PARAMETERS)]
+        if others:
+            found.append(f"target_parameters={others!r} (only MoE experts' {' and '.join(EXPERT_PARAMETERS)})")
     saved = config.get("modules_to_save") or []
     if isinstance(saved, str) or not isinstance(saved, (list, tuple)):
         found.append(f"modules_to_save={saved!r} (a list of module names)")
@@ -147,6 +155,7 @@ class AdapterSpec:
     layers_to_transform: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] | None = None
     modules_to_save: tuple[str, ...] = ()  # whole modules the adapter replaces (embed_tokens, lm_head)
+    target_parameters: tuple[str, ...] = ()  # 3D expert weights with LoRA (e.g. mlp.experts.gate_up_proj)
     # Only the base layer's weight layout (GPT-2 Conv1D) depends on this; lora_A is [r, in] and
     # lora_B is [out, r] either way, so the LoRA delta is computed the same.
     fan_in_fan_out: bool = False
@@ -166,7 +175,7 @@ class AdapterSpec:
         if "r" not in config:
             raise ValueError("missing field 'r' (the rank)")
         targets = config.get("target_modules")
-        if not targets:
+        if not targets and not config.get("target_parameters"):
             raise ValueError("target_modules is missing or empty")
         layers_pattern = config.get("layers_pattern")
         if layers_pattern:
@@ -176,7 +185,7 @@ class AdapterSpec:
         return cls(
             r=_rank(config["r"], "r"),
             lora_alpha=_number(config.get("lora_alpha", 8), "lora_alpha"),
-            target_modules=_modules(targets, "target_modules"),
+            target_modules=_modules(targets, "target_modules") if targets else (),
             use_rslora=_flag(config, "use_rslora"),
             rank_pattern=_patterns(config.get("rank_pattern"), "rank_pattern", _rank),
             alpha_pattern=_patterns(config.get("alpha_pattern"), "alpha_pattern", _number),
@@ -185,6 +194,7 @@ class AdapterSpec:
             layers_pattern=layers_pattern or None,
             fan_in_fan_out=_flag(config, "fan_in_fan_out"),
             modules_to_save=tuple(config.get("modules_to_save") or ()),
+            target_parameters=tuple(config.get("target_parameters") or ()),
         )
 
     def targets(self, module: str, all_linear: tuple[str, ...] = ()) -> bool:
@@ -204,6 +214,14 @@ class AdapterSpec:
         if self.layers_to_transform is None:
             return True
         return _layer_index(module, self.layers_pattern) in self.layers_to_transform
+
+    def parameters_of(self, module: str) -> list[str]:
+        """The names of the target_parameters on `module` (full dotted name)."""
+        return [p.rsplit(".", 1)[1] for p in self.target_parameters
+                if f"{module}.{p.rsplit('.', 1)[1]}".endswith(p) and self.layer_targeted(module)]
+
+    def layer_targeted(self, module: str) -> bool:
+        return self.layers_to_transform is None or _layer_index(module, self.layers_pattern) in self.layers_to_transform
 
     def _excluded(self, module: str) -> bool:
         if not self.exclude_modules:

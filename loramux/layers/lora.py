@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from loramux.ops.moe_torch import ExpertLoRA
+
 
 class LoRAContext:
     """The mapping every LoRA layer of one model reads in a forward pass; None = base model only.
@@ -217,3 +219,54 @@ class LoRAEmbedding(nn.Module):
             self.copies.pop(slot, None)
         else:
             self.copies[slot] = weight
+
+
+class LoRAExperts(nn.Module):
+    """LoRA on an MoE block's experts (models.moe.FusedExperts), per slot and expert: gate_up_proj with two
+    slices (gate, up) and down_proj, handed to the fused-experts op, which applies each token's slot on each
+    of its experts (ops.moe_torch.ExpertLoRA).
+
+    Buffers: gate_up_a[max_loras, E, 2, max_rank, H], gate_up_b[max_loras, E, 2I, max_rank],
+    down_a[max_loras, E, 1, max_rank, I], down_b[max_loras, E, H, max_rank]; ranks: each slot's rank (0 = none)."""
+
+    def __init__(self, base: nn.Module, max_loras: int, max_rank: int, context: LoRAContext):
+        super().__init__()
+        self.base, self.context, self.max_rank = base, context, max_rank
+        num, hidden, inter = base.num_experts, base.hidden_size, base.intermediate_size
+        kw = dict(dtype=base.gate_up_proj.dtype, device=base.gate_up_proj.device)
+        self.register_buffer("gate_up_a", torch.zeros(max_loras, num, 2, max_rank, hidden, **kw), persistent=False)
+        self.register_buffer("gate_up_b", torch.zeros(max_loras, num, 2 * inter, max_rank, **kw), persistent=False)
+        self.register_buffer("down_a", torch.zeros(max_loras, num, 1, max_rank, inter, **kw), persistent=False)
+        self.register_buffer("down_b", torch.zeros(max_loras, num, hidden, max_rank, **kw), persistent=False)
+        self.ranks = [0] * max_loras
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.base.num_experts, self.base.hidden_size, self.base.intermediate_size
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        mapping = self.context.mapping
+        if mapping is None or not any(self.ranks):
+            return self.base(x, topk_ids, topk_weights)
+        num, slots = self.base.num_experts, self.gate_up_a.shape[0]
+        lora = ExpertLoRA(self.gate_up_a.view(slots, num, 2 * self.max_rank, -1), self.gate_up_b,
+                          self.down_a.view(slots, num, self.max_rank, -1), self.down_b, self.ranks, mapping.token_slots)
+        return self.base(x, topk_ids, topk_weights, lora)
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, parts) -> None:
+        """parts: [(a [E, 2, r, H], b [E, 2I, r]) or None, (a [E, 1, r, I], b [E, H, r]) or None]."""
+        self.clear_slot(slot)
+        for (a_buf, b_buf), part in zip(((self.gate_up_a, self.gate_up_b), (self.down_a, self.down_b)), parts):
+            if part is not None:
+                a, b = part
+                r = b.shape[-1]
+                a_buf[slot, :, :, :r].copy_(a)
+                b_buf[slot, :, :, :r].copy_(b)
+                self.ranks[slot] = max(self.ranks[slot], r)
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int) -> None:
+        for buffer in (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b):
+            buffer[slot].zero_()
+        self.ranks[slot] = 0

@@ -1,5 +1,6 @@
 """The Llama family in one file: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm), SmolLM2,
-TinyLlama. GQA, RoPE, RMSNorm, SwiGLU, tied embeddings.
+TinyLlama, and the mixture-of-experts members that share its attention (Qwen3-MoE, Mixtral, Qwen2-MoE: their
+sparse MLP block is models/moe.py). GQA, RoPE, RMSNorm, SwiGLU, tied embeddings.
 
 Module names follow HF transformers, except that q/k/v and gate/up are fused (`packed_modules_mapping`
 says which HF projections each fused Linear holds), so PEFT adapter keys map onto this model directly.
@@ -15,8 +16,9 @@ from loramux.layers.linear import PackedLinear
 from loramux.layers.activation import SiluAndMul
 from loramux.layers.norm import RMSNorm
 from loramux.layers.rotary import RotaryEmbedding
+from loramux.models.moe import MOE_MODEL_TYPES, SparseMoeBlock, is_sparse_layer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 
 
 def head_dim_of(config) -> int:
@@ -30,11 +32,11 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        bias = config.model_type in ("qwen2", "qwen2_moe") or bool(getattr(config, "attention_bias", False))
         self.qkv_sizes = (q_size, kv_size, kv_size)  # kept here: a LoRA layer may wrap qkv_proj
         self.qkv_proj = PackedLinear(config.hidden_size, self.qkv_sizes, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bool(getattr(config, "attention_bias", False)))
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -53,9 +55,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    def __init__(self, config, intermediate_size: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, (inter, inter), bias=bool(getattr(config, "mlp_bias", False)))
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bool(getattr(config, "mlp_bias", False)))
         self.act = SiluAndMul()
@@ -65,12 +69,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        # mixture-of-experts families: a sparse block where the config says so (models/moe.py)
+        self.mlp = SparseMoeBlock(config, LlamaMLP) if is_sparse_layer(config, layer_idx) else LlamaMLP(config)
 
     def forward(self, rope, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata):
         """hidden: the previous layer's MLP output (the embeddings in layer 0, residual None); residual: the
@@ -90,7 +95,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = rotary
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch import nn
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_parts, quantize_linears, weight_bytes
 from loramux.models import gptq_awq
 from loramux.models.gguf import read_gguf_tensors
+from loramux.models.moe import MOE_MODEL_TYPES, stack_expert_weights
 from loramux.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, fuse_hf_state_dict, fuse_quantized
 from loramux.ops.quant_torch import QuantizedWeight
 
@@ -142,6 +143,8 @@ def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
         # load_file maps the file: one tensor kept from it (an embedding) would keep every page of it that loading
         # touches resident beside the fused and prepacked copies (a 3.3 GB model took 7 GB). Copies own their memory.
         state.update({name: t.clone() for name, t in load_file(file).items()})
+    if hf_config.model_type in MOE_MODEL_TYPES:
+        state = stack_expert_weights(state)
     quantized = {}
     method = _quantization_config(hf_config)
     if method is not None:
