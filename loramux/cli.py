@@ -16,6 +16,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapters to load at start-up")
     parser.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
     parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept in host memory")
+    parser.add_argument("--max-cpu-lora-bytes", type=int, default=None,
+                        help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
+                             "least recently used leave until a new one fits")
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
                         help="modules that get LoRA layers (default: the 7 projections); add embed_tokens and "
@@ -48,7 +51,8 @@ def _engine_config(args) -> EngineConfig:
     targets = tuple(args.lora_target_modules) if args.lora_target_modules else None
     lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_cpu_loras, args.max_loras),
                       max_lora_rank=args.max_lora_rank, target_modules=targets,
-                      max_module_copies_bytes=args.max_module_copies_bytes)
+                      max_module_copies_bytes=args.max_module_copies_bytes,
+                      max_cpu_lora_bytes=args.max_cpu_lora_bytes)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,
                         quantization_group_size=args.quantization_group_size,

@@ -20,6 +20,9 @@ class LoRAConfig:
     """Device slots: the most distinct adapters one forward pass (one engine step) can use."""
     max_cpu_loras: int = 16
     """Host tier: adapters kept in host memory (LRU). Evicted ones are reloaded from disk on use."""
+    max_cpu_lora_bytes: int | None = None
+    """Host tier in bytes too (None: by count only): the least recently used adapters leave until the new one
+    fits. Sizes differ by orders of magnitude (q/v LoRA against every MoE expert and a saved head)."""
     max_lora_rank: int = 64
     """Slot buffers are padded to this rank; adapters of higher rank are refused at load."""
     target_modules: tuple[str, ...] | None = None
@@ -35,6 +38,8 @@ class LoRAConfig:
         _check_positive("max_loras", self.max_loras)
         _check_positive("max_cpu_loras", self.max_cpu_loras)
         _check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_lora_bytes is not None:
+            _check_positive("max_cpu_lora_bytes", self.max_cpu_lora_bytes)
         if not isinstance(self.max_module_copies_bytes, int) or self.max_module_copies_bytes < 0:
             raise ValueError(f"max_module_copies_bytes must be an integer >= 0, got {self.max_module_copies_bytes!r}")
         if self.max_cpu_loras < self.max_loras:

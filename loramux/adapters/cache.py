@@ -55,11 +55,15 @@ class Changes:
 
 
 class AdapterCache:
-    def __init__(self, max_loras: int, max_cpu_loras: int):
+    def __init__(self, max_loras: int, max_cpu_loras: int, max_cpu_bytes: int | None = None):
+        """max_cpu_bytes: the host tier's budget in bytes too (None: counted only): adapters differ in size by
+        orders of magnitude (q/v at rank 8 against every expert of an MoE model and a saved head)."""
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
+        self.max_cpu_bytes = max_cpu_bytes
+        self._sizes: dict[str, int] = {}  # adapter -> bytes its weights take in host memory
         self._known: OrderedDict[str, None] = OrderedDict()
         self._host: OrderedDict[str, None] = OrderedDict()
         self._slots: OrderedDict[str, int] = OrderedDict()
@@ -109,17 +113,28 @@ class AdapterCache:
         return name in self._slots or bool(self._free_slots) or self._slot_victim() is not None
 
     # ---- host tier -----------------------------------------------------------------------
-    def add(self, name: str, on_disk: bool = True) -> Changes:
-        """Register `name` (or touch it) and mark its weights host-resident; evict the LRU to fit.
+    @property
+    def host_bytes(self) -> int:
+        return sum(self._sizes.get(n, 0) for n in self._host)
+
+    def add(self, name: str, on_disk: bool = True, nbytes: int = 0) -> Changes:
+        """Register `name` (or touch it) and mark its weights (`nbytes`) host-resident; evict the LRU until it
+        fits both budgets.
 
         An adapter with no disk copy (`on_disk=False`) cannot be reloaded, so it is never dropped."""
         changes = Changes()
-        if name not in self._host and len(self._host) >= self.max_cpu_loras:
+        if self.max_cpu_bytes is not None and nbytes > self.max_cpu_bytes:
+            raise CacheFullError(f"adapter {name!r} takes {nbytes} bytes, more than max_cpu_lora_bytes="
+                                 f"{self.max_cpu_bytes}")
+        self._sizes[name] = nbytes or self._sizes.get(name, 0)
+        while name not in self._host and self._over(self._sizes[name]):
             victim = self._host_victim()
             if victim is None:
                 raise CacheFullError(
-                    f"cannot keep adapter {name!r} in host memory: all max_cpu_loras={self.max_cpu_loras} "
-                    f"adapters there are pinned, in use or have no disk copy ({', '.join(self._host)})"
+                    f"cannot keep adapter {name!r} in host memory: the adapters there ({', '.join(self._host)}) "
+                    f"fill max_cpu_loras={self.max_cpu_loras}"
+                    + (f" / max_cpu_lora_bytes={self.max_cpu_bytes}" if self.max_cpu_bytes is not None else "")
+                    + " and are pinned, in use or have no disk copy"
                 )
             self._drop_from_host(victim, changes)
         self._touch(name, self._known)
@@ -172,6 +187,7 @@ class AdapterCache:
         self._pinned.discard(name)
         self._memory_only.discard(name)
         self._retiring.discard(name)
+        self._sizes.pop(name, None)
         if self._current.get(name_of(name)) == name:
             del self._current[name_of(name)]
         del self._known[name]
@@ -242,6 +258,11 @@ class AdapterCache:
             del self._refs[name]
 
     # ---- internals ---------------------------------------------------------------------------
+    def _over(self, nbytes: int) -> bool:
+        """Whether one more adapter of nbytes would pass a host-tier budget."""
+        full = len(self._host) >= self.max_cpu_loras
+        return full or (self.max_cpu_bytes is not None and self.host_bytes + nbytes > self.max_cpu_bytes)
+
     def _evictable(self, name: str) -> bool:
         return name not in self._pinned and not self._refs[name]
 

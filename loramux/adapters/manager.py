@@ -70,10 +70,12 @@ class LoRAManager:
         self.context = LoRAContext()  # the forward pass's tokens
         self.head_context = LoRAContext()  # the rows whose logits are computed (the output head's LoRA)
         self._base_weights: dict[str, torch.Tensor] = {}  # wrapped embedding / head -> its plain weight
-        self.cache = cache or AdapterCache(self.config.max_loras, self.config.max_cpu_loras)
-        if (self.cache.max_loras, self.cache.max_cpu_loras) != (self.config.max_loras, self.config.max_cpu_loras):
+        sizes = (self.config.max_loras, self.config.max_cpu_loras, self.config.max_cpu_lora_bytes)
+        self.cache = cache or AdapterCache(*sizes)
+        if (self.cache.max_loras, self.cache.max_cpu_loras, self.cache.max_cpu_bytes) != sizes:
             raise ValueError(f"the AdapterCache holds {self.cache.max_loras} slots / {self.cache.max_cpu_loras} host "
-                             f"adapters but the LoRAConfig says {self.config.max_loras} / {self.config.max_cpu_loras}")
+                             f"adapters / {self.cache.max_cpu_bytes} host bytes but the LoRAConfig says "
+                             f"{' / '.join(map(str, sizes))}")
         self._add_lora = select_backend(backend, next(model.parameters()).device)
         self.wants_grouped_tokens = wants_grouped_tokens(self._add_lora)  # see ModelRunner.run
         self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
@@ -220,7 +222,7 @@ class LoRAManager:
         name = name_of(key)
         try:
             weights = read()
-            self._apply(self.cache.add(key, on_disk=source is not None))
+            self._apply(self.cache.add(key, on_disk=source is not None, nbytes=weights.nbytes))
         except AdapterPathError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
         except InvalidAdapterError as e:

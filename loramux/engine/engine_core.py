@@ -55,7 +55,7 @@ class EngineCore:
         self.config = replace(config, max_model_len=loaded.max_model_len)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         lora = self.config.lora
-        self.cache = AdapterCache(lora.max_loras, lora.max_cpu_loras) if lora else None
+        self.cache = AdapterCache(lora.max_loras, lora.max_cpu_loras, lora.max_cpu_lora_bytes) if lora else None
         self.eos_token_ids = self._eos_token_ids()
         self.runner = ModelRunner(loaded, self.config, self.device, self.cache, frozenset(self.eos_token_ids))
         self.manager = self.runner.manager

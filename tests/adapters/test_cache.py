@@ -96,3 +96,28 @@ def test_unload_of_a_slotted_adapter_clears_its_slot():
     run(cache, "add a, activate a")
     changes = cache.remove("a")
     assert changes.slots == [SlotUpdate(0, None)] and "a" not in cache and cache.active == {}
+
+
+def test_the_host_tier_in_bytes_evicts_least_recently_used_until_the_new_one_fits():
+    cache = AdapterCache(max_loras=2, max_cpu_loras=10, max_cpu_bytes=100)
+    assert cache.add("small", nbytes=10).dropped == []
+    assert cache.add("mid", nbytes=40).dropped == []
+    cache.add("small")  # touched: "mid" is now the least recently used
+    assert cache.add("big", nbytes=60).dropped == ["mid"] and cache.host_bytes == 70
+    cache.pin("small")
+    cache.acquire("big")
+    with pytest.raises(CacheFullError, match="max_cpu_lora_bytes=100"):  # nothing left to evict
+        cache.add("other", nbytes=40)
+    cache.release("big")
+    assert cache.add("other", nbytes=40).dropped == ["big"] and cache.host_bytes == 50
+    with pytest.raises(CacheFullError, match="takes 101 bytes, more than max_cpu_lora_bytes=100"):
+        cache.add("huge", nbytes=101)
+    assert cache.remove("other").dropped == ["other"] and cache.host_bytes == 10
+    assert cache.add("mid").dropped == [] and cache.host_bytes == 50  # a reload from disk: its size is known
+
+
+def test_without_a_byte_budget_sizes_are_only_counted():
+    cache = AdapterCache(max_loras=1, max_cpu_loras=2)
+    cache.add("a", nbytes=10**12)
+    cache.add("b", nbytes=10**12)
+    assert cache.add("c", nbytes=1).dropped == ["a"]

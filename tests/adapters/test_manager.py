@@ -133,6 +133,25 @@ def test_evicted_adapter_reloads_from_disk_with_same_results(adapter_dirs):
     torch.testing.assert_close(out, peft_logits(base, adapter_dirs["llama", "r4"], input_ids), atol=ATOL, rtol=1e-4)
 
 
+def test_host_tier_in_bytes_keeps_many_small_adapters_and_evicts_for_a_big_one(adapter_dirs):
+    base = MODEL_FACTORIES["llama"]()
+    _, sizer = manager_for(base)
+    for kind in ("r4", "r16_patterns"):
+        sizer.load_adapter(f"{kind}={adapter_dirs['llama', kind]}")
+    small, big = sizer.cache._sizes["r4"], sizer.cache._sizes["r16_patterns"]
+    assert big > 3 * small
+    model, manager = manager_for(base, max_loras=1, max_cpu_loras=8, max_cpu_lora_bytes=big + small)
+    for name in ("a", "b", "c"):  # three small ones fit where one big one would not leave room
+        assert manager.load_adapter(f"{name}={adapter_dirs['llama', 'r4']}") == LoRAStatus.SUCCESS
+    assert manager.load_adapter(f"big={adapter_dirs['llama', 'r16_patterns']}") == LoRAStatus.SUCCESS
+    assert [n for n in "abc" if manager.cache.in_host(n)] == ["c"] and manager.cache.host_bytes == big + small
+    input_ids = torch.randint(0, 128, (2, 6))
+    with torch.no_grad(), manager.batch(["a", "a"]):  # evicted "a" comes back from disk; "c" (the LRU) leaves
+        out = model(input_ids).logits
+    assert [n for n in ("a", "b", "c", "big") if manager.cache.in_host(n)] == ["a", "big"]
+    torch.testing.assert_close(out, peft_logits(base, adapter_dirs["llama", "r4"], input_ids), atol=ATOL, rtol=1e-4)
+
+
 def test_adapter_in_use_cannot_be_unloaded_or_evicted(adapter_dirs):
     model, manager = manager_for(MODEL_FACTORIES["llama"](), max_loras=1, max_cpu_loras=2)
     manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
