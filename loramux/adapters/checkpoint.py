@@ -239,6 +239,7 @@ def build_adapter(
     base_weight: Callable[[str], torch.Tensor | None] | None = None,
     whole_copies: bool = True,
     experts: dict[str, tuple[int, int, int]] | None = None,
+    unwrapped_experts: frozenset[str] = frozenset(),
 ) -> AdapterWeights:
     """Check an adapter against the model and fold scaling into B.
 
@@ -251,7 +252,7 @@ def build_adapter(
     base copy (PEFT's save_embedding_layers), None where the model does not wrap that module.
     whole_copies: whether modules_to_save copies are served at all (LoRAConfig.max_module_copies_bytes > 0).
     experts: the MoE blocks whose experts have LoRA layers: block (e.g. model.layers.0.mlp.experts) ->
-    (experts, hidden, one expert's intermediate size).
+    (experts, hidden, one expert's intermediate size); unwrapped_experts: the model's MoE blocks without.
     Raises InvalidAdapterError listing every problem found, not only the first.
     """
     problems = unsupported_features(config) + _dtype_problems(tensors)
@@ -262,43 +263,53 @@ def build_adapter(
         raise InvalidAdapterError(f"adapter {name!r} uses unsupported PEFT features: " + "; ".join(problems))
     spec = AdapterSpec.from_dict(config)
     expert_pairs = _take_expert_pairs(parts.pairs, experts or {})
+    unserved = sorted(_take_expert_pairs(parts.pairs, dict.fromkeys(unwrapped_experts)))
     linear = all_linear if all_linear is not None else tuple({m.rsplit(".", 1)[-1] for m in module_shapes})
     targeted = {m: ab for m, ab in sorted(parts.pairs.items()) if spec.targets(m, linear)}
     stray = sorted(set(parts.pairs) - set(targeted))
-    if not targeted and not parts.whole and not expert_pairs and not stray:
+    if not targeted and not parts.whole and not expert_pairs and not stray and not unserved:
         raise InvalidAdapterError(f"adapter {name!r} has no LoRA weights for the modules its config targets")
-    modules, errors = {}, []
+    errors = [_unserved_experts_problem(name, unserved), _stray_problem(name, stray, parts.pairs)]
+    modules = {}
     for module, ab in targeted.items():
-        try:
-            modules[module] = _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype)
-        except InvalidAdapterError as e:
-            errors.append(str(e))
+        modules[module] = _collect(errors, _module_lora, name, module, ab, spec, module_shapes, max_rank, dtype)
     for block, found in sorted(expert_pairs.items()):
-        try:
-            modules.update(_expert_loras(name, block, found, spec, experts[block], max_rank, dtype))
-        except InvalidAdapterError as e:
-            errors.append(str(e))
-    if stray:  # PEFT never writes these: a hand-made or damaged file, whose weights would be dropped unseen
-        named = [f"{m} (lora_{'embedding_' if m.endswith('embed_tokens') else ''}{sorted(parts.pairs[m])[0]})"
-                 for m in stray[:3]]
-        errors.append(f"adapter {name!r} has weights for modules its adapter_config.json does not target: "
-                      f"{', '.join(named)}{' ...' if len(stray) > 3 else ''}")
+        modules.update(_collect(errors, _expert_loras, name, block, found, spec, experts[block], max_rank, dtype) or {})
     errors += [_base_copy_problem(name, m, t, base_weight) for m, t in sorted(parts.base_copies.items())]
-    copies = {}
-    for module, weight in sorted(parts.whole.items()):
-        try:
-            if not whole_copies:
-                raise InvalidAdapterError(f"adapter {name!r} saves a whole {module!r} (modules_to_save): set "
-                                          "LoRAConfig.max_module_copies_bytes (--max-module-copies-bytes) to serve "
-                                          "per-adapter copies")
-            copies[module] = _whole_copy(name, module, weight, base_weight, dtype)
-        except InvalidAdapterError as e:
-            errors.append(str(e))
+    copies = {m: _collect(errors, _whole_copy, name, m, w, base_weight, dtype, whole_copies)
+              for m, w in sorted(parts.whole.items())}
     errors = [e for e in errors if e]
     if errors:
         more = f" (and {len(errors) - 3} more modules)" if len(errors) > 3 else ""
         raise InvalidAdapterError("; ".join(errors[:3]) + more)
     return AdapterWeights(name=name, spec=spec, modules=modules, path=path, copies=copies)
+
+
+def _collect(errors: list[str], make: Callable, *args):
+    """make(*args), or None with its InvalidAdapterError's message added to `errors`: every problem of an
+    adapter is reported at once, not only the first."""
+    try:
+        return make(*args)
+    except InvalidAdapterError as e:
+        errors.append(str(e))
+        return None
+
+
+def _unserved_experts_problem(name: str, blocks: list[str]) -> str:
+    if not blocks:
+        return ""
+    more = f" and {len(blocks) - 1} more blocks" if len(blocks) > 1 else ""
+    return (f"adapter {name!r} has LoRA on the MoE experts of {blocks[0]}{more}, which this engine does not wrap: "
+            "add 'experts' to LoRAConfig.target_modules (--lora-target-modules)")
+
+
+def _stray_problem(name: str, stray: list[str], pairs: dict) -> str:
+    """PEFT never writes these: a hand-made or damaged file, whose weights would be dropped unseen."""
+    if not stray:
+        return ""
+    named = [f"{m} (lora_{'embedding_' if m.endswith('embed_tokens') else ''}{sorted(pairs[m])[0]})" for m in stray[:3]]
+    return (f"adapter {name!r} has weights for modules its adapter_config.json does not target: "
+            f"{', '.join(named)}{' ...' if len(stray) > 3 else ''}")
 
 
 # ---- MoE experts -------------------------------------------------------------------------------------
@@ -419,8 +430,14 @@ def _base_copy_problem(name: str, module: str, weight: torch.Tensor, base_weight
     return ""
 
 
-def _whole_copy(name: str, module: str, weight: torch.Tensor, base_weight, dtype: torch.dtype) -> torch.Tensor:
-    """A modules_to_save weight: this adapter's own copy of the whole module."""
+def _whole_copy(name: str, module: str, weight: torch.Tensor, base_weight, dtype: torch.dtype,
+                served: bool = True) -> torch.Tensor:
+    """A modules_to_save weight: this adapter's own copy of the whole module (served: whether the engine serves
+    such copies at all)."""
+    if not served:
+        raise InvalidAdapterError(f"adapter {name!r} saves a whole {module!r} (modules_to_save): set "
+                                  "LoRAConfig.max_module_copies_bytes (--max-module-copies-bytes) to serve "
+                                  "per-adapter copies")
     base = base_weight(module) if base_weight else None
     if base is None:
         raise InvalidAdapterError(f"adapter {name!r} saves a whole {module!r} (modules_to_save), which this model "

@@ -93,8 +93,11 @@ class LoRAManager:
         targets = set(self.config.targets)
         found = []
         linear = set()  # what PEFT's "all-linear" stands for here: every Linear but the output head
+        self.unwrapped_experts: dict[str, tuple[int, int, int]] = {}  # MoE blocks left without expert LoRA
         for name, module in self.model.named_modules():
             attr = name.rsplit(".", 1)[-1]
+            if isinstance(module, FusedExperts) and "experts" not in targets:
+                self.unwrapped_experts[name] = (module.num_experts, module.hidden_size, module.intermediate_size)
             if isinstance(module, (nn.Linear, QuantizedLinear, LoRALinear)) and attr not in _OUTPUT_HEADS:
                 linear.update(packed.get(attr, (attr,)))
             if not isinstance(module, (nn.Linear, QuantizedLinear, nn.Embedding, QuantizedEmbedding, FusedExperts)):
@@ -155,7 +158,8 @@ class LoRAManager:
         two each), with room for a header and for weights of modules PEFT would ignore (x2)."""
         rank = self.config.max_lora_rank
         lora = sum(4 * rank * (i + o) for i, o in self._module_shapes().values())
-        lora += sum(4 * rank * e * (4 * h + 3 * i) for e, h, i in self._expert_shapes().values())
+        experts = [*self._expert_shapes().values(), *self.unwrapped_experts.values()]  # (refused by what they hold)
+        lora += sum(4 * rank * e * (4 * h + 3 * i) for e, h, i in experts)
         whole = sum(2 * 4 * w.numel() for w in self._base_weights.values())
         return 2 * (lora + whole) + (1 << 20)
 
@@ -248,7 +252,8 @@ class LoRAManager:
         copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
         weights = build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
                                 dtype=dtype, path=path, all_linear=self.all_linear,
-                                base_weight=self._base_weights.get, whole_copies=copies, experts=self._expert_shapes())
+                                base_weight=self._base_weights.get, whole_copies=copies, experts=self._expert_shapes(),
+                                unwrapped_experts=frozenset(self.unwrapped_experts))
         held = sum(w.copies_nbytes for key, w in self._weights.items() if name_of(key) != name)
         if weights.copies and held + weights.copies_nbytes > self.config.max_module_copies_bytes:
             raise InvalidAdapterError(
