@@ -80,6 +80,9 @@ class EngineConfig:
     pointwise_backend: str = "auto"
     """RMSNorm (+ residual add) / SiLU-and-mul / rotary / greedy argmax ops (loramux.ops.POINTWISE_BACKENDS);
     "auto" = the fastest for the device."""
+    moe_backend: str = "auto"
+    """Fused-experts op of mixture-of-experts models (loramux.ops.MOE_BACKENDS); "auto" = the C++ kernel where
+    it runs."""
     quantization: str | None = None
     """Weight-only quantization of the base model's linear layers (adapters stay in `dtype`). None = as the
     checkpoint is: a GGUF keeps its quantized tensors (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k; other types are

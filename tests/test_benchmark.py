@@ -54,3 +54,18 @@ def test_latency_reports_ttft_and_decode_speed_with_and_without_an_adapter(tmp_p
         assert report[phase]["ttft_ms"] > 0 and report[phase]["decode_tok_s"] > 0
         assert len(report[phase]["runs_decode_tok_s"]) == 2
     assert set(report["ratios"]) == {"loramux_lora/loramux decode"}
+
+
+def test_moe_benchmark_reports_every_row_and_the_same_base_tokens_from_either_experts_op(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("moe_bench", SCRIPT.parent / "moe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--workdir", str(tmp_path), "--shape", "tiny", "--requests", "8", "--prompt-len", "6",
+                 "--new-tokens", "3", "--repeats", "1", "--peft-adapters", "1", "--dtype", "float32"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["tok_s"]) == {"base", "mixed8", "base_torch_op", "hf_base", "peft_per_adapter"}
+    assert all(r["best"] > 0 for r in report["tok_s"].values())
+    assert report["same_base_tokens"] is True
+    assert report["mixed8_rows_equal_to_peft"] == 1.0  # fp32: every mixed row's greedy tokens equal PEFT's
+    assert set(report["ratios"]) == {"mixed8 / base (paired)", "base / base_torch_op", "base / hf_base",
+                                     "mixed8 / peft_per_adapter"}

@@ -22,7 +22,7 @@ from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_lo
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
 from loramux.ops import (LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend,
-                         select_quant_backend)
+                         select_moe_backend, select_quant_backend)
 from loramux.ops.attention_torch import decode_attention_by_length
 
 INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
@@ -75,11 +75,11 @@ class ModelRunner:
             fix_linear_rows(self.model, INVARIANT_ROWS)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
         quant = select_quant_backend(config.quant_backend, device)
+        moe = select_moe_backend(config.moe_backend, device)
         for module in self.model.modules():  # layers name the ops they run: RMSNorm, SiluAndMul, QuantizedLinear, ...
-            for attr, name in getattr(module, "pointwise_ops", {}).items():
-                setattr(module, attr, getattr(pointwise, name))
-            for attr, name in getattr(module, "quant_ops", {}).items():
-                setattr(module, attr, getattr(quant, name))
+            for kind, backend in (("pointwise_ops", pointwise), ("quant_ops", quant), ("moe_ops", moe)):
+                for attr, name in getattr(module, kind, {}).items():
+                    setattr(module, attr, getattr(backend, name))
         self.argmax = pointwise.argmax  # greedy sampling
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)

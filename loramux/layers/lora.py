@@ -227,7 +227,8 @@ class LoRAExperts(nn.Module):
     of its experts (ops.moe_torch.ExpertLoRA).
 
     Buffers: gate_up_a[max_loras, E, 2, max_rank, H], gate_up_b[max_loras, E, 2I, max_rank],
-    down_a[max_loras, E, 1, max_rank, I], down_b[max_loras, E, H, max_rank]; ranks: each slot's rank (0 = none)."""
+    down_a[max_loras, E, 1, max_rank, I], down_b[max_loras, E, H, max_rank] (the b's stored rank-major);
+    ranks: each slot's rank (0 = none)."""
 
     def __init__(self, base: nn.Module, max_loras: int, max_rank: int, context: LoRAContext):
         super().__init__()
@@ -235,10 +236,14 @@ class LoRAExperts(nn.Module):
         num, hidden, inter = base.num_experts, base.hidden_size, base.intermediate_size
         kw = dict(dtype=base.gate_up_proj.dtype, device=base.gate_up_proj.device)
         self.register_buffer("gate_up_a", torch.zeros(max_loras, num, 2, max_rank, hidden, **kw), persistent=False)
-        self.register_buffer("gate_up_b", torch.zeros(max_loras, num, 2 * inter, max_rank, **kw), persistent=False)
         self.register_buffer("down_a", torch.zeros(max_loras, num, 1, max_rank, inter, **kw), persistent=False)
-        self.register_buffer("down_b", torch.zeros(max_loras, num, hidden, max_rank, **kw), persistent=False)
+        # B rank-major (as LoRALinear's): the C++ add_lora reads one rank row of contiguous outputs at a time
+        self.register_buffer("gate_up_b", torch.zeros(max_loras, num, max_rank, 2 * inter, **kw).transpose(2, 3),
+                             persistent=False)
+        self.register_buffer("down_b", torch.zeros(max_loras, num, max_rank, hidden, **kw).transpose(2, 3),
+                             persistent=False)
         self.ranks = [0] * max_loras
+        self.expert_ranks = torch.zeros(max_loras * num, dtype=torch.long)  # ranks, each repeated for E experts
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -250,7 +255,8 @@ class LoRAExperts(nn.Module):
             return self.base(x, topk_ids, topk_weights)
         num, slots = self.base.num_experts, self.gate_up_a.shape[0]
         lora = ExpertLoRA(self.gate_up_a.view(slots, num, 2 * self.max_rank, -1), self.gate_up_b,
-                          self.down_a.view(slots, num, self.max_rank, -1), self.down_b, self.ranks, mapping.token_slots)
+                          self.down_a.view(slots, num, self.max_rank, -1), self.down_b, self.ranks, self.expert_ranks,
+                          mapping.token_slots)
         return self.base(x, topk_ids, topk_weights, lora)
 
     @torch.no_grad()
@@ -264,9 +270,15 @@ class LoRAExperts(nn.Module):
                 a_buf[slot, :, :, :r].copy_(a)
                 b_buf[slot, :, :, :r].copy_(b)
                 self.ranks[slot] = max(self.ranks[slot], r)
+        self._sync_expert_ranks(slot)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
         for buffer in (self.gate_up_a, self.gate_up_b, self.down_a, self.down_b):
             buffer[slot].zero_()
         self.ranks[slot] = 0
+        self._sync_expert_ranks(slot)
+
+    def _sync_expert_ranks(self, slot: int) -> None:
+        num = self.base.num_experts
+        self.expert_ranks[slot * num:(slot + 1) * num] = self.ranks[slot]

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import attention_cpu, lora_cpu, pointwise_cpu, pointwise_torch, quant_cpu, quant_torch
+from loramux.ops import (attention_cpu, lora_cpu, moe_cpu, moe_torch, pointwise_cpu, pointwise_torch, quant_cpu,
+                         quant_torch)
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -89,6 +90,17 @@ def select_pointwise_backend(name: str = "auto", device: str | torch.device = "c
     return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 
-__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS", "QUANT_BACKENDS",
-           "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend", "select_backend",
-           "select_kv_store_backend", "select_pointwise_backend", "select_quant_backend", "wants_grouped_tokens"]
+# mixture-of-experts backends: modules with fused_experts(x, gate_up, down, topk_ids, topk_weights, lora)
+# (see moe_torch.py)
+MOE_BACKENDS = {"torch": moe_torch, "cpu": moe_cpu}
+
+
+def select_moe_backend(name: str = "auto", device: str | torch.device = "cpu"):
+    """The fused-experts backend (a module with fused_experts; see moe_torch.py)."""
+    return _choose("fused experts", MOE_BACKENDS, moe_cpu.available, name, device)
+
+
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "MOE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS",
+           "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend", "select_backend",
+           "select_kv_store_backend", "select_moe_backend", "select_pointwise_backend", "select_quant_backend",
+           "wants_grouped_tokens"]

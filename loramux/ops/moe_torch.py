@@ -28,15 +28,24 @@ class ExpertLoRA:
     """Per-slot LoRA over the experts of one block, read by the fused-experts op for the tokens that use it.
 
     gate_up: a [slots, E, 2R, H] (rows 0..R-1 the gate's A, R..2R-1 the up's), b [slots, E, 2I, R] (gate rows,
-    then up rows), scaling folded into b; down: a [slots, E, R, I], b [slots, E, H, R]. ranks [slots]: each slot's
-    rank (0 = no expert LoRA); token_slots [T]: each token's slot (-1 = base)."""
+    then up rows), scaling folded into b; down: a [slots, E, R, I], b [slots, E, H, R]; b stored rank-major
+    (b.transpose(-1, -2) contiguous, as add_lora's kernel reads it). ranks [slots]: each slot's rank (0 = no
+    expert LoRA); expert_ranks: the same as int64 [slots * E], slot s's repeated for its E experts;
+    token_slots [T]: each token's slot (-1 = base)."""
 
     gate_up_a: torch.Tensor
     gate_up_b: torch.Tensor
     down_a: torch.Tensor
     down_b: torch.Tensor
     ranks: list[int]
+    expert_ranks: torch.Tensor
     token_slots: torch.Tensor
+
+    def flat(self, which: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`which` ("gate_up" or "down") as add_lora's (lora_a, lora_b, slot_ranks), its slot being the
+        (slot, expert) pair s * E + e: a [slots * E, K*R, in], b [slots * E, out, R] (views, no copy)."""
+        a, b = (self.gate_up_a, self.gate_up_b) if which == "gate_up" else (self.down_a, self.down_b)
+        return a.flatten(0, 1), b.flatten(0, 1), self.expert_ranks
 
     def gate_up_delta(self, x: torch.Tensor, rows: torch.Tensor, expert: int) -> torch.Tensor | None:
         """The LoRA update of gate_up for tokens `rows` (their inputs x [n, H]) on `expert`: [n, 2I] or None."""

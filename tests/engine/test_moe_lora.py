@@ -14,6 +14,8 @@ from conftest import hf_greedy, peft_logits, save_checkpoint
 from loramux import LoRAConfig, LoRAStatus, SamplingParams
 from loramux.config import DEFAULT_TARGET_MODULES
 from loramux.llm import LLM
+from loramux.models.moe import FusedExperts
+from loramux.ops import moe_cpu, moe_torch
 from models.test_moe import tiny_moe
 
 TARGETS = (*DEFAULT_TARGET_MODULES, "experts", "embed_tokens", "lm_head")
@@ -72,9 +74,11 @@ def per_expert_copy(src: str, dst, num_experts: int, kind: str) -> str:
     return str(dst)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe/torch"])
 def setup(request, tmp_path_factory):
-    kind = request.param
+    """An engine on each family with its fused-experts op chosen as "auto" picks it (the C++ kernel on a CPU
+    that runs it), and one on the torch reference op."""
+    kind, _, moe_backend = request.param.partition("/")
     root = tmp_path_factory.mktemp(kind)
     base = tiny_moe(kind, tie_word_embeddings=kind == "qwen3_moe")
     experts = base.config.num_local_experts if kind == "mixtral" else base.config.num_experts
@@ -87,11 +91,13 @@ def setup(request, tmp_path_factory):
     }
     adapters["per_expert"] = per_expert_copy(adapters["experts"], root / "e", experts, kind)
     llm = LLM(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**23, max_model_len=64,
-              lora=LoRAConfig(max_loras=5, max_lora_rank=8, target_modules=TARGETS,
+              moe_backend=moe_backend or "auto", lora=LoRAConfig(max_loras=5, max_lora_rank=8, target_modules=TARGETS,
                               max_module_copies_bytes=8 * base.config.vocab_size * base.config.hidden_size))
     for name, path in adapters.items():
         result = llm.load_adapter(name, path)
         assert result, result.message
+    ops = {m.op for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedExperts)}
+    assert ops == {(moe_torch if moe_backend or not moe_cpu.available() else moe_cpu).fused_experts}
     return base, adapters, llm
 
 
@@ -174,3 +180,15 @@ def test_per_expert_gate_and_up_loras_of_their_own_equal_the_merged_weights(setu
     expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     torch.testing.assert_close(torch.tensor(out[0].prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
     assert llm.unload_adapter("distinct")
+
+
+def test_an_engine_without_expert_lora_refuses_expert_adapters_saying_how_to_serve_them(setup, tmp_path):
+    """The default target_modules leave the experts unwrapped (their slots are large): an adapter with expert LoRA
+    is refused by what it holds, naming the setting, not by a file-size bound that leaves the experts out."""
+    base, adapters, llm = setup
+    plain = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22,
+                max_model_len=32, lora=LoRAConfig(max_loras=1, max_lora_rank=8))
+    result = plain.load_adapter("experts", adapters["experts"])
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER
+    assert "MoE experts" in result.message and "add 'experts' to LoRAConfig.target_modules" in result.message
+    assert plain.load_adapter("attention", adapters["attention"])

@@ -476,33 +476,8 @@ at::Tensor dequantize(const at::Tensor& data, const std::string& fmt, int64_t K,
 // bf16 model's weights are, is one row of A: no transposition), x^T the B operand (x packed once per call in
 // AMX's pair-interleaved layout), and C holds 16 outputs x 16 rows of x in fp32. The decode is the fused
 // path's, so the weights still stream once; the multiply no longer grows with the rows of x.
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 constexpr int64_t kAmxRows = 32;  // two B tiles of 16 rows of x
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-static bool amx_usable() {  // Linux hands out the AMX tile state only on request (once per process)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-// x [M, K] bf16 -> [K / 32][tiles][16 pairs][16 rows][2]: the B tile of rows 16t..16t+15, inputs 32c..32c+31
-static std::vector<uint32_t> pack_x(const c10::BFloat16* x, int64_t M, int64_t K, int64_t tiles) {
-  std::vector<uint32_t> out(static_cast<size_t>(K / 32 * tiles * 256), 0);
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t c = 0; c < K / 32; ++c)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t i = 0; i < 16; ++i) {
-        const uint16_t* pair = src + m * K + 32 * c + 2 * i;
-        out[((c * tiles + m / 16) * 16 + i) * 16 + m % 16] = pair[0] | (static_cast<uint32_t>(pair[1]) << 16);
-      }
-  return out;
-}
 
 template <typename Dec, int... R>
 static inline void amx_block(const uint8_t* const* blocks, int rows, const uint32_t* xb, int64_t tiles,
@@ -581,7 +556,7 @@ static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w,
 template <typename Dec>
 static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
   const int64_t M = x.size(0);
-  const std::vector<uint32_t> xb = pack_x(x.data_ptr<c10::BFloat16>(), M, K, (M + 15) / 16);
+  const std::vector<uint32_t> xb = pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, (M + 15) / 16);
   const int64_t groups = (N + 15) / 16;
   at::parallel_for(0, groups, std::max<int64_t>(1, groups / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
     amx_rows<Dec>(xb.data(), M, K, w, L, 16 * a, std::min(N, 16 * b), y, N);
