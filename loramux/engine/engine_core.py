@@ -63,6 +63,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config, self.block_manager, self.cache)
         if self.manager is not None:
             self.manager.waiting_keys = self.scheduler.waiting_keys  # replaced versions preempted requests resume on
+            logger.info("LoRA slot buffers: %.1f MB (%d slots x rank %d)", self.manager.slot_bytes / 2**20,
+                        lora.max_loras, lora.max_lora_rank)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
         self._seqs: dict[str, Sequence] = {}

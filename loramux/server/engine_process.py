@@ -203,6 +203,8 @@ class EngineLoop:
             "pinned": sorted(name_of(k) for k in manager.cache.pinned) if manager else [],
             "kv_blocks_total": core.block_manager.num_blocks, "kv_blocks_free": core.block_manager.num_free_blocks,
             "weight_bytes": core.runner.weight_bytes,
+            "lora_slot_bytes": manager.slot_bytes if manager else 0,
+            "lora_host_bytes": manager.cache.host_bytes if manager else 0,
             "finished": dict(core.num_finished),
         }
 

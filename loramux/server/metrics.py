@@ -56,6 +56,10 @@ class Metrics:
         self.kv_usage = Gauge("loramux:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", registry=r)
         self.weight_bytes = Gauge("loramux:model_weight_bytes", "Bytes of the base model's weights (quantized ones "
                                   "as stored)", registry=r)
+        self.slot_bytes = Gauge("loramux:lora_slot_bytes", "Bytes of the LoRA slot buffers (max_loras x "
+                                "max_lora_rank, allocated at start)", registry=r)
+        self.host_bytes = Gauge("loramux:lora_host_bytes", "Bytes of the adapters held in host memory (the tier "
+                                "max_cpu_lora_bytes bounds)", registry=r)
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
@@ -79,6 +83,8 @@ class Metrics:
             self.adapters.set(stats["num_adapters"])
             self.pinned.set(len(stats["pinned"]))
             self.weight_bytes.set(stats["weight_bytes"])
+            self.slot_bytes.set(stats["lora_slot_bytes"])
+            self.host_bytes.set(stats["lora_host_bytes"])
             self.kv_usage.set(1 - stats["kv_blocks_free"] / max(1, stats["kv_blocks_total"]))
             self.lora_info.clear()
             self.lora_info.labels(str(stats["max_loras"]), ",".join(stats["running_adapters"]),

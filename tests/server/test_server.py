@@ -416,6 +416,8 @@ def test_pin_and_unpin_routes(files, server, http, client):
     assert load.status_code == 200
     pinned = lambda: metric(server, "loramux:num_pinned_adapters", http.headers)  # as the engine's cache says
     assert pinned() == 1
+    host = metric(server, "loramux:lora_host_bytes", http.headers)
+    assert host > 0 and metric(server, "loramux:lora_slot_bytes", http.headers) > 0
     assert http.post("/v1/unpin_lora_adapter", json={"lora_name": "pinme"}).status_code == 200
     assert pinned() == 0
     assert http.post("/v1/pin_lora_adapter", json={"lora_name": "pinme"}).status_code == 200
@@ -425,3 +427,4 @@ def test_pin_and_unpin_routes(files, server, http, client):
     assert client.completions.create(model="pinme", prompt="p", max_tokens=4, temperature=0).choices[0].text is not None
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "pinme"}).status_code == 200  # a pin ends with it
     assert pinned() == 0
+    assert metric(server, "loramux:lora_host_bytes", http.headers) < host  # its weights left host memory
