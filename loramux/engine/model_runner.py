@@ -21,6 +21,7 @@ from loramux.engine.output import Logprobs
 from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_logprobs
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
+from loramux.models.moe import FusedExperts
 from loramux.ops import (LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend,
                          select_moe_backend, select_quant_backend)
 from loramux.ops.attention_torch import decode_attention_by_length
@@ -72,6 +73,9 @@ class ModelRunner:
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
             prepack_linears(self.model)
         if config.batch_invariant:
+            if any(isinstance(m, FusedExperts) for m in self.model.modules()):
+                raise ValueError("batch_invariant does not cover mixture-of-experts models: each expert's GEMM runs "
+                                 "on the rows the batch routes to it, so a row's result depends on its batch mates")
             fix_linear_rows(self.model, INVARIANT_ROWS)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
         quant = select_quant_backend(config.quant_backend, device)

@@ -192,3 +192,10 @@ def test_an_engine_without_expert_lora_refuses_expert_adapters_saying_how_to_ser
     assert result == LoRAStatus.LOAD_INVALID_ADAPTER
     assert "MoE experts" in result.message and "add 'experts' to LoRAConfig.target_modules" in result.message
     assert plain.load_adapter("attention", adapters["attention"])
+
+
+def test_batch_invariance_is_refused_for_moe_models(setup, tmp_path):
+    base, _, _ = setup
+    with pytest.raises(ValueError, match="batch_invariant does not cover mixture-of-experts"):
+        LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22,
+            max_model_len=32, batch_invariant=True)
