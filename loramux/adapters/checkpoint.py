@@ -361,9 +361,9 @@ def _expert_loras_3d(name, block, found, spec, shape, max_rank, dtype) -> dict[s
                                       f"the file has {_shapes(ab)}")
         n_in, n_out = sizes[param]
         r = a.shape[0] // num
-        _check_rank(name, f"{block}.{param}", r, spec.rank(block), max_rank)
+        _check_rank(name, f"{block}.{param}", r, spec.rank(f"{block}.{param}"), max_rank)
         a_e = a.reshape(num, r, n_in)
-        b_e = b.reshape(n_out, r, num).permute(2, 0, 1) * spec.scaling(block)  # PEFT: expert e's columns j * E + e
+        b_e = b.reshape(n_out, r, num).permute(2, 0, 1) * spec.scaling(f"{block}.{param}")  # PEFT: expert e's columns j * E + e
         slices = 2 if param == "gate_up_proj" else 1  # one A for both halves: both slices get it
         out[f"{block}.{param}"] = _checked_expert(name, f"{block}.{param}", a_e.unsqueeze(1).expand(-1, slices, -1, -1), b_e, dtype)
     return out

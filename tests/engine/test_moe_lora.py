@@ -199,3 +199,20 @@ def test_batch_invariance_is_refused_for_moe_models(setup, tmp_path):
     with pytest.raises(ValueError, match="batch_invariant does not cover mixture-of-experts"):
         LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22,
             max_model_len=32, batch_invariant=True)
+
+
+@pytest.mark.parametrize("pattern", [dict(alpha_pattern={"down_proj": 64}), dict(rank_pattern={"gate_up_proj": 8}),
+                                     dict(use_rslora=True)])
+def test_expert_parameters_take_their_own_rank_and_alpha_patterns(setup, tmp_path, pattern):
+    """PEFT matches rank_pattern / alpha_pattern against the parameter (mlp.experts.down_proj), not the block."""
+    base, _, llm = setup
+    path = save_adapter(base, tmp_path / "a", 7, r=4, target_modules=["q_proj"], target_parameters=EXPERTS, **pattern)
+    name = f"pattern-{tmp_path.name}"
+    result = llm.load_adapter(name, path)
+    assert result, result.message
+    prompt = [5, 17, 33, 9, 64, 3, 100]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=[name])[0]
+    oracle = torch.log_softmax(peft_logits(base, path, torch.tensor([prompt]))[0].float(), -1)
+    expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
+    assert llm.unload_adapter(name)
