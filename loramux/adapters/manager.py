@@ -83,6 +83,7 @@ class LoRAManager:
         self._wrap_targets()
         self._weights: dict[str, AdapterWeights] = {}  # host tier
         self._sources: dict[str, _Source] = {}  # disk tier: name -> where to read it again
+        self._copies_bytes: dict[str, int] = {}  # adapter key -> bytes of its whole-module copies, any tier
         self.waiting_keys: Callable[[], set[str]] = set  # see retire()
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
@@ -204,7 +205,7 @@ class LoRAManager:
             self._apply(self.cache.pin(key))
         except CacheFullError:
             self._apply(self.cache.remove(key))
-            self._sources.pop(key, None)
+            self._forget(key)
             if old_pinned:
                 self._apply(self.cache.pin(old))  # still in its slot: nothing moves
             return LoRAResult(LoRAStatus.PIN_ERROR, f"cannot pin adapter {name_of(key)!r}: all max_loras="
@@ -226,6 +227,7 @@ class LoRAManager:
         name = name_of(key)
         try:
             weights = read()
+            self._check_copies_budget(name, weights)
             self._apply(self.cache.add(key, on_disk=source is not None, nbytes=weights.nbytes))
         except AdapterPathError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
@@ -237,6 +239,7 @@ class LoRAManager:
             logger.exception("loading adapter %r failed", name)
             return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {name!r} failed: {type(e).__name__}: {e}")
         self._weights[key] = weights
+        self._copies_bytes[key] = weights.copies_nbytes
         self.stats["loads"] += 1
         if source is not None:
             self._sources[key] = source
@@ -254,13 +257,17 @@ class LoRAManager:
                                 dtype=dtype, path=path, all_linear=self.all_linear,
                                 base_weight=self._base_weights.get, whole_copies=copies, experts=self._expert_shapes(),
                                 unwrapped_experts=frozenset(self.unwrapped_experts))
-        held = sum(w.copies_nbytes for key, w in self._weights.items() if name_of(key) != name)
+        return weights
+
+    def _check_copies_budget(self, name: str, weights: AdapterWeights) -> None:
+        """Every loaded adapter's whole-module copies, in host memory or evicted to disk, fit the budget together
+        (checked when an adapter is loaded, not when an evicted one comes back)."""
+        held = sum(nbytes for key, nbytes in self._copies_bytes.items() if name_of(key) != name)
         if weights.copies and held + weights.copies_nbytes > self.config.max_module_copies_bytes:
             raise InvalidAdapterError(
                 f"adapter {name!r} saves whole modules ({', '.join(weights.copies)}: {weights.copies_nbytes} bytes); "
                 f"with the {held} bytes other adapters' copies take, that is over max_module_copies_bytes="
                 f"{self.config.max_module_copies_bytes}")
-        return weights
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """Forget the adapter: frees its host copy and its slot. Refused while requests use it. (Replaced
@@ -272,7 +279,7 @@ class LoRAManager:
             return LoRAResult(LoRAStatus.UNLOAD_IN_USE, f"adapter {name!r} is used by {self.cache.refs(key)} running "
                                                         "request(s)")
         self._apply(self.cache.remove(key))
-        self._sources.pop(key, None)
+        self._forget(key)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
 
     def retire(self) -> None:
@@ -281,8 +288,13 @@ class LoRAManager:
         if self.cache.retiring:
             changes = self.cache.retire(self.waiting_keys())
             for key in changes.dropped:
-                self._sources.pop(key, None)
+                self._forget(key)
             self._apply(changes)
+
+    def _forget(self, key: str) -> None:
+        """`key` left the cache for good: its disk path and its copies' share of the budget go too."""
+        self._sources.pop(key, None)
+        self._copies_bytes.pop(key, None)
 
     # ---- tiers -----------------------------------------------------------------------------------
     def key_of(self, name: str) -> str:

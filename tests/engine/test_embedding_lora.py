@@ -98,3 +98,20 @@ def test_adapters_with_new_tokens_are_refused_naming_both_sizes(setup, tmp_path)
     result = llm.load_adapter("big", path)
     assert result == LoRAStatus.LOAD_INVALID_ADAPTER
     assert "adds tokens" in result.message and "136" in result.message and "128" in result.message
+
+
+def test_the_copies_budget_counts_adapters_evicted_to_disk_and_never_refuses_their_reload(setup, tmp_path):
+    base, adapters, _ = setup
+    one_copy = 4 * base.config.vocab_size * base.config.hidden_size
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22, max_model_len=64,
+              lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=8, target_modules=TARGETS,
+                              max_module_copies_bytes=one_copy + one_copy // 2))
+    plain = save_adapter(base, tmp_path / "plain", 9, r=2, target_modules=["q_proj"])
+    assert llm.load_adapter("save_head", adapters["save_head"])
+    assert llm.load_adapter("plain", plain)  # save_head leaves host memory (max_cpu_loras=1)
+    assert not llm.engine.core.cache.in_host("save_head")
+    over = llm.load_adapter("save_embed", adapters["save_embed"])  # still over: save_head's copy is still loaded
+    assert over == LoRAStatus.LOAD_INVALID_ADAPTER and "over max_module_copies_bytes" in over.message
+    prompt = [7, 8, 9, 10]
+    out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), adapters=["save_head"])
+    assert out[0].token_ids == hf_greedy(base, adapters["save_head"], prompt, 4)  # its reload is not refused
