@@ -119,24 +119,19 @@ class AdapterCache:
 
     def add(self, name: str, on_disk: bool = True, nbytes: int = 0) -> Changes:
         """Register `name` (or touch it) and mark its weights (`nbytes`) host-resident; evict the LRU until it
-        fits both budgets.
+        fits both budgets. If it cannot fit, CacheFullError and nothing changes.
 
-        An adapter with no disk copy (`on_disk=False`) cannot be reloaded, so it is never dropped."""
-        changes = Changes()
+        An adapter with no disk copy (`on_disk=False`) cannot be reloaded, so it is never dropped; nor is the
+        version a new version of the same name replaces (until `publish`, requests resume on it)."""
         if self.max_cpu_bytes is not None and nbytes > self.max_cpu_bytes:
-            raise CacheFullError(f"adapter {name!r} takes {nbytes} bytes, more than max_cpu_lora_bytes="
+            raise CacheFullError(f"adapter {name_of(name)!r} takes {nbytes} bytes, more than max_cpu_lora_bytes="
                                  f"{self.max_cpu_bytes}")
-        self._sizes[name] = nbytes or self._sizes.get(name, 0)
-        while name not in self._host and self._over(self._sizes[name]):
-            victim = self._host_victim()
-            if victim is None:
-                raise CacheFullError(
-                    f"cannot keep adapter {name!r} in host memory: the adapters there ({', '.join(self._host)}) "
-                    f"fill max_cpu_loras={self.max_cpu_loras}"
-                    + (f" / max_cpu_lora_bytes={self.max_cpu_bytes}" if self.max_cpu_bytes is not None else "")
-                    + " and are pinned, in use or have no disk copy"
-                )
+        size = nbytes or self._sizes.get(name, 0)
+        victims = [] if name in self._host else self._host_victims(name, size)
+        changes = Changes()
+        for victim in victims:
             self._drop_from_host(victim, changes)
+        self._sizes[name] = size
         self._touch(name, self._known)
         self._touch(name, self._host)
         if not on_disk:
@@ -258,22 +253,38 @@ class AdapterCache:
             del self._refs[name]
 
     # ---- internals ---------------------------------------------------------------------------
-    def _over(self, nbytes: int) -> bool:
-        """Whether one more adapter of nbytes would pass a host-tier budget."""
-        full = len(self._host) >= self.max_cpu_loras
-        return full or (self.max_cpu_bytes is not None and self.host_bytes + nbytes > self.max_cpu_bytes)
+    def _over(self, count: int, nbytes: int) -> bool:
+        """Whether `count` adapters of `nbytes` in all pass a host-tier budget."""
+        return count > self.max_cpu_loras or (self.max_cpu_bytes is not None and nbytes > self.max_cpu_bytes)
+
+    def _host_victims(self, name: str, nbytes: int) -> list[str]:
+        """The adapters to drop, in order, for `name` (nbytes) to fit; CacheFullError if even all that may go
+        would not make room. Unslotted ones first (dropping a slotted one empties its slot too), LRU first."""
+        keep = self._current.get(name_of(name))  # the version `name` replaces: requests may still resume on it
+        candidates = [n for n in self._host if self._evictable(n) and n not in self._memory_only and n != keep]
+        order = [n for n in candidates if n not in self._slots] + [n for n in candidates if n in self._slots]
+        count, used, victims = len(self._host) + 1, self.host_bytes + nbytes, []
+        for victim in order:
+            if not self._over(count, used):
+                break
+            victims.append(victim)
+            count, used = count - 1, used - self._sizes.get(victim, 0)
+        if self._over(count, used):
+            kept = [n for n in self._host if n not in victims]
+            limits = f"max_cpu_loras={self.max_cpu_loras}" + (
+                f", max_cpu_lora_bytes={self.max_cpu_bytes} ({self.host_bytes} bytes held, {nbytes} more needed)"
+                if self.max_cpu_bytes is not None else "")
+            raise CacheFullError(
+                f"cannot keep adapter {name_of(name)!r} in host memory within {limits}: the adapters there that "
+                f"cannot be evicted now ({', '.join(name_of(n) for n in kept)}) are pinned, in use, replaced by a "
+                "new version or have no disk copy; unpin or unload some, or raise the limits")
+        return victims
 
     def _evictable(self, name: str) -> bool:
         return name not in self._pinned and not self._refs[name]
 
     def _slot_victim(self) -> str | None:
         return next((n for n in self._slots if self._evictable(n)), None)
-
-    def _host_victim(self) -> str | None:
-        # Prefer adapters without a slot: dropping one with a slot also empties the slot.
-        candidates = [n for n in self._host if self._evictable(n) and n not in self._memory_only]
-        unslotted = [n for n in candidates if n not in self._slots]
-        return (unslotted or candidates or [None])[0]
 
     def _drop_from_host(self, name: str, changes: Changes) -> None:
         if name in self._slots:

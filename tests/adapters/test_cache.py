@@ -121,3 +121,28 @@ def test_without_a_byte_budget_sizes_are_only_counted():
     cache.add("a", nbytes=10**12)
     cache.add("b", nbytes=10**12)
     assert cache.add("c", nbytes=1).dropped == ["a"]
+
+
+def test_an_add_that_cannot_fit_evicts_nothing():
+    cache = AdapterCache(max_loras=2, max_cpu_loras=8, max_cpu_bytes=10)
+    cache.add("a", nbytes=4)
+    cache.activate("a")
+    cache.add("b", nbytes=5)
+    cache.pin("b")
+    with pytest.raises(CacheFullError, match=r"'c'.*9 bytes held, 7 more needed.*\(b\).*pinned"):
+        cache.add("c", nbytes=7)  # dropping a (4) would not make room: a stays, with its slot
+    assert host(cache) == ["a", "b"] and cache.active == {"a": 0, "b": 1} and cache.host_bytes == 9
+
+
+def test_a_new_version_never_evicts_the_version_it_replaces():
+    """Until it is published, requests resume on the old version; read again from disk, it could be the new files."""
+    cache = AdapterCache(max_loras=1, max_cpu_loras=8, max_cpu_bytes=10)
+    cache.add("x", nbytes=6)
+    new = cache.new_version("x")
+    with pytest.raises(CacheFullError, match="replaced by a new version"):
+        cache.add(new, nbytes=6)
+    assert host(cache) == ["x"]
+    cache.add("other", nbytes=2)
+    cache.add(new, nbytes=4)  # room made by others: "other" goes, "x" stays
+    cache.publish(new)
+    assert cache.in_host("x") and cache.in_host(new) and not cache.in_host("other") and cache.current("x") == new
