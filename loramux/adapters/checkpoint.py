@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loramux.adapters.names import parse_adapter_arg  # noqa: F401  (the "name=path" form; re-exported)
-from loramux.adapters.peft_config import AdapterSpec, InvalidAdapterError, unsupported_features
+from loramux.adapters.peft_config import AdapterSpec, InvalidAdapterError, saved_modules, unsupported_features
 
 CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -256,15 +256,14 @@ def build_adapter(
     Raises InvalidAdapterError listing every problem found, not only the first.
     """
     problems = unsupported_features(config) + _dtype_problems(tensors)
-    saved = tuple(config.get("modules_to_save") or ()) if isinstance(config.get("modules_to_save"), (list, tuple)) else ()
-    parts = _sort_tensors(tensors, saved)
+    parts = _sort_tensors(tensors, saved_modules(config))
     problems += [f"non-LoRA tensor {key!r} (DoRA, bias or other weights)" for key in parts.odd]
     if problems:
         raise InvalidAdapterError(f"adapter {name!r} uses unsupported PEFT features: " + "; ".join(problems))
     spec = AdapterSpec.from_dict(config)
-    expert_pairs = _take_expert_pairs(parts.pairs, experts or {})
-    unserved = sorted(_take_expert_pairs(parts.pairs, dict.fromkeys(unwrapped_experts)))
     linear = all_linear if all_linear is not None else tuple({m.rsplit(".", 1)[-1] for m in module_shapes})
+    expert_pairs = _take_expert_pairs(parts.pairs, experts or {}, spec, linear)
+    unserved = sorted(_take_expert_pairs(parts.pairs, dict.fromkeys(unwrapped_experts), spec, linear))
     targeted = {m: ab for m, ab in sorted(parts.pairs.items()) if spec.targets(m, linear)}
     stray = sorted(set(parts.pairs) - set(targeted))
     if not targeted and not parts.whole and not expert_pairs and not stray and not unserved:
@@ -324,14 +323,15 @@ _PER_EXPERT = re.compile(r"^(?P<layer>.+)\.(?:mlp|block_sparse_moe)\.experts\.(?
 _PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _take_expert_pairs(pairs: dict, experts: dict) -> dict[str, dict]:
-    """Moves the experts' pairs out of `pairs`: {block: {(param or (expert, proj)), depth): {"A", "B"}, key}}."""
+def _take_expert_pairs(pairs: dict, experts: dict, spec: AdapterSpec, linear: tuple[str, ...]) -> dict[str, dict]:
+    """Moves the pairs of `experts` blocks that the config targets out of `pairs` (the rest stay, and are
+    refused as weights it does not target): {block: {("3d", depth) or (expert, proj): ({"A", "B"}, key)}}."""
     found: dict[str, dict] = {}
     for module in list(pairs):
         nested, per = _NESTED.match(module), _PER_EXPERT.match(module)
-        if nested["module"] in experts:
+        if nested["module"] in experts and spec.parameters_of(nested["module"]):
             found.setdefault(nested["module"], {})["3d", nested["depth"].count(".base_layer")] = (pairs.pop(module), module)
-        elif per and f"{per['layer']}.mlp.experts" in experts:
+        elif per and f"{per['layer']}.mlp.experts" in experts and spec.targets(module, linear):
             proj = _PROJ.get(per["proj"], per["proj"])
             found.setdefault(f"{per['layer']}.mlp.experts", {})[(int(per["expert"]), proj)] = (pairs.pop(module), module)
     return found
@@ -413,8 +413,9 @@ def _shapes(ab: dict) -> str:
 
 
 def _vocabulary_problem(name: str, module: str, rows: int, model_rows: int) -> str:
-    return (f"adapter {name!r} adds tokens: its {module} has {rows} rows, the model's vocabulary {model_rows}; "
-            "adapters with new tokens are not supported")
+    what = "adds tokens" if rows > model_rows else "was made for a smaller vocabulary"
+    return (f"adapter {name!r} {what}: its {module} has {rows} rows, the model's vocabulary {model_rows}; "
+            "adapters for another vocabulary are not supported")
 
 
 def _base_copy_problem(name: str, module: str, weight: torch.Tensor, base_weight) -> str:

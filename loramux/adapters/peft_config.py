@@ -54,10 +54,22 @@ def unsupported_features(config: dict) -> list[str]:
     if isinstance(saved, str) or not isinstance(saved, (list, tuple)):
         found.append(f"modules_to_save={saved!r} (a list of module names)")
     else:
-        others = [m for m in saved if m not in SAVABLE_MODULES]
+        others = [m for m in saved if str(m).rsplit(".", 1)[-1] not in SAVABLE_MODULES]
         if others:
             found.append(f"modules_to_save={others!r} (only {' and '.join(SAVABLE_MODULES)} can be saved)")
     return found
+
+
+def saved_modules(config: dict) -> tuple[str, ...]:
+    """adapter_config.json's modules_to_save by module (last name; () if malformed: that is reported apart);
+    with ensure_weight_tying, a saved embedding or head means both (PEFT writes the tied pair)."""
+    listed = config.get("modules_to_save") or ()
+    if not isinstance(listed, (list, tuple)):
+        return ()
+    saved = tuple(str(m).rsplit(".", 1)[-1] for m in listed)
+    if config.get("ensure_weight_tying") is True and set(saved) & {"embed_tokens", "lm_head"}:
+        saved = tuple(dict.fromkeys((*saved, "embed_tokens", "lm_head")))
+    return saved
 
 
 def _rank(value, field: str) -> int:
@@ -155,6 +167,8 @@ class AdapterSpec:
     layers_to_transform: tuple[int, ...] | None = None
     layers_pattern: tuple[str, ...] | None = None
     modules_to_save: tuple[str, ...] = ()  # whole modules the adapter replaces (embed_tokens, lm_head)
+    # PEFT's ensure_weight_tying: on a tied model the head follows the embedding (its LoRA, its saved copy)
+    ensure_weight_tying: bool = False
     target_parameters: tuple[str, ...] = ()  # 3D expert weights with LoRA (e.g. mlp.experts.gate_up_proj)
     # Only the base layer's weight layout (GPT-2 Conv1D) depends on this; lora_A is [r, in] and
     # lora_B is [out, r] either way, so the LoRA delta is computed the same.
@@ -194,6 +208,7 @@ class AdapterSpec:
             layers_pattern=layers_pattern or None,
             fan_in_fan_out=_flag(config, "fan_in_fan_out"),
             modules_to_save=tuple(config.get("modules_to_save") or ()),
+            ensure_weight_tying=_flag(config, "ensure_weight_tying"),
             target_parameters=tuple(config.get("target_parameters") or ()),
         )
 
@@ -203,6 +218,8 @@ class AdapterSpec:
         `all_linear` lists the modules that the "all-linear" shorthand stands for in this model."""
         if self._excluded(module):
             return False
+        if self.ensure_weight_tying and module.rsplit(".", 1)[-1] == "lm_head" and self._targets_embedding():
+            return True  # the tied head's LoRA, which PEFT writes beside the embedding's
         if isinstance(self.target_modules, str):
             if self.target_modules.lower() == "all-linear":
                 return _matches_list(all_linear, module)
@@ -215,13 +232,15 @@ class AdapterSpec:
             return True
         return _layer_index(module, self.layers_pattern) in self.layers_to_transform
 
-    def parameters_of(self, module: str) -> list[str]:
-        """The names of the target_parameters on `module` (full dotted name)."""
-        return [p.rsplit(".", 1)[1] for p in self.target_parameters
-                if f"{module}.{p.rsplit('.', 1)[1]}".endswith(p) and self.layer_targeted(module)]
+    def _targets_embedding(self) -> bool:
+        if isinstance(self.target_modules, str):
+            return re.fullmatch(self.target_modules, "model.embed_tokens") is not None
+        return any(t.rsplit(".", 1)[-1] == "embed_tokens" for t in self.target_modules)
 
-    def layer_targeted(self, module: str) -> bool:
-        return self.layers_to_transform is None or _layer_index(module, self.layers_pattern) in self.layers_to_transform
+    def parameters_of(self, module: str) -> list[str]:
+        """The names of the target_parameters on `module` (full dotted name). PEFT applies layers_to_transform to
+        target_modules only: parameters get LoRA in every layer."""
+        return [p.rsplit(".", 1)[1] for p in self.target_parameters if f"{module}.{p.rsplit('.', 1)[1]}".endswith(p)]
 
     def _excluded(self, module: str) -> bool:
         if not self.exclude_modules:

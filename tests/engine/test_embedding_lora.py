@@ -115,3 +115,22 @@ def test_the_copies_budget_counts_adapters_evicted_to_disk_and_never_refuses_the
     prompt = [7, 8, 9, 10]
     out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), adapters=["save_head"])
     assert out[0].token_ids == hf_greedy(base, adapters["save_head"], prompt, 4)  # its reload is not refused
+
+
+@pytest.mark.parametrize("kwargs", [dict(r=2, target_modules=["v_proj"], modules_to_save=["lm_head"]),
+                                    dict(r=4, target_modules=["embed_tokens", "lm_head"])], ids=["saved", "lora"])
+def test_ensure_weight_tying_adapters_equal_peft(setup, tmp_path, kwargs):
+    """PEFT's ensure_weight_tying (on a tied model, the head follows the embedding): it writes both tied copies,
+    or the head's LoRA beside the embedding's, under names of its own (modules_to_save=["model.embed_tokens"])."""
+    base, _, _ = setup
+    path = save_adapter(base, tmp_path / "a", 11, ensure_weight_tying=True, **kwargs)
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22,
+              max_model_len=64, lora=LoRAConfig(max_loras=1, max_lora_rank=8, target_modules=TARGETS,
+                                                max_module_copies_bytes=4 * 2 * base.config.vocab_size * base.config.hidden_size))
+    result = llm.load_adapter("tied", path)
+    assert result, result.message
+    prompt = [5, 17, 33, 9, 64, 3]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=["tied"])[0]
+    oracle = torch.log_softmax(peft_logits(base, path, torch.tensor([prompt]))[0].float(), -1)
+    expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)

@@ -5,6 +5,7 @@ per-expert layout gives the same answers as the same weights in the 3D layout; r
 import copy
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -216,3 +217,31 @@ def test_expert_parameters_take_their_own_rank_and_alpha_patterns(setup, tmp_pat
     expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
     assert llm.unload_adapter(name)
+
+
+def test_layers_to_transform_leaves_target_parameters_in_every_layer_as_peft(setup, tmp_path):
+    base, _, llm = setup
+    path = save_adapter(base, tmp_path / "a", 8, r=4, target_modules=["q_proj"], target_parameters=EXPERTS,
+                        layers_to_transform=[0])
+    name = f"ltt-{tmp_path.name}"
+    result = llm.load_adapter(name, path)
+    assert result, result.message
+    prompt = [5, 17, 33, 9, 64, 3, 100]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=[name])[0]
+    oracle = torch.log_softmax(peft_logits(base, path, torch.tensor([prompt]))[0].float(), -1)
+    expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
+    assert llm.unload_adapter(name)
+
+
+def test_per_expert_weights_the_config_does_not_target_are_refused(setup, tmp_path):
+    base, adapters, llm = setup
+    with open(os.path.join(adapters["per_expert"], "adapter_config.json")) as f:
+        config = json.load(f)
+    down = "w2" if base.config.model_type == "mixtral" else "down_proj"
+    os.makedirs(tmp_path / "a")
+    shutil.copy(os.path.join(adapters["per_expert"], "adapter_model.safetensors"), tmp_path / "a")
+    with open(tmp_path / "a" / "adapter_config.json", "w") as f:
+        json.dump({**config, "target_modules": [m for m in config["target_modules"] if m != down]}, f)
+    result = llm.load_adapter("untargeted", str(tmp_path / "a"))
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "does not target" in result.message and down in result.message
