@@ -17,6 +17,11 @@ def available() -> bool:
     return load_extension("moe_cpu") is not None and load_extension("lora_cpu") is not None
 
 
+def uses_amx() -> bool:
+    """Whether bf16 experts with up to 32 rows run on AMX tiles here (else torch's GEMM, one per expert)."""
+    return available() and load_extension("moe_cpu").amx_enabled()
+
+
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
                   topk_weights: torch.Tensor, lora: ExpertLoRA | None = None) -> torch.Tensor:
     if x.dim() != 2 or x.stride(1) != 1 or x.dtype not in (torch.float32, torch.bfloat16) or gate_up.dtype != x.dtype:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from loramux.ops import MOE_BACKENDS, moe_cpu
+from loramux.ops.cpu_extension import REQUIRED_CPU_FLAGS, _cpu_flags
 from loramux.ops.moe_torch import ExpertLoRA, fused_experts, route
 
 E, K, SLOTS, MAX_RANK = 6, 2, 3, 8
@@ -102,6 +103,20 @@ def test_expert_lora_per_token_equals_the_reference(backend, dtype, tokens, shap
             assert torch.equal(out[t], base[t])
         else:
             assert (out[t].float() - base[t].float()).abs().max() > 0.1
+
+
+def test_bf16_runs_use_amx_where_the_cpu_has_it_and_equal_the_reference_to_an_ulp():
+    flags = _cpu_flags()
+    if not all(f in flags for f in REQUIRED_CPU_FLAGS):
+        pytest.skip("this CPU runs the torch path")
+    assert moe_cpu.available()  # a kernel that fails to build falls back silently: not on a CPU that runs it
+    assert moe_cpu.uses_amx() == ("amx_bf16" in flags)  # the path is not lost silently (a build without it, a refused syscall)
+    hidden, inter = SHAPES["tiles"]
+    gate_up, down = experts(torch.bfloat16, hidden=hidden, inter=inter)
+    for tokens in (1, 5, 16, 40):  # runs of 1-32 rows (AMX) and longer (a GEMM)
+        x, ids, weights = routed(tokens, torch.bfloat16, hidden=hidden)
+        out, ref = moe_cpu.fused_experts(x, gate_up, down, ids, weights), fused_experts(x, gate_up, down, ids, weights)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-3 * ref.float().abs().max().item())
 
 
 def test_the_reference_is_a_per_token_loop():

@@ -213,6 +213,10 @@ std::tuple<torch::Tensor, torch::Tensor> experts_down(torch::Tensor gu, torch::T
   const int64_t P = gu.size(0), inter = down.size(2), H = down.size(1), E = down.size(0);
   TORCH_CHECK(gu.size(1) == 2 * inter && offsets_t.numel() == E + 1 && offsets_t.scalar_type() == at::kLong,
               "experts_down: shapes do not match");
+  offsets_t = offsets_t.contiguous();
+  const int64_t* off = offsets_t.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[E] == P, "experts_down: offsets must run from 0 to the number of pairs");
+  for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "experts_down: offsets must not decrease");
   auto h = torch::empty({P, inter}, gu.options()), y = torch::empty({P, H}, gu.options());
   if (gu.scalar_type() == at::kFloat) {
     at::parallel_for(0, P, grain_rows(2 * inter), [&](int64_t p0, int64_t p1) {
@@ -224,7 +228,7 @@ std::tuple<torch::Tensor, torch::Tensor> experts_down(torch::Tensor gu, torch::T
       silu_mul_rows((const bf16raw*)gu.data_ptr<at::BFloat16>(), (bf16raw*)h.data_ptr<at::BFloat16>(), p0, p1, inter);
     });
   }
-  per_expert_mm(h, down, offsets_t.contiguous().data_ptr<int64_t>(), y);
+  per_expert_mm(h, down, off, y);
   return {h, y};
 }
 
@@ -232,9 +236,13 @@ torch::Tensor combine(torch::Tensor y, torch::Tensor order_t, torch::Tensor topk
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && topk_weights.dim() == 2 && order_t.numel() == y.size(0) &&
               topk_weights.numel() == y.size(0), "combine: y [P, H] contiguous, topk_weights [T, k], order [P]");
   const int64_t T = topk_weights.size(0), k = topk_weights.size(1), H = y.size(1), P = y.size(0);
+  TORCH_CHECK(order_t.scalar_type() == at::kLong && order_t.is_contiguous(), "combine: order must be int64, contiguous");
   const int64_t* order = order_t.data_ptr<int64_t>();
-  std::vector<int64_t> rank(P);  // pair -> its position in expert order
-  for (int64_t i = 0; i < P; ++i) rank[order[i]] = i;
+  std::vector<int64_t> rank(P, -1);  // pair -> its position in expert order
+  for (int64_t i = 0; i < P; ++i) {
+    TORCH_CHECK(order[i] >= 0 && order[i] < P && rank[order[i]] < 0, "combine: order must be a permutation of the pairs");
+    rank[order[i]] = i;
+  }
   auto w = topk_weights.contiguous();
   auto out = torch::empty({T, H}, y.options());
   const auto wt = w.scalar_type();
@@ -253,7 +261,16 @@ torch::Tensor combine(torch::Tensor y, torch::Tensor order_t, torch::Tensor topk
   return out;
 }
 
+bool amx_enabled() {  // whether bf16 runs of up to 32 rows go through AMX here (built with it, and the OS allows it)
+#ifdef MOE_AMX
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("amx_enabled", &amx_enabled, "whether short bf16 runs use AMX tiles");
   m.def("experts_up", &experts_up, "pairs sorted by expert, their rows and the gate_up GEMMs",
         py::call_guard<py::gil_scoped_release>());
   m.def("experts_down", &experts_down, "silu(gate) * up and the down GEMMs", py::call_guard<py::gil_scoped_release>());
