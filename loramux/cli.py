@@ -8,6 +8,7 @@ import os
 import runpy
 import sys
 
+from loramux.adapters.names import parse_adapter_arg
 from loramux.config import EngineConfig, LoRAConfig, ServerConfig
 
 
@@ -80,6 +81,8 @@ def serve(args) -> None:
     from loramux.server.app import build_app
 
     _log_to_stderr(args.log_level)
+    if args.replicas:
+        return _serve_scaleout(args)
     try:
         config = _server_config(args)
         app = build_app(_engine_config(args), config, args.lora_modules)
@@ -107,6 +110,23 @@ def serve(args) -> None:
     server.run()
     if not server.started:
         sys.exit(3)  # as uvicorn.run: the server never started (the engine failed, the port was taken, ...)
+
+
+def _serve_scaleout(args) -> None:
+    """--replicas N: the same server N times behind one endpoint, on Ray Serve (server/ray_ingress.py)."""
+    if args.replicas < 1:
+        sys.exit(f"loramux serve: --replicas must be >= 1, got {args.replicas}")
+    try:
+        from loramux.server import ray_ingress
+    except ImportError as e:
+        sys.exit(f"loramux serve --replicas needs Ray Serve: pip install 'ray[serve]' ({e})")
+    try:
+        engine, config = _engine_config(args), _server_config(args)
+        for spec in args.lora_modules:
+            parse_adapter_arg(spec)
+    except ValueError as e:
+        sys.exit(f"loramux serve: {e}")
+    ray_ingress.run(engine, config, args.lora_modules, args.replicas, args.ray_address, args.max_adapters_per_replica)
 
 
 # serve's flags for ServerConfig's limits: (flag, type, field, help); the default is the field's
@@ -155,6 +175,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     for flag, kind, field, help_text in _SERVER_LIMITS:
         p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--replicas", type=int, default=0,
+                   help="scale out: N engine replicas behind one endpoint on Ray Serve, adapters routed to the "
+                        "replicas that hold them (needs ray[serve]; 0 = one server, no Ray)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379, after `ray start --head`); "
+                        "default: start a local one")
+    p.add_argument("--max-adapters-per-replica", type=int, default=16,
+                   help="with --replicas: adapters one replica holds before Serve evicts its least recently used")
 
 
 def generate(args) -> None:

@@ -93,3 +93,17 @@ def test_serve_refuses_a_bare_path_that_is_no_adapter_name(monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server must not start"))
     with pytest.raises(SystemExit, match="a bare path names the adapter after itself.*write NAME=/abs/pirate"):
         main(["serve", "--lora-modules", "/abs/pirate"])  # clients could never send that name as `model`
+
+
+def test_serve_replicas_runs_the_ray_serve_app_with_its_flags(monkeypatch):
+    pytest.importorskip("ray.serve")
+    import loramux.server.ray_ingress as ray_ingress
+
+    seen = {}
+    monkeypatch.setattr(ray_ingress, "run", lambda *args: seen.update(args=args))
+    main(["serve", "--replicas", "3", "--ray-address", "10.0.0.1:6379", "--max-adapters-per-replica", "5",
+          "--lora-modules", "a=/x/a", "--port", "8124"])
+    engine, server, modules, replicas, address, per_replica = seen["args"]
+    assert (modules, replicas, address, per_replica, server.port) == (["a=/x/a"], 3, "10.0.0.1:6379", 5, 8124)
+    with pytest.raises(SystemExit, match="--replicas must be >= 1"):
+        main(["serve", "--replicas", "-1"])

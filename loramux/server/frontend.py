@@ -35,6 +35,9 @@ class HTTPError(Exception):
         super().__init__(message)
         self.status_code, self.message, self.err_type, self.code, self.headers = status_code, message, err_type, code, headers
 
+    def __reduce__(self):  # pickled whole (a Ray Serve replica raises it to the ingress)
+        return HTTPError, (self.status_code, self.message, self.err_type, self.code, self.headers)
+
 
 class ShuttingDown(Exception):
     """The server is draining: no new work, and what still runs at the deadline is stopped."""
@@ -238,8 +241,12 @@ class Frontend:
             timers[choice.index].update(choice)
 
     # ---- adapters ---------------------------------------------------------------------------------
-    async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False) -> None:
-        source = AdapterSource(name, path, self.config.allowed_adapter_dirs, pinned)
+    async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False,
+                           allowed_dirs: tuple[str, ...] | None = None) -> None:
+        """allowed_dirs: the directories its files must resolve into (None: --allowed-adapter-dir; (): any, as
+        for --lora-modules at start)."""
+        dirs = self.config.allowed_adapter_dirs if allowed_dirs is None else tuple(allowed_dirs)
+        source = AdapterSource(name, path, dirs, pinned)
         result = await self.client.control("load", name=name, path=path, allowed_dirs=list(source.allowed_dirs),
                                            pinned=pinned, replace=replace)
         if result["status"] != "SUCCESS":

@@ -1,0 +1,341 @@
+"""Scale-out on Ray Serve: one OpenAI-compatible endpoint in front of N engine replicas (ray_replica.py).
+
+    client --HTTP--> Serve proxy --> Ingress --handle, multiplexed_model_id=adapter--> EngineReplica x N
+                                        |                                                  |
+                                        +------------- AdapterRegistry <---- reports ------+
+
+- Ingress: maps a request's `model` to Serve's multiplexed model id (a registered adapter; none for the
+  base model) and forwards the request whole, streaming the answer back with `x-loramux-replica`. Serve
+  routes an id to a replica that holds it (or to the one holding the fewest), which is the adapter
+  affinity: a cold adapter costs a disk read and a slot once per replica, not per request.
+- AdapterRegistry: the cluster's adapters (name -> path, version, pinned) and each replica's last report
+  (what it holds, its engine's state). /v1/load_lora_adapter registers and loads on one replica at once (so
+  a broken adapter is refused right away, with the engine's message); the others load it on first use.
+  /v1/unload_lora_adapter removes it and waits until no replica reports holding it.
+- /v1/models lists the base model and every registered adapter once; /metrics gives each replica's state,
+  labelled by replica; /health is up while a replica reports a healthy engine.
+
+`scaleout_app(...)` builds the Serve application (for `serve.run`, or to compose with other deployments);
+`loramux serve --replicas N [--ray-address ADDR]` runs it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from ray import serve
+from ray.exceptions import RayError
+
+from loramux.adapters.names import parse_adapter_arg
+from loramux.config import EngineConfig, ServerConfig
+from loramux.server import protocol as p
+from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge, _allowed_adapter_path, _checked_name
+from loramux.server.frontend import HTTPError
+from loramux.server.ray_replica import AdapterEntry, EngineReplica
+
+logger = logging.getLogger("loramux.server")
+REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports every 0.5 s)
+
+
+class AdapterRegistry:
+    def __init__(self, lora_modules: list[str]):
+        self._versions = itertools.count(1)
+        self.entries: dict[str, AdapterEntry] = {}
+        for spec in lora_modules:
+            name, path = parse_adapter_arg(spec)
+            self.entries[name] = AdapterEntry(name, os.path.realpath(path), next(self._versions), at_start=True)
+        self.reports: dict[str, tuple[float, dict]] = {}
+        self.generation = 0  # grows with every change; replicas report the one they have applied
+
+    def register(self, name: str, path: str, pinned: bool) -> tuple[AdapterEntry, AdapterEntry | None]:
+        """(the new entry, the one it replaces)."""
+        old = self.entries.get(name)
+        self.entries[name] = AdapterEntry(name, path, next(self._versions), pinned)
+        self.generation += 1
+        return self.entries[name], old
+
+    def restore(self, name: str, old: AdapterEntry | None) -> None:
+        """Undo a registration that no replica could load."""
+        if old is None:
+            self.entries.pop(name, None)
+        else:
+            self.entries[name] = replace(old, version=next(self._versions))
+        self.generation += 1
+
+    def remove(self, name: str) -> int | None:
+        """The generation that no longer has `name` (None: it was not registered)."""
+        if self.entries.pop(name, None) is None:
+            return None
+        self.generation += 1
+        return self.generation
+
+    def set_pinned(self, name: str, pinned: bool) -> int | None:
+        if name not in self.entries:
+            return None
+        self.entries[name] = replace(self.entries[name], pinned=pinned)
+        self.generation += 1
+        return self.generation
+
+    def snapshot(self) -> tuple[int, dict[str, AdapterEntry]]:
+        return self.generation, dict(self.entries)
+
+    def get(self, name: str) -> AdapterEntry | None:
+        return self.entries.get(name)
+
+    def all(self) -> dict[str, AdapterEntry]:
+        return dict(self.entries)
+
+    def report(self, replica_id: str, state: dict) -> None:
+        self.reports[replica_id] = (time.monotonic(), state)
+
+    def replicas(self) -> dict[str, dict]:
+        """The replicas that reported lately: replica id -> its last report."""
+        now = time.monotonic()
+        return {rid: state for rid, (at, state) in self.reports.items() if now - at < REPORT_STALE_S}
+
+
+@serve.ingress()
+class Ingress:
+    def __init__(self, replica, registry, config: ServerConfig):
+        self.replica, self.registry, self.config = replica, registry, config
+        self._info: dict | None = None
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(title="loramux (Ray Serve)")
+        app.add_middleware(BodyLimit, limit=self.config.max_body_bytes)
+        app.add_middleware(ApiKey, key=self.config.api_key)
+        app.add_exception_handler(HTTPError, lambda _, e: _json_error(e.status_code, e.message, e.err_type, e.code))
+        app.add_exception_handler(BodyTooLarge, lambda _, e: _json_error(413, e.detail))
+        app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}")(self.model)
+        app.post("/v1/load_lora_adapter")(self.load)
+        app.post("/v1/unload_lora_adapter")(self.unload)
+        app.post("/v1/pin_lora_adapter")(self.pin)
+        app.post("/v1/unpin_lora_adapter")(self.unpin)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics)
+        app.api_route("/{path:path}", methods=["GET", "POST"])(self.forward)
+        return app
+
+    # ---- requests -------------------------------------------------------------------------------
+    async def forward(self, request: Request) -> Response:
+        body = await request.body()
+        model = _model_of(body) if request.method == "POST" else None
+        entry = await self.registry.get.remote(model) if model is not None else None
+        if model is not None and entry is None and model != (await self._base())["model_name"]:
+            # not registered (or being unloaded, while replicas still hold it): as one server answers
+            return _json_error(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found")
+        handle = self.replica.options(stream=True, multiplexed_model_id=entry.name if entry else "")
+        client = request.client.host if request.client else "unknown"
+        headers = [*request.headers.raw, (b"x-forwarded-for", client.encode())]
+        stream = handle.forward.remote(request.method, request.url.path, request.url.query.encode(), headers, body,
+                                       entry)
+        try:
+            status, response_headers, replica_id = await stream.__anext__()
+        except (RayError, StopAsyncIteration) as e:
+            return _json_error(503, f"The replica serving this request failed: {e}", "service_unavailable")
+        headers = {k.decode(): v.decode() for k, v in response_headers if k.lower() != b"content-length"}
+        headers["x-loramux-replica"] = replica_id
+        return StreamingResponse(_rest(stream, headers.get("content-type", "")), status_code=status, headers=headers)
+
+    async def _base(self) -> dict:
+        if self._info is None:
+            self._info = await self.replica.info.remote()
+        return self._info
+
+    async def models(self) -> dict:
+        base, entries = await self._base(), await self.registry.all.remote()
+        cards = [p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])]
+        cards += [p.model_card(name, e.path, base["model_name"]) for name, e in entries.items()]
+        return {"object": "list", "data": cards}
+
+    async def model(self, model_id: str) -> dict:
+        base = await self._base()
+        if model_id == base["model_name"]:
+            return p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
+        entry = await self.registry.get.remote(model_id)
+        if entry is None:
+            raise HTTPError(404, f"The model `{model_id}` does not exist.", "not_found_error", "model_not_found")
+        return p.model_card(model_id, entry.path, base["model_name"])
+
+    # ---- admin ----------------------------------------------------------------------------------
+    async def load(self, request: p.LoadLoRAAdapterRequest) -> Response:
+        """Registered cluster-wide, and loaded on one replica now: the engine's refusal, if any, is the answer."""
+        name = _checked_name(request.lora_name)
+        existing = await self.registry.get.remote(name)
+        if name == (await self._base())["model_name"] or (existing is not None and not request.load_inplace):
+            raise HTTPError(409, f"The lora adapter '{name}' has already been loaded.", code="adapter_exists")
+        path = _allowed_adapter_path(self.config, request.lora_path)
+        entry, old = await self.registry.register.remote(name, path, request.pinned)
+        try:
+            await self.replica.options(multiplexed_model_id=name).warm.remote(entry)
+        except RayError as e:
+            await self.registry.restore.remote(name, old)
+            raise _from_replica(e) from None
+        verb = "reloaded" if existing is not None else "added"
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {verb} successfully.")
+
+    async def unload(self, request: p.UnloadLoRAAdapterRequest) -> Response:
+        """Removed from the registry; answered once every replica has applied that (each unloads it when its
+        running requests on it finish)."""
+        generation = await self.registry.remove.remote(request.lora_name)
+        if generation is None:
+            raise HTTPError(404, f"The lora adapter '{request.lora_name}' cannot be found.", "not_found_error")
+        await self._applied(generation, f"adapter '{request.lora_name}' was removed from the registry")
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+
+    async def pin(self, request: p.PinLoRAAdapterRequest) -> Response:
+        return await self._pin(request.lora_name, True)
+
+    async def unpin(self, request: p.PinLoRAAdapterRequest) -> Response:
+        return await self._pin(request.lora_name, False)
+
+    async def _pin(self, name: str, pinned: bool) -> Response:
+        generation = await self.registry.set_pinned.remote(name, pinned)
+        if generation is None:
+            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
+        await self._applied(generation, f"adapter '{name}' was {'pinned' if pinned else 'unpinned'} in the registry")
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'pinned' if pinned else 'unpinned'}.")
+
+    async def _applied(self, generation: int, what: str) -> None:
+        """Wait until every reporting replica has applied registry `generation` (504 after shutdown_timeout)."""
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while True:
+            behind = [r for r, s in (await self.registry.replicas.remote()).items() if s.get("applied", 0) < generation]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise HTTPError(504, f"{what}, but replicas {', '.join(behind)} have not applied it yet (requests "
+                                     "still running on it)")
+            await asyncio.sleep(0.1)
+
+    # ---- state ----------------------------------------------------------------------------------
+    async def health(self) -> Response:
+        replicas = await self.registry.replicas.remote()
+        if any(state["healthy"] for state in replicas.values()):
+            return Response(status_code=200)
+        return _json_error(503, f"No replica has a healthy engine ({len(replicas)} reporting).", "service_unavailable")
+
+    async def metrics(self) -> Response:
+        replicas = await self.registry.replicas.remote()
+        return Response(render_metrics(replicas, len(await self.registry.all.remote())),
+                        media_type="text/plain; version=0.0.4")
+
+
+def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
+    """Each replica's engine state, labelled by replica; lora_requests_info as vLLM's, one per replica."""
+    r = CollectorRegistry()
+    gauges = {key: Gauge(f"loramux:{key}", text, ["replica"], registry=r) for key, text in (
+        ("num_requests_running", "Requests in the running batch"), ("num_requests_waiting", "Requests waiting to run"),
+        ("num_loaded_adapters", "Adapters the replica holds"), ("engine_healthy", "1 when the replica's engine is up"))}
+    info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
+                 ["replica", "max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+    Gauge("loramux:registered_adapters", "Adapters registered cluster-wide", registry=r).set(registered)
+    processes = Gauge("loramux:replica_info", "A replica's processes (its server's and its engine's pid)",
+                      ["replica", "pid", "engine_pid"], registry=r)
+    for rid, state in sorted(replicas.items()):
+        engine = state.get("engine") or {}
+        processes.labels(rid, str(state["pid"]), str(state["engine_pid"])).set(1)
+        gauges["engine_healthy"].labels(rid).set(state["healthy"])
+        gauges["num_loaded_adapters"].labels(rid).set(len(state["loaded"]))
+        if engine:
+            gauges["num_requests_running"].labels(rid).set(engine["num_running"])
+            gauges["num_requests_waiting"].labels(rid).set(engine["num_waiting"])
+            info.labels(rid, str(engine["max_loras"]), ",".join(engine["running_adapters"]),
+                        ",".join(engine["waiting_adapters"])).set(time.time())
+    return generate_latest(r)
+
+
+def _model_of(body: bytes) -> str | None:
+    """The request's `model`, if the body is a JSON object naming one (else the replica says what is wrong)."""
+    try:
+        model = json.loads(body).get("model")
+    except (ValueError, AttributeError):
+        return None
+    return model if isinstance(model, str) else None
+
+
+async def _rest(stream, content_type: str):
+    """The body after the first item; a replica lost mid-answer ends an event stream with an error event."""
+    try:
+        async for chunk in stream:
+            yield chunk
+    except RayError as e:
+        logger.warning("a replica failed mid-answer: %s", e)
+        if content_type.startswith("text/event-stream"):
+            error = p.error_body(f"The replica serving this request failed: {e}", "service_unavailable")
+            yield f"data: {json.dumps(error)}\n\n".encode()
+
+
+def _json_error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None):
+    return JSONResponse(p.error_body(message, err_type, code), status_code=status)
+
+
+def _from_replica(e: RayError) -> HTTPError:
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, HTTPError):
+        return cause
+    return HTTPError(503, f"The replica failed: {cause}", "service_unavailable")
+
+
+def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None = None, lora_modules=(),
+                 replicas: int = 2, replica_cpus: float = 1.0, max_adapters_per_replica: int = 16):
+    """The Serve application: `serve.run(scaleout_app(...), route_prefix="/")`. Each replica is one loramux
+    server (front end + engine process); replica_cpus: Ray CPUs reserved per replica; max_adapters_per_replica:
+    Serve's max_num_models_per_replica (its LRU evicts past it, which unloads the adapter there)."""
+    server_config = server_config or ServerConfig()
+    replica = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=replicas,
+                               max_ongoing_requests=server_config.max_pending_requests,
+                               graceful_shutdown_timeout_s=server_config.shutdown_timeout + 5,
+                               ray_actor_options={"num_cpus": replica_cpus})
+    registry = serve.deployment(AdapterRegistry, name="AdapterRegistry", ray_actor_options={"num_cpus": 0})
+    ingress = serve.deployment(Ingress, name="Ingress", max_ongoing_requests=server_config.max_pending_requests,
+                               ray_actor_options={"num_cpus": 0})
+    registry_app = registry.bind(list(lora_modules))
+    replicas_app = replica.bind(engine_config, server_config, registry_app, max_adapters_per_replica)
+    return ingress.bind(replicas_app, registry_app, server_config)
+
+
+def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(), replicas: int = 2,
+        address: str | None = None, max_adapters_per_replica: int = 16) -> None:
+    """`loramux serve --replicas N`: start (or join, with `address`) a Ray cluster, serve until SIGINT/SIGTERM.
+    On a local cluster each replica gets an equal share of the CPUs (Ray's reservation and its engine's
+    threads, unless --num-threads says otherwise)."""
+    import ray
+
+    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    replica_cpus = 1.0
+    if address is None:
+        cpus = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
+        replica_cpus = min(1.0, cpus / replicas)
+        if engine_config.num_threads is None:
+            engine_config = replace(engine_config, num_threads=max(1, int(cpus // replicas)))
+    stop = _stop_on_signal()
+    try:
+        serve.start(http_options={"host": server_config.host, "port": server_config.port})
+        serve.run(scaleout_app(engine_config, server_config, lora_modules, replicas, replica_cpus,
+                               max_adapters_per_replica), name="loramux", route_prefix="/")
+        logger.info("serving on http://%s:%d with %d replicas", server_config.host, server_config.port, replicas)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _stop_on_signal():
+    """An event SIGINT / SIGTERM set (then the cluster is shut down in order, start-up included)."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

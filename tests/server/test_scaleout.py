@@ -1,0 +1,161 @@
+"""`loramux serve --replicas 2` (Ray Serve, a local cluster in the server's process tree): one endpoint, two
+engine replicas. Every greedy answer equals the single-engine LLM's; after warm-up each adapter stays on one
+replica (Serve's model multiplexing) and both replicas serve; load / unload through the ingress reach the
+replicas; a replica's engine killed mid-request gives 503s, then the replica serves again."""
+import concurrent.futures
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from loramux import LoRAConfig, SamplingParams  # noqa: E402
+from loramux.llm import LLM  # noqa: E402
+from serving import MAX_MODEL_LEN, NO_KEEPALIVE, make_files, start_server, stop, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.slow
+KEY = "scale-key"
+ADAPTERS = ["s0", "s1", "s2", "s3", "s4", "new"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_files(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def oracle(files):
+    """The single-engine LLM on the same checkpoint and adapters: prompt, adapter -> greedy text."""
+    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=4, max_lora_rank=32), dtype="float32",
+              kv_cache_memory=2**23, max_model_len=MAX_MODEL_LEN)
+    for name, path in {**files["served"], **files["runtime"]}.items():
+        assert llm.load_adapter(name, path)
+    prompts = [f"prompt {i} about {w}" for i, w in enumerate(["cats", "ships", "rain", "maps", "tea", "bells"] * 10)]
+    rows = [(p, ADAPTERS[i % 6]) for i, p in enumerate(prompts)]
+    outs = llm.generate([p for p, _ in rows], SamplingParams(max_tokens=8, temperature=0), adapters=[a for _, a in rows])
+    return {row: out.text for row, out in zip(rows, outs)}
+
+
+@pytest.fixture(scope="module")
+def server(files, oracle):
+    proc, url = start_server(files, "--replicas", "2", "--max-adapters-per-replica", "8", "--api-key", KEY)
+    yield url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=120, limits=NO_KEEPALIVE) as c:
+        yield c
+
+
+def complete(http, prompt, model, max_tokens=8):
+    r = http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    return r.status_code, r.headers.get("x-loramux-replica"), r.json()
+
+
+def replicas(http) -> dict[str, dict]:
+    """replica -> {"pid", "engine_pid"} from /metrics."""
+    found = re.findall(r'loramux:replica_info\{engine_pid="(\d+)",pid="(\d+)",replica="([^"]+)"\}', http.get("/metrics").text)
+    return {rid: {"pid": int(pid), "engine_pid": int(engine)} for engine, pid, rid in found}
+
+
+def test_answers_equal_one_engine_and_each_adapter_stays_on_one_replica(http, files, oracle):
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": files["runtime"]["new"]}).status_code == 200
+    ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert ids == ["tiny", "s0", "s1", "s2", "s3", "s4", "new"]  # the base model and every adapter, once
+    for adapter in ADAPTERS:  # warm-up: each adapter lands on a replica (Serve hears of it within ~0.1 s)
+        assert complete(http, "warm", adapter)[0] == 200
+        time.sleep(0.3)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda row: (row, complete(http, *row)), oracle))
+    served_by: dict[str, set] = {}
+    for (prompt, adapter), (status, replica, body) in results:
+        assert status == 200, body
+        assert body["choices"][0]["text"] == oracle[prompt, adapter], (prompt, adapter)
+        served_by.setdefault(adapter, set()).add(replica)
+    assert all(len(r) == 1 for r in served_by.values()), served_by  # affinity
+    assert len(set().union(*served_by.values())) == 2, served_by  # both replicas serve
+    metrics = http.get("/metrics").text
+    assert metrics.count("loramux:lora_requests_info{") == 2 and len(replicas(http)) == 2
+
+
+def test_streaming_through_the_ingress_equals_the_single_engine(http, oracle):
+    (prompt, adapter), expected = next(iter(oracle.items()))
+    body = {"model": adapter, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-loramux-replica"]
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    import json
+    assert events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
+
+
+def test_the_api_key_and_the_health_route_as_on_one_server(server, http):
+    assert httpx.get(f"{server}/health").status_code == 200  # no key needed
+    refused = httpx.post(f"{server}/v1/completions", json={"model": "s0", "prompt": "x", "max_tokens": 2})
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+
+
+def test_load_and_unload_reach_every_replica(http, files, oracle):
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": files["runtime"]["other"]}).status_code == 200
+    again = http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": files["runtime"]["other"]})
+    assert again.status_code == 409
+    bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": files["allowed"] + "/nowhere"})
+    assert bad.status_code == 400 and "bad" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    for _ in range(4):  # whichever replicas it reaches
+        assert complete(http, "hello", "other")[0] == 200
+    assert http.post("/v1/pin_lora_adapter", json={"lora_name": "other"}).status_code == 200  # applied everywhere
+    assert http.post("/v1/unpin_lora_adapter", json={"lora_name": "other"}).status_code == 200
+    assert http.post("/v1/pin_lora_adapter", json={"lora_name": "ghost"}).status_code == 404
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "other"}).status_code == 200
+    status, _, body = complete(http, "hello", "other")  # gone everywhere at once
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    assert "other" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "other"}).status_code == 404
+
+
+def test_a_killed_replica_engine_gives_503_then_the_replica_serves_again(http, oracle):
+    (prompt, adapter), expected = next(iter(oracle.items()))
+    status, replica, _ = complete(http, prompt, adapter)
+    assert status == 200
+    engine_pid = replicas(http)[replica]["engine_pid"]
+    os.kill(engine_pid, signal.SIGSTOP)  # frozen: the next request is surely in flight when it dies
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, http, "a long one", adapter, 48)
+        time.sleep(0.5)
+        os.kill(engine_pid, signal.SIGKILL)
+        status, _, body = running.result()
+    assert status == 503 or body["choices"][0]["finish_reason"] == "error", body
+    refused = wait_until(lambda: complete(http, prompt, adapter)[0] == 503, 10, "a 503 while the engine restarts",
+                         interval=0.02)
+    assert refused
+    wait_until(lambda: complete(http, prompt, adapter)[0] == 200, 120, "the replica serving again", interval=0.5)
+    status, again, body = complete(http, prompt, adapter)
+    assert (status, again, body["choices"][0]["text"]) == (200, replica, expected)
+    assert replicas(http)[replica]["engine_pid"] != engine_pid
+
+
+def test_a_killed_replica_gives_503_and_serve_starts_another(http, oracle):
+    (prompt, adapter), expected = list(oracle.items())[1]
+    status, replica, _ = complete(http, prompt, adapter)
+    assert status == 200
+    pids = replicas(http)[replica]
+    os.kill(pids["engine_pid"], signal.SIGSTOP)  # the request below is in flight when its replica dies
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, http, "a long one", adapter, 48)
+        time.sleep(0.5)
+        os.kill(pids["pid"], signal.SIGKILL)
+        os.kill(pids["engine_pid"], signal.SIGKILL)
+        status, _, body = running.result(timeout=60)  # the ingress answers, it does not hang
+    assert status == 503 and "replica" in body["error"]["message"], body
+    wait_until(lambda: complete(http, prompt, adapter)[0] == 200, 120, "the adapter served again", interval=0.5)
+    assert complete(http, prompt, adapter)[2]["choices"][0]["text"] == expected
+    wait_until(lambda: len(replicas(http)) == 2 and replica not in replicas(http), 120, "a new replica in its place",
+               interval=0.5)
