@@ -59,4 +59,4 @@ def bench_serve(args, url, path, adapters, workdir, label, extra) -> dict:
         raw = json.load(f)
     return {"output_throughput": raw["output_throughput"], "duration_s": raw["duration"],
             "completed": raw["completed"], "request_rate": raw.get("request_rate"),
-            **{f"p{q}_{m}_ms": raw[f"p{q}_{m}_ms"] for q in (50, 99) for m in ("ttft", "tpot", "itl")}}
+            **{f"p{q}_{m}_ms": raw[f"p{q}_{m}_ms"] for q in (50, 99) for m in ("ttft", "tpot", "itl", "e2el")}}

@@ -107,6 +107,11 @@ class Ingress:
     def __init__(self, replica, registry, config: ServerConfig):
         self.replica, self.registry, self.config = replica, registry, config
         self._info: dict | None = None
+        # The registry's entries as this ingress last saw them: a request's lookup costs no actor call. This
+        # (single) ingress changes the registry itself and updates the copy as it does; a name missing here
+        # is asked of the registry, so a copy behind it only costs a call.
+        self._entries: dict[str, AdapterEntry] = {}
+        self._changes = 0  # bumped at each change made here: a lookup begun before one is not kept
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="loramux (Ray Serve)")
@@ -129,7 +134,7 @@ class Ingress:
     async def forward(self, request: Request) -> Response:
         body = await request.body()
         model = _model_of(body) if request.method == "POST" else None
-        entry = await self.registry.get.remote(model) if model is not None else None
+        entry = await self._entry(model) if model is not None else None
         if model is not None and entry is None and model != (await self._base())["model_name"]:
             # not registered (or being unloaded, while replicas still hold it): as one server answers
             return _json_error(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found")
@@ -145,6 +150,16 @@ class Ingress:
         headers = {k.decode(): v.decode() for k, v in response_headers if k.lower() != b"content-length"}
         headers["x-loramux-replica"] = replica_id
         return StreamingResponse(_rest(stream, headers.get("content-type", "")), status_code=status, headers=headers)
+
+    async def _entry(self, name: str) -> AdapterEntry | None:
+        entry, changes = self._entries.get(name), self._changes
+        if entry is None and (entry := await self.registry.get.remote(name)) is not None and changes == self._changes:
+            self._entries[name] = entry
+        return entry
+
+    def _changed(self, name: str) -> None:
+        self._entries.pop(name, None)
+        self._changes += 1
 
     async def _base(self) -> dict:
         if self._info is None:
@@ -175,10 +190,12 @@ class Ingress:
             raise HTTPError(409, f"The lora adapter '{name}' has already been loaded.", code="adapter_exists")
         path = _allowed_adapter_path(self.config, request.lora_path)
         entry, old = await self.registry.register.remote(name, path, request.pinned)
+        self._changed(name)
         try:
             await self.replica.options(multiplexed_model_id=name).warm.remote(entry)
         except RayError as e:
             await self.registry.restore.remote(name, old)
+            self._changed(name)
             raise _from_replica(e) from None
         verb = "reloaded" if existing is not None else "added"
         return PlainTextResponse(f"Success: LoRA adapter '{name}' {verb} successfully.")
@@ -187,6 +204,7 @@ class Ingress:
         """Removed from the registry; answered once every replica has applied that (each unloads it when its
         running requests on it finish)."""
         generation = await self.registry.remove.remote(request.lora_name)
+        self._changed(request.lora_name)
         if generation is None:
             raise HTTPError(404, f"The lora adapter '{request.lora_name}' cannot be found.", "not_found_error")
         await self._applied(generation, f"adapter '{request.lora_name}' was removed from the registry")
@@ -200,6 +218,7 @@ class Ingress:
 
     async def _pin(self, name: str, pinned: bool) -> Response:
         generation = await self.registry.set_pinned.remote(name, pinned)
+        self._changed(name)
         if generation is None:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
         await self._applied(generation, f"adapter '{name}' was {'pinned' if pinned else 'unpinned'} in the registry")
@@ -311,7 +330,10 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
     threads, unless --num-threads says otherwise)."""
     import ray
 
-    ray.init(address=address, include_dashboard=False, configure_logging=False)
+    # Ray runs its workers at nice 15, below its own daemons and anything else on the machine: an engine there
+    # loses its cores to the load generator or the HTTP proxy, and its threads wait for each other at every op.
+    system = {"worker_niceness": 0} if address is None else None  # joined clusters: see the README
+    ray.init(address=address, include_dashboard=False, configure_logging=False, _system_config=system)
     replica_cpus = 1.0
     if address is None:
         cpus = ray.cluster_resources().get("CPU", os.cpu_count() or 1)

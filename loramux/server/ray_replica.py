@@ -236,12 +236,28 @@ async def _call_asgi(app, method: str, path: str, query: bytes, headers: list, b
             if message["type"] == "http.response.start":
                 yield message["status"], list(message.get("headers", [])), replica_id
             elif message["type"] == "http.response.body":
-                if message.get("body"):
-                    yield bytes(message["body"])
-                if not message.get("more_body", False):
+                chunk, done = _drain(message, messages)
+                if chunk:
+                    yield chunk
+                if done:
                     break
     finally:
         gone.set()
         await asyncio.wait({task}, timeout=5)
         if not task.done():
             task.cancel()
+
+
+def _drain(message: dict, messages: asyncio.Queue) -> tuple[bytes, bool]:
+    """One body message plus every body message already queued behind it, as one chunk: (bytes, last?).
+    Each item of a Serve stream is a Ray object passed between processes; when this replica falls behind
+    its engine (under load), the stream events that piled up go as one item, not one each."""
+    parts = [message.get("body", b"")]
+    while message.get("more_body", False) and not messages.empty():
+        queued = messages.get_nowait()
+        if queued is None or queued["type"] != "http.response.body":
+            messages.put_nowait(queued)  # the end (None) is read again by the caller's loop
+            break
+        message = queued
+        parts.append(message.get("body", b""))
+    return b"".join(parts), not message.get("more_body", False)
