@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton's kernels run on CPU tensors in its interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -25,9 +29,13 @@ MODEL_FACTORIES = {"llama": tiny_llama, "qwen2": tiny_qwen2}
 
 
 def backend_params(backends, cpu_available) -> list:
-    """pytest params for every backend name; "cpu" (the C++ kernels) is skipped where it cannot run."""
-    skip_cpu = pytest.mark.skipif(not cpu_available(), reason="needs the C++ CPU kernel (AVX-512 BF16)")
-    return [pytest.param(name, marks=skip_cpu if name == "cpu" else ()) for name in backends]
+    """pytest params for every backend name on CPU tensors; "cpu" (the C++ kernels) is skipped where it cannot
+    run, "triton" where triton is not installed (its interpreter runs the kernels here)."""
+    from loramux.ops import lora_triton
+
+    skips = {"cpu": pytest.mark.skipif(not cpu_available(), reason="needs the C++ CPU kernel (AVX-512 BF16)"),
+             "triton": pytest.mark.skipif(not lora_triton.available("cpu"), reason="needs triton and TRITON_INTERPRET=1")}
+    return [pytest.param(name, marks=skips.get(name, ())) for name in backends]
 
 
 def save_peft_adapter(base, path, seed: int = 0, **lora_kwargs) -> str:

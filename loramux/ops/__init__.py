@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import (attention_cpu, lora_cpu, moe_cpu, moe_torch, pointwise_cpu, pointwise_torch, quant_cpu,
-                         quant_torch)
+from loramux.ops import (attention_cpu, lora_cpu, lora_triton, moe_cpu, moe_torch, pointwise_cpu, pointwise_torch,
+                         quant_cpu, quant_torch)
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -27,13 +27,14 @@ BACKENDS: dict[str, AddLoRA] = {
     "torch-gathered": add_lora_gathered,
     "torch-fixed-rows": add_lora_segmented_fixed_rows,  # batch-invariant (EngineConfig.batch_invariant)
     "cpu": lora_cpu.add_lora_cpu,
+    "triton": lora_triton.add_lora_triton,  # CUDA (or any device under TRITON_INTERPRET=1)
 }
 
 
 # LoRA ops whose cost does not depend on the order of the tokens (the C++ kernel groups them by slot
 # itself; the gathered form indexes per token). For the segmented form a batch ordered by slot means
 # fewer, longer runs: one GEMM pair per run.
-ORDER_FREE: frozenset[AddLoRA] = frozenset({lora_cpu.add_lora_cpu, add_lora_gathered})
+ORDER_FREE: frozenset[AddLoRA] = frozenset({lora_cpu.add_lora_cpu, lora_triton.add_lora_triton, add_lora_gathered})
 
 
 def wants_grouped_tokens(op: AddLoRA) -> bool:
@@ -55,7 +56,13 @@ def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Call
 
 
 def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> AddLoRA:
-    """The add_lora op (see lora_torch.py) for `name` on `device`."""
+    """The add_lora op (see lora_torch.py) for `name` on `device`; "auto" on a CUDA device: the Triton kernels
+    where triton is installed, else torch."""
+    if name == "auto" and torch.device(device).type == "cuda" and lora_triton.available(device):
+        name = "triton"
+    if name == "triton" and not lora_triton.available(device):
+        raise ValueError(f"the 'triton' LoRA backend needs the triton package and a CUDA device (or TRITON_INTERPRET=1 "
+                         f"before loramux is imported); the device is {device}")
     return _choose("LoRA", BACKENDS, lora_cpu.available, name, device)
 
 

@@ -64,10 +64,17 @@ def make_llm(path, adapters=None, **kw):
     return llm
 
 
-@pytest.mark.parametrize("kind, backend", [(kind, "auto") for kind in FACTORIES] + [("llama", "torch")])
+def _triton_param():
+    from loramux.ops import lora_triton
+
+    return pytest.param("llama", "triton", marks=pytest.mark.skipif(not lora_triton.available("cpu"),
+                                                                    reason="needs triton (run in its interpreter)"))
+
+
+@pytest.mark.parametrize("kind, backend", [(kind, "auto") for kind in FACTORIES] + [("llama", "torch"), _triton_param()])
 def test_mixed_batch_greedy_equals_hf_peft_alone(kind, backend, checkpoints):
     """"auto" is the C++ kernel where it runs (rows kept in batch order); "torch" the segmented op (rows
-    regrouped by slot for each step)."""
+    regrouped by slot for each step); "triton" the GPU kernels, here in Triton's interpreter."""
     base, path, adapters = checkpoints[kind]
     llm = make_llm(path, adapters, lora_backend=backend)
     rows = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv", "r16_patterns", "r8_rslora"]

@@ -1,0 +1,154 @@
+"""The GPU path for add_lora: Triton kernels, same contract as lora_torch.py.
+
+The method is Punica's SGMV (Chen et al., "Punica: Multi-Tenant LoRA Serving", 2023) as S-LoRA and vLLM
+run it: the tokens of a batch are ordered by slot (on the device, no host sync), and one launch covers every
+slot's tokens for a layer, decode and prefill alike:
+  shrink  h[t, k*R:(k+1)*R] = x[t] @ A[s, k*R:(k+1)*R]^T      programs (slot, token block, slice k)
+  expand  y[t, o] += h[t, k(o)*R:(k(o)+1)*R] @ B[s, o, :]^T    programs (slot, token block, output block)
+where k(o) is the packed slice (q|k|v, gate|up) output column o belongs to. Rows of A and columns of B beyond
+a slot's real rank (slot_ranks) are never read; tokens of slot -1 are never touched; a program past its
+slot's token count returns at once. h is kept in x's dtype, as the reference's shrink result is.
+
+Under Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) the kernels run on CPU
+tensors: that is how CI checks them against the reference on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from loramux.ops.lora_torch import slices_of
+from loramux.ops.mapping import LoRAMapping
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU paths never need it
+    triton = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+MAX_SLICES = 3  # q|k|v; the expand's slice lookup is unrolled over at most this many
+
+
+def available(device: str | torch.device = "cuda") -> bool:
+    """Triton importable and able to run on `device` (a CUDA device, or any device under the interpreter)."""
+    if triton is None:
+        return False
+    return INTERPRET or (torch.device(device).type == "cuda" and torch.cuda.is_available())
+
+
+def add_lora_triton(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
+    num_slots, a_rows, n_in = lora_a.shape
+    n_tokens, n_out = y.shape
+    rank = lora_b.shape[2]
+    slices = slices_of(output_slices, lora_a, lora_b)
+    if len(slices) > MAX_SLICES:
+        raise ValueError(f"the Triton LoRA op takes at most {MAX_SLICES} output slices, got {len(slices)}")
+    if n_tokens == 0:
+        return
+    order, counts, starts = by_slot(mapping, num_slots)
+    bounds = _bounds(tuple(o1 for _, o1, _, _ in slices), y.device)
+    ranks = slot_ranks if slot_ranks is not None else torch.full((num_slots,), rank, device=y.device)
+    block_m, block_r = 16, max(16, triton.next_power_of_2(rank))
+    h = torch.empty(n_tokens, a_rows, dtype=x.dtype, device=x.device)
+    # the interpreter's bf16 dot is wrong (triton 3.9: garbage sums), so it runs every dot in fp32
+    fp32 = x.dtype == torch.float32 or INTERPRET
+    _shrink[(num_slots, triton.cdiv(n_tokens, block_m), len(slices))](
+        x, lora_a, h, order, counts, starts, ranks, n_in, rank,
+        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), h.stride(0),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, IEEE=fp32)
+    block_n = 64
+    _expand[(num_slots, triton.cdiv(n_tokens, block_m), triton.cdiv(n_out, block_n))](
+        h, lora_b, y, order, counts, starts, ranks, bounds, rank,
+        h.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+        NUM_SLICES=len(slices), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=fp32)
+
+
+def by_slot(mapping: LoRAMapping, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tokens ordered by slot, once per forward pass (every layer shares the mapping), on its device:
+    (order [num_tokens] int64: token indices, slot -1 first; counts [num_slots + 1]: tokens per slot, base
+    first; starts [num_slots + 1]: where each slot's tokens begin in order)."""
+    cache = mapping.__dict__.setdefault("_by_slot", {})
+    if num_slots not in cache:
+        slots = mapping.token_slots
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots + 1, minlength=num_slots + 1)
+        cache[num_slots] = order, counts, torch.cumsum(counts, 0) - counts
+    return cache[num_slots]
+
+
+@functools.lru_cache(maxsize=64)
+def _bounds_cached(ends: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor((0, *ends), dtype=torch.long, device=device)
+
+
+def _bounds(ends: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[num_slices + 1] output row where each slice starts (and the last ends); one tensor per layer shape."""
+    return _bounds_cached(ends, str(device))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(p, q, acc, IEEE: tl.constexpr):
+        """acc + p @ q, in fp32 at full precision (the reference's, not TF32) where IEEE, else on the inputs'
+        dtype (bf16 / fp16 tensor cores, fp32 sums)."""
+        if IEEE:
+            return tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(p, q, acc)
+
+    @triton.jit
+    def _shrink(x, a, h, order, counts, starts, ranks, n_in, rank,
+                sx_t, sx_i, sa_s, sa_r, sa_i, sh_t,
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """h[t, k*rank + r] = sum_i x[t, i] * a[s, k*rank + r, i] for this program's tokens t of slot s."""
+        s, mb, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        count = tl.load(counts + s + 1)
+        if mb * BLOCK_M >= count:
+            return
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        tokens = tl.load(order + tl.load(starts + s + 1) + m, mask=m < count, other=0)  # [BLOCK_M]
+        r = tl.arange(0, BLOCK_R)
+        real = tl.minimum(tl.load(ranks + s), rank)
+        rows = a + s * sa_s + (k * rank + r) * sa_r  # [BLOCK_R] pointers to A's rows
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for i0 in range(0, n_in, BLOCK_K):
+            i = i0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x + tokens[:, None] * sx_t + i[None, :] * sx_i,
+                         mask=(m[:, None] < count) & (i[None, :] < n_in), other=0.0)  # [BLOCK_M, BLOCK_K]
+            at = tl.load(rows[None, :] + i[:, None] * sa_i,
+                         mask=(r[None, :] < real) & (i[:, None] < n_in), other=0.0)  # [BLOCK_K, BLOCK_R]
+            acc = _dot(xt, at, acc, IEEE)
+        out = h + tokens[:, None] * sh_t + k * rank + r[None, :]
+        tl.store(out, acc.to(h.dtype.element_ty), mask=(m[:, None] < count) & (r[None, :] < rank))
+
+    @triton.jit
+    def _expand(h, b, y, order, counts, starts, ranks, bounds, rank,
+                sh_t, sb_s, sb_o, sb_r, sy_t, sy_o,
+                NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                IEEE: tl.constexpr):
+        """y[t, o] += sum_r h[t, k(o)*rank + r] * b[s, o, r] for this program's tokens t of slot s."""
+        s, mb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        count = tl.load(counts + s + 1)
+        if mb * BLOCK_M >= count:
+            return
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        tokens = tl.load(order + tl.load(starts + s + 1) + m, mask=m < count, other=0)
+        o = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        r = tl.arange(0, BLOCK_R)
+        real = tl.minimum(tl.load(ranks + s), rank)
+        n_out = tl.load(bounds + NUM_SLICES)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.static_range(NUM_SLICES):
+            lo, hi = tl.load(bounds + k), tl.load(bounds + k + 1)
+            cols = (o >= lo) & (o < hi)  # this block's columns in slice k (none, some or all)
+            ht = tl.load(h + tokens[:, None] * sh_t + k * rank + r[None, :],
+                         mask=(m[:, None] < count) & (r[None, :] < real), other=0.0)  # [BLOCK_M, BLOCK_R]
+            bt = tl.load(b + s * sb_s + o[None, :] * sb_o + r[:, None] * sb_r,
+                         mask=cols[None, :] & (r[:, None] < real), other=0.0)  # [BLOCK_R, BLOCK_N]
+            acc = _dot(ht, bt, acc, IEEE)
+        out = y + tokens[:, None] * sy_t + o[None, :] * sy_o
+        keep = (m[:, None] < count) & (o[None, :] < n_out)
+        tl.store(out, (tl.load(out, mask=keep, other=0.0).to(tl.float32) + acc).to(y.dtype.element_ty), mask=keep)
