@@ -46,3 +46,29 @@ def test_mixed_batch_on_cuda_equals_hf_peft_alone(tmp_path):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for prompt, adapter, out in zip(prompts, rows, llm.generate(prompts, params, adapters=rows)):
         assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, params.max_tokens), adapter
+
+
+def test_fused_experts_with_expert_lora_on_cuda():
+    from loramux.ops import moe_triton, select_moe_backend
+    from loramux.ops.moe_torch import ExpertLoRA, fused_experts, route
+
+    assert select_moe_backend("auto", "cuda") is moe_triton
+    torch.manual_seed(0)
+    experts, hidden, inter, rank, slots, tokens = 8, 256, 128, 8, 3, 64
+    gate_up, down = torch.randn(experts, 2 * inter, hidden) * 0.05, torch.randn(experts, hidden, inter) * 0.05
+    ranks = [rank, 0, rank // 2]
+    lora = ExpertLoRA(torch.randn(slots, experts, 2 * rank, hidden) * 0.1,
+                      (torch.randn(slots, experts, rank, 2 * inter) * 0.1).transpose(2, 3),
+                      torch.randn(slots, experts, rank, inter) * 0.1,
+                      (torch.randn(slots, experts, rank, hidden) * 0.1).transpose(2, 3),
+                      ranks, torch.tensor(ranks).repeat_interleave(experts), torch.tensor([t % 4 - 1 for t in range(tokens)]))
+    for s, r in enumerate(ranks):  # zero beyond each slot's rank, as LoRAExperts keeps it
+        lora.gate_up_a.view(slots, experts, 2, rank, hidden)[s, :, :, r:] = 0
+        lora.gate_up_b[s, :, :, r:] = lora.down_a[s, :, r:] = lora.down_b[s, :, :, r:] = 0
+    x = torch.randn(tokens, hidden)
+    weights, ids = route(torch.randn(tokens, experts), 2, True, False)
+    expected = fused_experts(x, gate_up, down, ids, weights, lora)
+    cuda = ExpertLoRA(*(t.cuda() for t in (lora.gate_up_a, lora.gate_up_b, lora.down_a, lora.down_b)), ranks,
+                      lora.expert_ranks.cuda(), lora.token_slots.cuda())
+    out = moe_triton.fused_experts(x.cuda(), gate_up.cuda(), down.cuda(), ids.cuda(), weights.cuda(), cuda)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)

@@ -243,7 +243,8 @@ class LoRAExperts(nn.Module):
         self.register_buffer("down_b", torch.zeros(max_loras, num, max_rank, hidden, **kw).transpose(2, 3),
                              persistent=False)
         self.ranks = [0] * max_loras
-        self.expert_ranks = torch.zeros(max_loras * num, dtype=torch.long)  # ranks, each repeated for E experts
+        # ranks, each repeated for E experts; on the buffers' device (the Triton op reads it there)
+        self.expert_ranks = torch.zeros(max_loras * num, dtype=torch.long, device=kw["device"])
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import (attention_cpu, lora_cpu, lora_triton, moe_cpu, moe_torch, pointwise_cpu, pointwise_torch,
-                         quant_cpu, quant_torch)
+from loramux.ops import (attention_cpu, lora_cpu, lora_triton, moe_cpu, moe_torch, moe_triton, pointwise_cpu,
+                         pointwise_torch, quant_cpu, quant_torch)
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -55,15 +55,20 @@ def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Call
     return backends[name]
 
 
+def _triton_on_cuda(what: str, name: str, device) -> str:
+    """"auto" on a CUDA device is "triton" where triton is installed; "triton" where it cannot run is refused."""
+    if name == "auto" and torch.device(device).type == "cuda" and lora_triton.available(device):
+        return "triton"
+    if name == "triton" and not lora_triton.available(device):
+        raise ValueError(f"the 'triton' {what} backend needs the triton package and a CUDA device (or TRITON_INTERPRET=1 "
+                         f"before loramux is imported); the device is {device}")
+    return name
+
+
 def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> AddLoRA:
     """The add_lora op (see lora_torch.py) for `name` on `device`; "auto" on a CUDA device: the Triton kernels
     where triton is installed, else torch."""
-    if name == "auto" and torch.device(device).type == "cuda" and lora_triton.available(device):
-        name = "triton"
-    if name == "triton" and not lora_triton.available(device):
-        raise ValueError(f"the 'triton' LoRA backend needs the triton package and a CUDA device (or TRITON_INTERPRET=1 "
-                         f"before loramux is imported); the device is {device}")
-    return _choose("LoRA", BACKENDS, lora_cpu.available, name, device)
+    return _choose("LoRA", BACKENDS, lora_cpu.available, _triton_on_cuda("LoRA", name, device), device)
 
 
 ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
@@ -99,11 +104,13 @@ def select_pointwise_backend(name: str = "auto", device: str | torch.device = "c
 
 # mixture-of-experts backends: modules with fused_experts(x, gate_up, down, topk_ids, topk_weights, lora)
 # (see moe_torch.py)
-MOE_BACKENDS = {"torch": moe_torch, "cpu": moe_cpu}
+MOE_BACKENDS = {"torch": moe_torch, "cpu": moe_cpu, "triton": moe_triton}
 
 
 def select_moe_backend(name: str = "auto", device: str | torch.device = "cpu"):
-    """The fused-experts backend (a module with fused_experts; see moe_torch.py)."""
+    """The fused-experts backend (a module with fused_experts; see moe_torch.py); "auto" on a CUDA device: the
+    expert LoRA in Triton where triton is installed."""
+    name = _triton_on_cuda("fused experts", name, device)
     return _choose("fused experts", MOE_BACKENDS, moe_cpu.available, name, device)
 
 

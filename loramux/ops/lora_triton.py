@@ -58,12 +58,12 @@ def add_lora_triton(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()
     _shrink[(num_slots, triton.cdiv(n_tokens, block_m), len(slices))](
         x, lora_a, h, order, counts, starts, ranks, n_in, rank,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), h.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, IEEE=fp32)
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, IEEE=fp32, EMULATE=INTERPRET)
     block_n = 64
     _expand[(num_slots, triton.cdiv(n_tokens, block_m), triton.cdiv(n_out, block_n))](
         h, lora_b, y, order, counts, starts, ranks, bounds, rank,
         h.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        NUM_SLICES=len(slices), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=fp32)
+        NUM_SLICES=len(slices), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=fp32, EMULATE=INTERPRET)
 
 
 def by_slot(mapping: LoRAMapping, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,9 +100,20 @@ if triton is not None:
         return tl.dot(p, q, acc)
 
     @triton.jit
+    def _rounded(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
+        """fp32 v in `dtype`, rounded to nearest even; EMULATE: bf16 by integer ops (the interpreter's
+        conversion truncates, triton 3.9; a GPU's rounds)."""
+        if EMULATE and dtype == tl.bfloat16:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return v.to(dtype)
+
+    @triton.jit
     def _shrink(x, a, h, order, counts, starts, ranks, n_in, rank,
                 sx_t, sx_i, sa_s, sa_r, sa_i, sh_t,
-                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                EMULATE: tl.constexpr):
         """h[t, k*rank + r] = sum_i x[t, i] * a[s, k*rank + r, i] for this program's tokens t of slot s."""
         s, mb, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         count = tl.load(counts + s + 1)
@@ -122,13 +133,13 @@ if triton is not None:
                          mask=(r[None, :] < real) & (i[:, None] < n_in), other=0.0)  # [BLOCK_K, BLOCK_R]
             acc = _dot(xt, at, acc, IEEE)
         out = h + tokens[:, None] * sh_t + k * rank + r[None, :]
-        tl.store(out, acc.to(h.dtype.element_ty), mask=(m[:, None] < count) & (r[None, :] < rank))
+        tl.store(out, _rounded(acc, h.dtype.element_ty, EMULATE), mask=(m[:, None] < count) & (r[None, :] < rank))
 
     @triton.jit
     def _expand(h, b, y, order, counts, starts, ranks, bounds, rank,
                 sh_t, sb_s, sb_o, sb_r, sy_t, sy_o,
                 NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                IEEE: tl.constexpr):
+                IEEE: tl.constexpr, EMULATE: tl.constexpr):
         """y[t, o] += sum_r h[t, k(o)*rank + r] * b[s, o, r] for this program's tokens t of slot s."""
         s, mb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         count = tl.load(counts + s + 1)
@@ -151,4 +162,5 @@ if triton is not None:
             acc = _dot(ht, bt, acc, IEEE)
         out = y + tokens[:, None] * sy_t + o[None, :] * sy_o
         keep = (m[:, None] < count) & (o[None, :] < n_out)
-        tl.store(out, (tl.load(out, mask=keep, other=0.0).to(tl.float32) + acc).to(y.dtype.element_ty), mask=keep)
+        total = tl.load(out, mask=keep, other=0.0).to(tl.float32) + acc
+        tl.store(out, _rounded(total, y.dtype.element_ty, EMULATE), mask=keep)

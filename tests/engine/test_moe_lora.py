@@ -16,7 +16,7 @@ from loramux import LoRAConfig, LoRAStatus, SamplingParams
 from loramux.config import DEFAULT_TARGET_MODULES
 from loramux.llm import LLM
 from loramux.models.moe import FusedExperts
-from loramux.ops import moe_cpu, moe_torch
+from loramux.ops import MOE_BACKENDS, moe_cpu, moe_torch, moe_triton
 from models.test_moe import tiny_moe
 
 TARGETS = (*DEFAULT_TARGET_MODULES, "experts", "embed_tokens", "lm_head")
@@ -75,10 +75,12 @@ def per_expert_copy(src: str, dst, num_experts: int, kind: str) -> str:
     return str(dst)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe/torch"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe/torch", pytest.param(
+    "qwen3_moe/triton", marks=pytest.mark.skipif(not moe_triton.available("cpu"), reason="needs triton"))])
 def setup(request, tmp_path_factory):
     """An engine on each family with its fused-experts op chosen as "auto" picks it (the C++ kernel on a CPU
-    that runs it), and one on the torch reference op."""
+    that runs it), one on the torch reference op, and one with the LoRA and expert LoRA in Triton (the CUDA
+    path's kernels, in Triton's interpreter here)."""
     kind, _, moe_backend = request.param.partition("/")
     root = tmp_path_factory.mktemp(kind)
     base = tiny_moe(kind, tie_word_embeddings=kind == "qwen3_moe")
@@ -92,13 +94,15 @@ def setup(request, tmp_path_factory):
     }
     adapters["per_expert"] = per_expert_copy(adapters["experts"], root / "e", experts, kind)
     llm = LLM(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**23, max_model_len=64,
-              moe_backend=moe_backend or "auto", lora=LoRAConfig(max_loras=5, max_lora_rank=8, target_modules=TARGETS,
+              moe_backend=moe_backend or "auto", lora_backend="triton" if moe_backend == "triton" else "auto",
+              lora=LoRAConfig(max_loras=5, max_lora_rank=8, target_modules=TARGETS,
                               max_module_copies_bytes=8 * base.config.vocab_size * base.config.hidden_size))
     for name, path in adapters.items():
         result = llm.load_adapter(name, path)
         assert result, result.message
     ops = {m.op for m in llm.engine.core.runner.model.modules() if isinstance(m, FusedExperts)}
-    assert ops == {(moe_torch if moe_backend or not moe_cpu.available() else moe_cpu).fused_experts}
+    expected = MOE_BACKENDS[moe_backend] if moe_backend else moe_cpu if moe_cpu.available() else moe_torch
+    assert ops == {expected.fused_experts}
     return base, adapters, llm
 
 

@@ -4,7 +4,7 @@ ranks (and a slot without expert LoRA) mixed with base tokens."""
 import pytest
 import torch
 
-from loramux.ops import MOE_BACKENDS, moe_cpu
+from loramux.ops import MOE_BACKENDS, moe_cpu, moe_triton
 from loramux.ops.cpu_extension import REQUIRED_CPU_FLAGS, _cpu_flags
 from loramux.ops.moe_torch import ExpertLoRA, fused_experts, route
 
@@ -16,6 +16,8 @@ H, INTER = SHAPES["odd"]
 def backend_or_skip(name):
     if name == "cpu" and not moe_cpu.available():
         pytest.skip("needs the C++ CPU kernels")
+    if name == "triton" and not moe_triton.available("cpu"):
+        pytest.skip("needs triton (its interpreter runs the expert LoRA here)")
     return MOE_BACKENDS[name]
 
 
