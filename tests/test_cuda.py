@@ -72,3 +72,22 @@ def test_fused_experts_with_expert_lora_on_cuda():
                       lora.expert_ranks.cuda(), lora.token_slots.cuda())
     out = moe_triton.fused_experts(x.cuda(), gate_up.cuda(), down.cuda(), ids.cuda(), weights.cuda(), cuda)
     torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_decode_attention_on_cuda(dtype, tol):
+    from loramux.ops import attention_triton, select_attention_backend
+    from loramux.ops.attention_torch import decode_attention_torch
+
+    assert select_attention_backend("auto", "cuda") is attention_triton.decode_attention_triton
+    torch.manual_seed(0)
+    batch, heads, kv_heads, head_dim, block_size, num_blocks = 32, 32, 8, 64, 16, 700
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device="cuda")
+                        for _ in range(2))
+    lens = torch.randint(1, 300, (batch,), device="cuda")
+    tables = torch.randperm(num_blocks, device="cuda")[: batch * 19].view(batch, 19)
+    q = torch.randn(batch, heads, head_dim, dtype=dtype, device="cuda")
+    args = (q, k_cache, v_cache, tables, lens, block_size, head_dim**-0.5)
+    expected = decode_attention_torch(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
+    out = attention_triton.decode_attention_triton(*args)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from loramux.ops import (attention_cpu, lora_cpu, lora_triton, moe_cpu, moe_torch, moe_triton, pointwise_cpu,
-                         pointwise_torch, quant_cpu, quant_torch)
+from loramux.ops import (attention_cpu, attention_triton, lora_cpu, lora_triton, moe_cpu, moe_torch, moe_triton,
+                         pointwise_cpu, pointwise_torch, quant_cpu, quant_torch)
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -71,19 +71,23 @@ def select_backend(name: str = "auto", device: str | torch.device = "cpu") -> Ad
     return _choose("LoRA", BACKENDS, lora_cpu.available, _triton_on_cuda("LoRA", name, device), device)
 
 
-ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu}
-KV_STORE_BACKENDS = {"torch": store_kv_torch, "cpu": attention_cpu.store_kv_cpu}  # chosen with the attention backend
+ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.decode_attention_cpu,
+                      "triton": attention_triton.decode_attention_triton}
+# chosen with the attention backend
+KV_STORE_BACKENDS = {"torch": store_kv_torch, "cpu": attention_cpu.store_kv_cpu, "triton": attention_triton.store_kv_triton}
 # pointwise backends are modules with rms_norm, silu_and_mul, rotary and argmax (see pointwise_torch.py)
 POINTWISE_BACKENDS = {"torch": pointwise_torch, "cpu": pointwise_cpu}
 
 
 def select_attention_backend(name: str = "auto", device: str | torch.device = "cpu"):
-    """The paged decode-attention op (see attention_torch.py) for `name` on `device`."""
+    """The paged decode-attention op (see attention_torch.py) for `name` on `device` ("auto" on CUDA: Triton's)."""
+    name = _triton_on_cuda("attention", name, device)
     return _choose("attention", ATTENTION_BACKENDS, attention_cpu.available, name, device)
 
 
 def select_kv_store_backend(name: str = "auto", device: str | torch.device = "cpu"):
     """The KV-cache store op (see attention_torch.py) for attention backend `name` on `device`."""
+    name = _triton_on_cuda("attention", name, device)
     return _choose("attention", KV_STORE_BACKENDS, attention_cpu.available, name, device)
 
 

@@ -74,9 +74,17 @@ def _triton_param():
 @pytest.mark.parametrize("kind, backend", [(kind, "auto") for kind in FACTORIES] + [("llama", "torch"), _triton_param()])
 def test_mixed_batch_greedy_equals_hf_peft_alone(kind, backend, checkpoints):
     """"auto" is the C++ kernel where it runs (rows kept in batch order); "torch" the segmented op (rows
-    regrouped by slot for each step); "triton" the GPU kernels, here in Triton's interpreter."""
+    regrouped by slot for each step); "triton" the GPU kernels (LoRA and paged decode attention), here in
+    Triton's interpreter."""
     base, path, adapters = checkpoints[kind]
-    llm = make_llm(path, adapters, lora_backend=backend)
+    extra = {"attention_backend": "triton"} if backend == "triton" else {}
+    llm = make_llm(path, adapters, lora_backend=backend, **extra)
+    if backend == "triton":
+        from loramux.layers.attention import Attention
+        from loramux.ops import attention_triton
+
+        ops = {m.decode_op for m in llm.engine.core.runner.model.modules() if isinstance(m, Attention)}
+        assert ops == {attention_triton.decode_attention_triton}
     rows = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv", "r16_patterns", "r8_rslora"]
     batch = prompts(len(rows))
     outputs = llm.generate(batch, GREEDY, adapters=rows)
