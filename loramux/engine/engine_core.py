@@ -72,6 +72,34 @@ class EngineCore:
                                         sorted(self.eos_token_ids))
         self._compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests whose grammar is not ready
         self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """A prefill and a decode of two throwaway sequences before the first request (as vLLM warms up with a
+        dummy LoRA): the ops' kernels load or compile (Triton's on a GPU take seconds), allocators and thread
+        pools start, so the first request pays none of it. With LoRA one row runs on slot 0, all zeros until an
+        adapter is loaded (it adds nothing), so the LoRA ops run too. The blocks go back; no state is left."""
+        greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        seqs = [Sequence([1] * 8, greedy) for _ in range(2)]
+        slots = [-1, -1 if self.manager is None else 0]
+        chunked = self.config.enable_chunked_prefill
+        try:
+            for seq in seqs:
+                if self.block_manager.can_allocate(seq):
+                    self.block_manager.allocate(seq)
+            slots = [slot for q, slot in zip(seqs, slots) if q.block_table]  # as many as the cache holds
+            seqs = [q for q in seqs if q.block_table]
+            for prefill in (True, False):
+                spans = [(q.num_computed_tokens, len(q)) for q in seqs] if chunked else None
+                for seq, result in zip(seqs, self.runner.run(seqs, slots, prefill and not chunked, spans) if seqs else ()):
+                    seq.num_computed_tokens = len(seq)
+                    seq.append_token(result.token if result is not None and result.token is not None else 1)
+                    self.block_manager.may_append(seq)
+        finally:
+            for seq in seqs:
+                if seq.block_table:
+                    self.block_manager.deallocate(seq)
+                self.runner.release(seq)
 
     def _eos_token_ids(self) -> set[int]:
         ids = {self.hf_tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None)}

@@ -277,3 +277,34 @@ def test_num_threads_sets_the_engines_cpu_threads(checkpoints):
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_engine_warms_up_on_slot_0_and_leaves_nothing_behind(checkpoints, monkeypatch, chunked):
+    """Before the first request: a prefill and a decode, one row on the base and one on slot 0 (zeros: it adds
+    nothing), through the step the engine will run (mixed spans when chunked); the blocks go back."""
+    from loramux.engine.model_runner import ModelRunner
+    from loramux.layers.lora import LoRALinear
+
+    calls, run = [], ModelRunner.run
+    monkeypatch.setattr(ModelRunner, "run", lambda self, seqs, slots, is_prefill, spans=None: (
+        calls.append((list(slots), is_prefill, spans)), run(self, seqs, slots, is_prefill, spans))[1])
+    base, path, _ = checkpoints["llama"]
+    llm = make_llm(path, enable_chunked_prefill=chunked)
+    expected_spans = [[(0, 8), (0, 8)], [(8, 9), (8, 9)]] if chunked else [None, None]
+    assert calls == [([-1, 0], not chunked, expected_spans[0]), ([-1, 0], False, expected_spans[1])]
+    core = llm.engine.core
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    layers = [m for m in core.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and not any(m.lora_a.any() or m.lora_b.any() or m.slot_ranks.any() for m in layers)
+    prompt = prompts(1, seed=5)[0]
+    assert llm.generate(prompt, GREEDY)[0].token_ids == hf_greedy(base, None, prompt, GREEDY.max_tokens)
+
+
+def test_warm_up_fits_a_cache_of_one_block(checkpoints):
+    base, path, _ = checkpoints["llama"]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # k and v, 2 layers, 16 positions, 2 kv heads of 16, fp32
+    llm = make_llm(path, kv_cache_memory=block_bytes, max_model_len=16)
+    assert llm.engine.core.block_manager.num_blocks == 1
+    prompt = prompts(1, seed=6)[0][:6]
+    assert llm.generate(prompt, GREEDY)[0].token_ids == hf_greedy(base, None, prompt, GREEDY.max_tokens)
