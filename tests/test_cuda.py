@@ -6,6 +6,7 @@ import torch
 
 from conftest import ADAPTER_KINDS, hf_greedy, save_checkpoint, save_peft_adapter, tiny_llama
 from loramux import LoRAConfig
+from loramux.config import DEFAULT_TARGET_MODULES
 from loramux.llm import LLM
 from loramux.ops import LoRAMapping, lora_triton, select_backend
 from loramux.ops.lora_torch import add_lora_gathered
@@ -33,19 +34,35 @@ def test_triton_op_on_cuda(dtype, tol, n_tokens):
 
 
 def test_mixed_batch_on_cuda_equals_hf_peft_alone(tmp_path):
+    llm = mixed_batch_equals_hf_peft_alone(tmp_path, "cuda")
+    weights = llm.engine.core.manager._weights.values()  # the host tier: page-locked, for DMA slot writes
+    assert all(t.is_pinned() for w in weights for m in w.modules.values() for t in (m.a, m.b))
+    assert all(t.is_pinned() for w in weights for t in w.copies.values())
+
+
+def mixed_batch_equals_hf_peft_alone(tmp_path, device: str) -> LLM:
+    """Adapters of ranks 4-64, patterns, rsLoRA, and a saved output head, mixed with base rows, on `device`
+    with every backend "auto": each row's greedy tokens are HF + PEFT's for its adapter alone."""
+    from conftest import TINY
+
     base = tiny_llama()
     adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, **ADAPTER_KINDS[name])
                 for i, name in enumerate(("r4", "r8_rslora", "r16_patterns", "r64_qv"))}
-    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), lora=LoRAConfig(max_loras=4, max_lora_rank=64),
-              dtype="float32", device="cuda", kv_cache_memory=2**24)
+    adapters["save_head"] = save_peft_adapter(base, tmp_path / "save_head", seed=9, r=4, lora_alpha=8,
+                                              target_modules=["v_proj"], modules_to_save=["lm_head"])
+    lora = LoRAConfig(max_loras=5, max_lora_rank=64, target_modules=(*DEFAULT_TARGET_MODULES, "lm_head"),
+                      max_module_copies_bytes=4 * TINY["vocab_size"] * TINY["hidden_size"] * 4)
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), lora=lora, dtype="float32", device=device,
+              kv_cache_memory=2**24)
     for name, path in adapters.items():
         assert llm.load_adapter(f"{name}={path}")
-    rows = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "r4", "r64_qv"]
+    rows = ["r4", None, "r8_rslora", "r16_patterns", "r64_qv", None, "save_head", "r4", "r64_qv", "save_head"]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 128, (5 + i,), generator=gen).tolist() for i in range(len(rows))]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for prompt, adapter, out in zip(prompts, rows, llm.generate(prompts, params, adapters=rows)):
         assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, params.max_tokens), adapter
+    return llm
 
 
 def test_fused_experts_with_expert_lora_on_cuda():

@@ -11,7 +11,7 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,6 +78,12 @@ class AdapterWeights:
     @property
     def copies_nbytes(self) -> int:
         return sum(t.nbytes for t in self.copies.values())
+
+    def pinned(self) -> AdapterWeights:
+        """The same, in page-locked host memory (needs CUDA): slot writes to a GPU become DMA copies that
+        return at once (the caching host allocator keeps a page until the copies reading it are done)."""
+        modules = {k: ModuleLoRA(m.a.pin_memory(), m.b.pin_memory()) for k, m in self.modules.items()}
+        return replace(self, modules=modules, copies={k: t.pin_memory() for k, t in self.copies.items()})
 
 
 # ---- reading ----------------------------------------------------------------------------------------

@@ -257,7 +257,7 @@ class LoRAManager:
                                 dtype=dtype, path=path, all_linear=self.all_linear,
                                 base_weight=self._base_weights.get, whole_copies=copies, experts=self._expert_shapes(),
                                 unwrapped_experts=frozenset(self.unwrapped_experts))
-        return weights
+        return weights.pinned() if self._device.type == "cuda" else weights
 
     def _check_copies_budget(self, name: str, weights: AdapterWeights) -> None:
         """Every loaded adapter's whole-module copies, in host memory or evicted to disk, fit the budget together

@@ -91,8 +91,8 @@ class LoRALinear(nn.Module):
                 a, b = part
                 self._check_part(a, b, out_i)
                 col = i * self.max_rank
-                self.lora_a[slot, col : col + a.shape[0]].copy_(a)
-                self.lora_b[slot, row : row + out_i, : a.shape[0]].copy_(b)
+                self.lora_a[slot, col : col + a.shape[0]].copy_(a, non_blocking=True)
+                self.lora_b[slot, row : row + out_i, : a.shape[0]].copy_(b, non_blocking=True)
                 self.slot_ranks[slot] = max(int(self.slot_ranks[slot]), a.shape[0])
             row += out_i
 
@@ -150,8 +150,8 @@ class LoRAHead(LoRALinear):
     def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
         if weight is None:
             self.copies.pop(slot, None)
-        else:
-            self.copies[slot] = weight
+        else:  # the host tier's tensor, on this layer's device (the same tensor on a CPU)
+            self.copies[slot] = weight.to(self.lora_a.device, non_blocking=True)
 
     def clear_slot(self, slot: int) -> None:
         super().clear_slot(slot)
@@ -203,8 +203,8 @@ class LoRAEmbedding(nn.Module):
         self.clear_slot(slot)
         if parts[0] is not None:
             a, b = parts[0]
-            self.lora_a[slot, :, : a.shape[0]].copy_(a.t())
-            self.lora_b[slot, :, : a.shape[0]].copy_(b)
+            self.lora_a[slot, :, : a.shape[0]].copy_(a.t(), non_blocking=True)
+            self.lora_b[slot, :, : a.shape[0]].copy_(b, non_blocking=True)
             self.ranks[slot] = a.shape[0]
 
     @torch.no_grad()
@@ -217,8 +217,8 @@ class LoRAEmbedding(nn.Module):
     def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
         if weight is None:
             self.copies.pop(slot, None)
-        else:
-            self.copies[slot] = weight
+        else:  # the host tier's tensor, on this layer's device (the same tensor on a CPU)
+            self.copies[slot] = weight.to(self.lora_a.device, non_blocking=True)
 
 
 class LoRAExperts(nn.Module):
@@ -268,8 +268,8 @@ class LoRAExperts(nn.Module):
             if part is not None:
                 a, b = part
                 r = b.shape[-1]
-                a_buf[slot, :, :, :r].copy_(a)
-                b_buf[slot, :, :, :r].copy_(b)
+                a_buf[slot, :, :, :r].copy_(a, non_blocking=True)
+                b_buf[slot, :, :, :r].copy_(b, non_blocking=True)
                 self.ranks[slot] = max(self.ranks[slot], r)
         self._sync_expert_ranks(slot)
 
