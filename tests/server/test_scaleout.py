@@ -64,6 +64,11 @@ def replicas(http) -> dict[str, dict]:
     return {rid: {"pid": int(pid), "engine_pid": int(engine)} for engine, pid, rid in found}
 
 
+def reported(http, replica: str) -> dict:
+    """The replica's pids once its report is fresh (every 0.5 s; a busy 2-core box can delay one past 5 s)."""
+    return wait_until(lambda: replicas(http).get(replica), 30, f"a report from replica {replica}", interval=0.2)
+
+
 def test_answers_equal_one_engine_and_each_adapter_stays_on_one_replica(http, files, oracle):
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": files["runtime"]["new"]}).status_code == 200
     ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
@@ -125,7 +130,7 @@ def test_a_killed_replica_engine_gives_503_then_the_replica_serves_again(http, o
     (prompt, adapter), expected = next(iter(oracle.items()))
     status, replica, _ = complete(http, prompt, adapter)
     assert status == 200
-    engine_pid = replicas(http)[replica]["engine_pid"]
+    engine_pid = reported(http, replica)["engine_pid"]
     os.kill(engine_pid, signal.SIGSTOP)  # frozen: the next request is surely in flight when it dies
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, http, "a long one", adapter, 48)
@@ -139,14 +144,14 @@ def test_a_killed_replica_engine_gives_503_then_the_replica_serves_again(http, o
     wait_until(lambda: complete(http, prompt, adapter)[0] == 200, 120, "the replica serving again", interval=0.5)
     status, again, body = complete(http, prompt, adapter)
     assert (status, again, body["choices"][0]["text"]) == (200, replica, expected)
-    assert replicas(http)[replica]["engine_pid"] != engine_pid
+    wait_until(lambda: reported(http, replica)["engine_pid"] != engine_pid, 30, "the new engine's pid reported")
 
 
 def test_a_killed_replica_gives_503_and_serve_starts_another(http, oracle):
     (prompt, adapter), expected = list(oracle.items())[1]
     status, replica, _ = complete(http, prompt, adapter)
     assert status == 200
-    pids = replicas(http)[replica]
+    pids = reported(http, replica)
     os.kill(pids["engine_pid"], signal.SIGSTOP)  # the request below is in flight when its replica dies
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, http, "a long one", adapter, 48)
