@@ -82,8 +82,11 @@ class AdapterWeights:
     def pinned(self) -> AdapterWeights:
         """The same, in page-locked host memory (needs CUDA): slot writes to a GPU become DMA copies that
         return at once (the caching host allocator keeps a page until the copies reading it are done)."""
-        modules = {k: ModuleLoRA(m.a.pin_memory(), m.b.pin_memory()) for k, m in self.modules.items()}
-        return replace(self, modules=modules, copies={k: t.pin_memory() for k, t in self.copies.items()})
+        def pin(t: torch.Tensor) -> torch.Tensor:  # (add_adapter may hand over tensors already on the GPU)
+            return t.cpu().pin_memory()
+
+        modules = {k: ModuleLoRA(pin(m.a), pin(m.b)) for k, m in self.modules.items()}
+        return replace(self, modules=modules, copies={k: pin(t) for k, t in self.copies.items()})
 
 
 # ---- reading ----------------------------------------------------------------------------------------
@@ -431,7 +434,7 @@ def _base_copy_problem(name: str, module: str, weight: torch.Tensor, base_weight
         return f"adapter {name!r} holds base weights for {module!r}, which this model does not serve with LoRA"
     if weight.shape != base.shape:
         return _vocabulary_problem(name, module, weight.shape[0], base.shape[0])
-    if not torch.equal(weight.to(base.dtype), base):
+    if not torch.equal(weight.to(base.device, base.dtype), base):
         return (f"adapter {name!r} holds weights for {module!r} that differ from this model's (a fine-tuned "
                 "embedding): list it in modules_to_save for a per-adapter copy")
     return ""

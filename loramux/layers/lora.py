@@ -85,7 +85,7 @@ class LoRALinear(nn.Module):
         if len(parts) != len(self.output_slices):
             raise ValueError(f"expected {len(self.output_slices)} parts, got {len(parts)}")
         self.clear_slot(slot)
-        row = 0
+        row = rank = 0
         for i, (out_i, part) in enumerate(zip(self.output_slices, parts)):
             if part is not None:
                 a, b = part
@@ -93,8 +93,9 @@ class LoRALinear(nn.Module):
                 col = i * self.max_rank
                 self.lora_a[slot, col : col + a.shape[0]].copy_(a, non_blocking=True)
                 self.lora_b[slot, row : row + out_i, : a.shape[0]].copy_(b, non_blocking=True)
-                self.slot_ranks[slot] = max(int(self.slot_ranks[slot]), a.shape[0])
+                rank = max(rank, a.shape[0])
             row += out_i
+        self.slot_ranks[slot] = rank  # (computed here: reading the buffer back would wait for the copies on a GPU)
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
         """Load one adapter's A [r, in] and B [out, r] into `slot`, folding `scaling` into B."""

@@ -74,7 +74,8 @@ def by_slot(mapping: LoRAMapping, num_slots: int) -> tuple[torch.Tensor, torch.T
     if num_slots not in cache:
         slots = mapping.token_slots
         order = torch.argsort(slots, stable=True)
-        counts = torch.bincount(slots + 1, minlength=num_slots + 1)
+        index = slots + 1  # base first; scatter_add_, not bincount: no host sync on CUDA
+        counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device).scatter_add_(0, index, torch.ones_like(index))
         cache[num_slots] = order, counts, torch.cumsum(counts, 0) - counts
     return cache[num_slots]
 

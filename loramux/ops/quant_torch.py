@@ -138,7 +138,7 @@ def _decode_q4_k(b):
 def _decode_q5_k(b):
     n = b.shape[0]
     low = _nibbles(b[:, 48:], 64)
-    high = (b[:, 16:48].to(torch.int32).reshape(n, 1, 32) >> torch.arange(8, dtype=torch.int32).reshape(1, 8, 1)) & 1
+    high = (b[:, 16:48].to(torch.int32).reshape(n, 1, 32) >> torch.arange(8, dtype=torch.int32, device=b.device).reshape(1, 8, 1)) & 1
     return _decode_k(b, low | (high.reshape(n, 256) << 4))
 
 
@@ -146,7 +146,7 @@ def _decode_q6_k(b):
     n = b.shape[0]
     low = _nibbles(b[:, :128], 64).reshape(n, 2, 4, 32)  # per half: runs of 32 from ql[0:32], ql[32:64] (low, high)
     low = low[:, :, [0, 2, 1, 3]]  # element order: ql[l] & 0xF, ql[l+32] & 0xF, ql[l] >> 4, ql[l+32] >> 4
-    qh = b[:, 128:192].to(torch.int32).reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).reshape(1, 1, 4, 1)
+    qh = b[:, 128:192].to(torch.int32).reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32, device=b.device).reshape(1, 1, 4, 1)
     q = (low | ((qh & 3) << 4)) - 32
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
     d = (_f16(b, 208) * scales).reshape(n, 16, 1)

@@ -306,15 +306,17 @@ def _from_replica(e: RayError) -> HTTPError:
 
 
 def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None = None, lora_modules=(),
-                 replicas: int = 2, replica_cpus: float = 1.0, max_adapters_per_replica: int = 16):
+                 replicas: int = 2, replica_cpus: float = 1.0, max_adapters_per_replica: int = 16,
+                 replica_gpus: float = 0.0):
     """The Serve application: `serve.run(scaleout_app(...), route_prefix="/")`. Each replica is one loramux
-    server (front end + engine process); replica_cpus: Ray CPUs reserved per replica; max_adapters_per_replica:
+    server (front end + engine process); replica_cpus / replica_gpus: Ray CPUs / GPUs reserved per replica (Ray
+    hides the GPUs from an actor that reserves none: its engine would run on the CPU); max_adapters_per_replica:
     Serve's max_num_models_per_replica (its LRU evicts past it, which unloads the adapter there)."""
     server_config = server_config or ServerConfig()
     replica = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=replicas,
                                max_ongoing_requests=server_config.max_pending_requests,
                                graceful_shutdown_timeout_s=server_config.shutdown_timeout + 5,
-                               ray_actor_options={"num_cpus": replica_cpus})
+                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
     registry = serve.deployment(AdapterRegistry, name="AdapterRegistry", ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(Ingress, name="Ingress", max_ongoing_requests=server_config.max_pending_requests,
                                ray_actor_options={"num_cpus": 0})
@@ -327,7 +329,8 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
         address: str | None = None, max_adapters_per_replica: int = 16) -> None:
     """`loramux serve --replicas N`: start (or join, with `address`) a Ray cluster, serve until SIGINT/SIGTERM.
     On a local cluster each replica gets an equal share of the CPUs (Ray's reservation and its engine's
-    threads, unless --num-threads says otherwise)."""
+    threads, unless --num-threads says otherwise). Where the cluster has GPUs each replica reserves one (a
+    share, with fewer GPUs than replicas: then give each engine a KV-cache budget, as they share the memory)."""
     import ray
 
     # Ray runs its workers at nice 15, below its own daemons and anything else on the machine: an engine there
@@ -335,6 +338,8 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
     system = {"worker_niceness": 0} if address is None else None  # joined clusters: see the README
     ray.init(address=address, include_dashboard=False, configure_logging=False, _system_config=system)
     replica_cpus = 1.0
+    gpus = ray.cluster_resources().get("GPU", 0)
+    replica_gpus = min(1.0, gpus / replicas) if gpus and engine_config.device in ("auto", "cuda") else 0.0
     if address is None:
         cpus = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
         replica_cpus = min(1.0, cpus / replicas)
@@ -344,7 +349,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         serve.run(scaleout_app(engine_config, server_config, lora_modules, replicas, replica_cpus,
-                               max_adapters_per_replica), name="loramux", route_prefix="/")
+                               max_adapters_per_replica, replica_gpus), name="loramux", route_prefix="/")
         logger.info("serving on http://%s:%d with %d replicas", server_config.host, server_config.port, replicas)
         stop.wait()
     finally:
