@@ -2,6 +2,7 @@
 import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from conftest import save_checkpoint, tiny_llama
@@ -69,3 +70,26 @@ def test_moe_benchmark_reports_every_row_and_the_same_base_tokens_from_either_ex
     assert report["mixed8_rows_equal_to_peft"] == 1.0  # fp32: every mixed row's greedy tokens equal PEFT's
     assert set(report["ratios"]) == {"mixed8 / base (paired)", "base / base_torch_op", "base / hf_base",
                                      "mixed8 / peft_per_adapter"}
+
+
+def test_vs_vllm_runs_every_case_on_both_sides_and_reports_ratios(tmp_path, capsys):
+    """loramux for real on a tiny checkpoint; vLLM's side through a stand-in for its venv's Python that
+    checks the job it is sent and answers as benchmarks/vllm_offline.py does."""
+    spec = importlib.util.spec_from_file_location("vs_vllm", SCRIPT.parent / "vs_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = save_checkpoint(tiny_llama(), tmp_path / "model")
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nexec \"%s\" -c 'import json, sys\njob = json.load(sys.stdin)\n"
+                    "assert len(job[\"adapters\"]) == 32 and job[\"max_loras\"] == 32 and len(job[\"prompts\"]) == 4\n"
+                    "assert job[\"cases\"][\"mixed8\"] == [\"a0\", \"a1\", \"a2\", \"a3\"]\n"
+                    "print(\"log line\"); print(json.dumps({\"tok_s\": {c: [10.0] for c in job[\"cases\"]}}))'\n"
+                    % sys.executable)
+    fake.chmod(0o755)
+    module.main(["--model", model, "--workdir", str(tmp_path / "work"), "--requests", "4", "--prompt-len", "6",
+                 "--new-tokens", "3", "--repeats", "1", "--dtype", "float32", "--vllm-python", str(fake)])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["loramux"]) == set(report["vllm"]) == {"base", "single", "mixed8", "mixed32"}
+    assert all(runs[0] > 0 for runs in report["loramux"].values())
+    ratio = report["ratios"]["mixed8 loramux/vllm"]
+    assert abs(ratio - report["best"]["loramux"]["mixed8"] / 10.0) < 1e-9
