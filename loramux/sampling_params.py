@@ -49,7 +49,15 @@ def _int_keys(mapping: dict) -> dict:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+_FLOATS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p")
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,8 @@ class SamplingParams:
         for name, ok, rule in self._checks():
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        for name in _FLOATS:  # an integer (JSON's 2, or 2**64) is kept as the float the sampler divides by
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     def _checks(self):
         t, p = self.temperature, self.top_p

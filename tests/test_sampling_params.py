@@ -38,3 +38,14 @@ def test_a_choice_seed_never_wraps_a_bad_seed_into_range():
     for seed in (2**64, SEED_MIN - 1, 1.5):
         with pytest.raises(ValueError, match="^seed must be an integer"):
             choice_seed(seed, 0)
+
+
+def test_integer_numbers_become_floats_and_integers_past_float_range_are_refused():
+    """JSON gives integers (2, or 2**64): kept as floats, which the sampler divides by (an int past 2**63 made
+    `logits / temperature` overflow inside a step); one past float's range is refused, not an OverflowError."""
+    params = SamplingParams(temperature=2**64, top_p=1, presence_penalty=1, frequency_penalty=-2,
+                            repetition_penalty=2, min_p=0)
+    assert all(type(getattr(params, name)) is float for name in
+               ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"))
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=10**400)
