@@ -108,3 +108,21 @@ def test_paged_decode_attention_on_cuda(dtype, tol):
     expected = decode_attention_torch(*(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args))
     out = attention_triton.decode_attention_triton(*args)
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_a_quantized_gguf_on_cuda_is_dequantized_at_load(tmp_path):
+    """No quantized-matmul kernel for CUDA: the torch reference would dequantize every weight at every call."""
+    from gguf_files import write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)).eval()
+    path = write_gguf(hf, str(tmp_path / "model.gguf"), lambda name, is_2d: "Q6_K" if "attn_v" in name else "Q4_K")
+    llm = LLM(model=path, device="cuda", dtype="float32", kv_cache_memory=2**24)
+    modules = list(llm.engine.core.runner.model.modules())
+    assert not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in modules)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

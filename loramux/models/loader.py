@@ -277,7 +277,12 @@ def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_le
                quantization: str | None = None, group_size: int = 128) -> LoadedModel:
     name = path or DEFAULT_MODEL_NAME  # the embedded default is served as "SmolLM2-135M-Instruct"
     path = path or default_model(quantization)
-    checkpoint = read_checkpoint(path, keep_quantized=quantization is None)
+    keep = quantization is None and torch.device(device).type != "cuda"
+    if quantization is None and not keep:  # no quantized-matmul kernel for CUDA yet: the reference op would
+        # dequantize every weight at every call; once, at load, is the faster and smaller choice there
+        logger.warning("no quantized matmul kernel on CUDA yet: a quantized checkpoint's weights are dequantized "
+                       "at load (--quantization none says so and silences this)")
+    checkpoint = read_checkpoint(path, keep_quantized=keep)
     hf_config = checkpoint.hf_config
     limit = getattr(hf_config, "max_position_embeddings", None) or 4096
     max_len = max_model_len or min(limit, 4096)
