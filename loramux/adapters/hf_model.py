@@ -43,7 +43,8 @@ class LoRAModel:
         keys = {name: manager.key_of(name) for name in distinct}
         with manager.using(list(keys.values())):
             slots = {name: manager.activate_key(key) for name, key in keys.items()}
-            with manager.mapping(RowSlots([slots[a] if a is not None else -1 for a in adapters], manager._device)):
+            rows = RowSlots([slots[a] if a is not None else -1 for a in adapters], manager._device)
+            with manager.mapping(rows, head=True):
                 yield
 
     def switch(self, name: str | None) -> None:
@@ -61,14 +62,14 @@ class LoRAModel:
         except Exception:
             self.reset()
             raise
-        manager.context.mapping = self._uniform.setdefault(slot, UniformSlot(slot, manager._device))
+        manager.context.mapping = manager.head_context.mapping = self._uniform.setdefault(slot, UniformSlot(slot, manager._device))
 
     def reset(self) -> None:
         """Back to the base model for every row."""
         if self.active_adapter_name is not None:
             self.manager.cache.release(self.active_adapter_name)
             self.active_adapter_name = None
-        self.manager.context.mapping = None
+        self.manager.context.mapping = self.manager.head_context.mapping = None
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """As LoRAManager.unload_adapter; the adapter switch() selected is deselected first (only when

@@ -414,13 +414,19 @@ class LoRAManager:
                 self.cache.release(key)
 
     @contextlib.contextmanager
-    def mapping(self, mapping) -> Iterator[None]:
-        """Set the LoRA mapping every layer reads (an ops.LoRAMapping; LoRAModel's RowSlots or UniformSlot)."""
-        previous, self.context.mapping = self.context.mapping, mapping
+    def mapping(self, mapping, head: bool = False) -> Iterator[None]:
+        """Set the LoRA mapping every layer reads (an ops.LoRAMapping; LoRAModel's RowSlots or UniformSlot);
+        head: the output head's too (an HF model computes the logits of every token it is given; the engine
+        sets the head's rows itself, head_mapping)."""
+        contexts = [self.context] + ([self.head_context] if head else [])
+        previous = [c.mapping for c in contexts]
+        for c in contexts:
+            c.mapping = mapping
         try:
             yield
         finally:
-            self.context.mapping = previous
+            for c, p in zip(contexts, previous):
+                c.mapping = p
 
     @contextlib.contextmanager
     def head_mapping(self, row_slots: Sequence[int]) -> Iterator[None]:

@@ -138,14 +138,15 @@ class LoRAHead(LoRALinear):
         self.copies: dict[int, torch.Tensor] = {}  # slot -> [vocab, hidden]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, hidden] -> [rows, vocab]."""
+        """x: [rows, hidden] (the engine) or [batch, seq, hidden] (an HF model) -> [..., vocab]."""
         y = self.base(x)
         if self.copies and self.context.mapping is not None:
-            slots = self.context.mapping.token_slots
+            flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+            slots = self.context.mapping.for_tokens(flat_x.shape[0]).token_slots
             for slot, weight in self.copies.items():
                 rows = (slots == slot).nonzero().squeeze(1)
                 if rows.numel():
-                    y[rows] = torch.nn.functional.linear(x[rows], weight).to(y.dtype)
+                    flat_y[rows] = torch.nn.functional.linear(flat_x[rows], weight).to(y.dtype)
         return self._add_lora(x, y)
 
     def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
@@ -180,22 +181,23 @@ class LoRAEmbedding(nn.Module):
         self.copies: dict[int, torch.Tensor] = {}  # slot -> [vocab, hidden]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids: [n] -> [n, hidden]."""
+        """ids: [n] (the engine) or [batch, seq] (an HF model) -> [..., hidden]."""
         y = self.base(ids)
         mapping = self.context.mapping
         if mapping is None or not (self.ranks or self.copies):
             return y
-        slots = mapping.token_slots
+        flat_ids, flat_y = ids.reshape(-1), y.view(-1, y.shape[-1])
+        slots = mapping.for_tokens(flat_ids.shape[0]).token_slots
         for slot in set(self.ranks) | set(self.copies):
             rows = (slots == slot).nonzero().squeeze(1)
             if not rows.numel():
                 continue
-            tokens = ids[rows]
+            tokens = flat_ids[rows]
             if slot in self.copies:
-                y[rows] = self.copies[slot][tokens].to(y.dtype)
+                flat_y[rows] = self.copies[slot][tokens].to(y.dtype)
             r = self.ranks.get(slot, 0)
             if r:
-                y[rows] += self.lora_a[slot, tokens, :r] @ self.lora_b[slot, :, :r].t()
+                flat_y[rows] += self.lora_a[slot, tokens, :r] @ self.lora_b[slot, :, :r].t()
         return y
 
     @torch.no_grad()
@@ -258,7 +260,7 @@ class LoRAExperts(nn.Module):
         num, slots = self.base.num_experts, self.gate_up_a.shape[0]
         lora = ExpertLoRA(self.gate_up_a.view(slots, num, 2 * self.max_rank, -1), self.gate_up_b,
                           self.down_a.view(slots, num, self.max_rank, -1), self.down_b, self.ranks, self.expert_ranks,
-                          mapping.token_slots)
+                          mapping.for_tokens(x.shape[0]).token_slots)
         return self.base(x, topk_ids, topk_weights, lora)
 
     @torch.no_grad()
