@@ -93,23 +93,31 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     apply_penalties(logits, rows)
     apply_masks(logits, rows)  # after the check: a mask's -inf is not a broken row
     tokens: list[int | None] = argmax(logits).tolist()
-    for i, row in enumerate(rows):
+    drawn = [i for i, row in enumerate(rows) if finite[i] and not row.params.greedy]
+    if drawn:
+        probs = logits.new_empty(len(drawn), logits.shape[1])
+        for j, i in enumerate(drawn):
+            torch.softmax(_filtered(logits[i], rows[i].params), -1, out=probs[j])
+        probs = probs.cpu()  # generators live on the CPU: one copy for the rows drawn (none on a CPU)
+        for j, i in enumerate(drawn):
+            tokens[i] = _draw(probs[j], rows[i].generator)
+    for i in range(len(rows)):
         if not finite[i]:
             tokens[i] = None
-        elif not row.params.greedy:
-            tokens[i] = _draw(logits[i], row)
     return tokens
 
 
-def _draw(logits: torch.Tensor, row: SamplingRow) -> int | None:
-    p = row.params
+def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row's logits after temperature, min_p, top-k and top-p (dropped tokens at -inf)."""
     scaled = logits / p.temperature
     if p.min_p > 0:  # keep tokens with probability >= min_p x the top one's: logit >= top + log(min_p)
         scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
-    filtered = filter_top_k_top_p(scaled, p.top_k, p.top_p)
-    probs = filtered.softmax(-1).cpu()  # generators live on the CPU, whatever the device
+    return filter_top_k_top_p(scaled, p.top_k, p.top_p)
+
+
+def _draw(probs: torch.Tensor, generator) -> int | None:
     try:
-        return int(torch.multinomial(probs, 1, generator=row.generator).item())
+        return int(torch.multinomial(probs, 1, generator=generator).item())
     except RuntimeError:  # "probability tensor contains either inf, nan or element < 0"
         return None
 
