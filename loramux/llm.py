@@ -43,10 +43,9 @@ class LLM:
         show = len(ids) >= 8 if use_tqdm is None else use_tqdm
         with tqdm(total=len(ids), desc="generate", disable=not show) as bar:
             while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+                for output in self.engine.step(finished_only=True):
+                    finished[output.request_id] = output
+                    bar.update(1)
         return [finished[i] for i in ids]
 
     def chat(self, messages: Sequence, sampling_params=None, adapters=None, use_tqdm=None,

@@ -93,11 +93,14 @@ class LLMEngine:
         return self.manager is not None and self.manager.is_lora(name)
 
     # ---- the step loop ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """One engine step; an output for every request that progressed or finished."""
-        return [self._process(out) for out in self.core.step() if out.request_id in self._requests]
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
+        """One engine step; an output for every request that progressed or finished (finished_only: only
+        those that finished. An output carries the request's whole record so far, tokens and logprobs, so
+        one per step is O(n^2) over a long request: LLM.generate only wants the last.)"""
+        outputs = [self._process(out, finished_only) for out in self.core.step() if out.request_id in self._requests]
+        return [o for o in outputs if o is not None]
 
-    def _process(self, out: CoreOutput) -> RequestOutput:
+    def _process(self, out: CoreOutput, finished_only: bool = False) -> RequestOutput | None:
         request = self._requests[out.request_id]
         request.token_ids += out.new_token_ids
         if out.logprobs is not None:
@@ -114,6 +117,8 @@ class LLMEngine:
             reason = "stop"
         if reason is not None:
             del self._requests[out.request_id]
+        elif finished_only:
+            return None
         return RequestOutput(out.request_id, request.prompt, request.prompt_token_ids, request.detokenizer.text,
                              list(request.token_ids), request.adapter, reason, delta, list(out.new_token_ids),
                              out.error, _copy(request.logprobs), request.prompt_logprobs)

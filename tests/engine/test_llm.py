@@ -308,3 +308,24 @@ def test_warm_up_fits_a_cache_of_one_block(checkpoints):
     assert llm.engine.core.block_manager.num_blocks == 1
     prompt = prompts(1, seed=6)[0][:6]
     assert llm.generate(prompt, GREEDY)[0].token_ids == hf_greedy(base, None, prompt, GREEDY.max_tokens)
+
+
+def test_finished_only_steps_give_the_finished_outputs_whole(checkpoints):
+    """step(finished_only=True), as LLM.generate runs it: no output for a request still running, and a finished
+    one carries all its tokens and logprobs, as the last output of plain steps does."""
+    _, path, adapters = checkpoints["llama"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    last = {}
+    for finished_only in (False, True):
+        llm = make_llm(path, adapters)
+        engine = llm.engine
+        ids = [engine.add_request(p, params, a) for p, a in zip(prompts(3, seed=11), ["r4", None, "r64_qv"])]
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step(finished_only=finished_only)
+        if finished_only:
+            assert len(outputs) == 3 and all(o.finished for o in outputs)
+        last[finished_only] = {o.request_id: o for o in outputs if o.finished}
+        last[finished_only] = [(o.token_ids, o.logprobs.token_ids, o.logprobs.logprobs) for o in
+                               (last[finished_only][i] for i in ids)]
+    assert last[True] == last[False] and all(len(tokens) == 6 for tokens, _, _ in last[True])
