@@ -80,7 +80,8 @@ class EngineCore:
         pools start, so the first request pays none of it. With LoRA one row runs on slot 0, all zeros until an
         adapter is loaded (it adds nothing), so the LoRA ops run too. The blocks go back; no state is left."""
         greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-        seqs = [Sequence([1] * 8, greedy) for _ in range(2)]
+        length = max(1, min(8, self.config.max_model_len - 1))  # the prompt and one decoded token fit the model
+        seqs = [Sequence([1] * length, greedy) for _ in range(2)]
         slots = [-1, -1 if self.manager is None else 0]
         chunked = self.config.enable_chunked_prefill
         try:
@@ -89,7 +90,7 @@ class EngineCore:
                     self.block_manager.allocate(seq)
             slots = [slot for q, slot in zip(seqs, slots) if q.block_table]  # as many as the cache holds
             seqs = [q for q in seqs if q.block_table]
-            for prefill in (True, False):
+            for prefill in (True, False)[:1 + (length < self.config.max_model_len)]:
                 spans = [(q.num_computed_tokens, len(q)) for q in seqs] if chunked else None
                 for seq, result in zip(seqs, self.runner.run(seqs, slots, prefill and not chunked, spans) if seqs else ()):
                     seq.num_computed_tokens = len(seq)

@@ -329,3 +329,15 @@ def test_finished_only_steps_give_the_finished_outputs_whole(checkpoints):
         last[finished_only] = [(o.token_ids, o.logprobs.token_ids, o.logprobs.logprobs) for o in
                                (last[finished_only][i] for i in ids)]
     assert last[True] == last[False] and all(len(tokens) == 6 for tokens, _, _ in last[True])
+
+
+@pytest.mark.parametrize("max_model_len", [1, 2, 5, 9])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_warm_up_fits_a_short_context(checkpoints, max_model_len, chunked):
+    """The warm-up's sequences stay within max_model_len (positions past it have no rotary entry)."""
+    base, path, _ = checkpoints["llama"]
+    llm = make_llm(path, max_model_len=max_model_len, enable_chunked_prefill=chunked)
+    if max_model_len > 1:
+        prompt = [5]
+        params = SamplingParams(max_tokens=max_model_len - 1, temperature=0, ignore_eos=True)
+        assert llm.generate(prompt, params)[0].token_ids == hf_greedy(base, None, prompt, max_model_len - 1)
