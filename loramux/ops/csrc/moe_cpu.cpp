@@ -41,21 +41,6 @@ namespace {
 // rows per parallel task (~16k elements): small problems stay on one thread
 static inline int64_t grain_rows(int64_t elems_per_row) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(elems_per_row, 1)); }
 
-template <typename T>
-static void silu_mul_rows(const T* gu, T* h, int64_t p0, int64_t p1, int64_t inter) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t p = p0; p < p1; ++p) {
-    const T* gate = gu + p * 2 * inter;
-    const T* up = gate + inter;
-    for (int64_t i = 0; i < inter; i += 16) {
-      const __mmask16 m = mask16(inter - i);
-      const __m512 g = load16(gate + i, m);
-      const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
-      store16(h + p * inter + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
-    }
-  }
-}
-
 // out[t] = sum over t's pairs (rank[t*k + j] = the pair's position in expert order) in that order
 template <typename T, typename W>
 static void combine_rows(const T* y, const int64_t* rank, const W* w, T* out, int64_t t0, int64_t t1, int64_t k,
@@ -220,12 +205,13 @@ std::tuple<torch::Tensor, torch::Tensor> experts_down(torch::Tensor gu, torch::T
   auto h = torch::empty({P, inter}, gu.options()), y = torch::empty({P, H}, gu.options());
   if (gu.scalar_type() == at::kFloat) {
     at::parallel_for(0, P, grain_rows(2 * inter), [&](int64_t p0, int64_t p1) {
-      silu_mul_rows(gu.data_ptr<float>(), h.data_ptr<float>(), p0, p1, inter);
+      silu_and_mul_rows(gu.data_ptr<float>(), 2 * inter, h.data_ptr<float>(), p0, p1, inter);
     });
   } else {
     TORCH_CHECK(gu.scalar_type() == at::kBFloat16, "experts_down: fp32 or bf16 only");
     at::parallel_for(0, P, grain_rows(2 * inter), [&](int64_t p0, int64_t p1) {
-      silu_mul_rows((const bf16raw*)gu.data_ptr<at::BFloat16>(), (bf16raw*)h.data_ptr<at::BFloat16>(), p0, p1, inter);
+      silu_and_mul_rows((const bf16raw*)gu.data_ptr<at::BFloat16>(), 2 * inter, (bf16raw*)h.data_ptr<at::BFloat16>(), p0,
+                        p1, inter);
     });
   }
   per_expert_mm(h, down, off, y);

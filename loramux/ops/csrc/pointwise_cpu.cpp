@@ -55,20 +55,6 @@ static void add_rows(const T* x, int64_t xs, const T* r, int64_t rs, T* sum, int
     }
 }
 
-template <typename T>
-static void silu_and_mul_rows(const T* x, int64_t xs, T* out, int64_t n0, int64_t n1, int64_t d) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (int64_t n = n0; n < n1; ++n) {
-    const T* gate = x + n * xs;
-    const T* up = gate + d;
-    for (int64_t i = 0; i < d; i += 16) {
-      const __mmask16 m = mask16(d - i);
-      const __m512 g = load16(gate + i, m);
-      const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
-      store16(out + n * d + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
-    }
-  }
-}
 
 // one head's row x [Dh] in place
 template <typename T>

@@ -43,6 +43,23 @@ static inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// out[n] = silu(gate) * up for rows n0..n1-1 of x (row n: gate x[n*xs : +d], then up), HF's rounding
+// (silu rounded to T before the product): the SiLU-and-mul op's and the MoE experts' between their GEMMs.
+template <typename T>
+static inline void silu_and_mul_rows(const T* x, int64_t xs, T* out, int64_t n0, int64_t n1, int64_t d) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t n = n0; n < n1; ++n) {
+    const T* gate = x + n * xs;
+    const T* up = gate + d;
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 m = mask16(d - i);
+      const __m512 g = load16(gate + i, m);
+      const __m512 silu = round_as(_mm512_div_ps(g, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))), gate);
+      store16(out + n * d + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+    }
+  }
+}
+
 // An I x J tile of dot products along a shared axis of length n, both kernels' inner loop (attention
 // scores: query heads x keys; LoRA shrink: tokens x rank rows):
 //   acc[i][j] += a[i][d : d+W] * b[j][d : d+W]   lane-wise for d = 0, W, 2W, ... < n; fp32: FMA, W = 16;
