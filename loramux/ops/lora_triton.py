@@ -74,10 +74,15 @@ def by_slot(mapping: LoRAMapping, num_slots: int) -> tuple[torch.Tensor, torch.T
     if num_slots not in cache:
         slots = mapping.token_slots
         order = torch.argsort(slots, stable=True)
-        index = slots + 1  # base first; scatter_add_, not bincount: no host sync on CUDA
-        counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device).scatter_add_(0, index, torch.ones_like(index))
+        counts = counts_of(slots + 1, num_slots + 1)  # base first
         cache[num_slots] = order, counts, torch.cumsum(counts, 0) - counts
     return cache[num_slots]
+
+
+def counts_of(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] how many of `ids` are 0..n-1, on their device (torch.bincount, without its host syncs on CUDA: the
+    min and max checks)."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     num_experts, top_k = gate_up.shape[0], topk_ids.shape[1]
     order = torch.argsort(topk_ids.flatten(), stable=True)  # [P] pairs t * k + j, by expert (stable: by token)
     token_of = order // top_k  # [P]
-    runs = _counts(topk_ids.flatten(), num_experts).tolist()  # the one sync
+    runs = lora_triton.counts_of(topk_ids.flatten(), num_experts).tolist()  # the one sync
     xs = x[token_of]  # [P, H]
     mapping = None
     if lora is not None:
@@ -47,11 +47,6 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     weighted[order] = (y * topk_weights.flatten()[order, None]).to(x.dtype)  # back in (token, k) order
     # a token's k outputs summed in one reduction, not by atomic adds (whose order would change run to run)
     return weighted.view(x.shape[0], top_k, -1).sum(1)
-
-
-def _counts(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """[n] how many of `ids` are 0..n-1 (bincount without its host syncs on CUDA: min and max checks)."""
-    return torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
 
 
 def _per_expert(rows: torch.Tensor, weights: torch.Tensor, runs: list[int]) -> torch.Tensor:
