@@ -128,7 +128,20 @@ class PackedLoRALinear(LoRALinear):
         self.write_slot(slot, parts)
 
 
-class LoRAHead(LoRALinear):
+class SavedCopies:
+    """Whole per-slot copies of a layer's weight (PEFT modules_to_save), for LoRAHead and LoRAEmbedding:
+    `copies` slot -> [vocab, hidden], on the layer's device (its `lora_a`'s)."""
+
+    copies: dict[int, torch.Tensor]
+
+    def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
+        if weight is None:
+            self.copies.pop(slot, None)
+        else:  # the host tier's tensor, on this layer's device (the same tensor on a CPU)
+            self.copies[slot] = weight.to(self.lora_a.device, non_blocking=True)
+
+
+class LoRAHead(SavedCopies, LoRALinear):
     """The output head with LoRA, over the rows whose logits are computed (its context maps those rows, not
     the forward pass's tokens), and whole per-slot copies (PEFT modules_to_save): a row whose adapter saved
     the head takes its logits from that adapter's copy."""
@@ -149,18 +162,12 @@ class LoRAHead(LoRALinear):
                     flat_y[rows] = torch.nn.functional.linear(flat_x[rows], weight).to(y.dtype)
         return self._add_lora(x, y)
 
-    def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
-        if weight is None:
-            self.copies.pop(slot, None)
-        else:  # the host tier's tensor, on this layer's device (the same tensor on a CPU)
-            self.copies[slot] = weight.to(self.lora_a.device, non_blocking=True)
-
     def clear_slot(self, slot: int) -> None:
         super().clear_slot(slot)
         self.copies.pop(slot, None)
 
 
-class LoRAEmbedding(nn.Module):
+class LoRAEmbedding(SavedCopies, nn.Module):
     """An embedding table with per-slot LoRA (PEFT's lora_embedding_A [r, vocab], lora_embedding_B [hidden, r]:
     a token t adds s * B @ A[:, t]) and whole per-slot copies of the table (modules_to_save).
 
@@ -216,12 +223,6 @@ class LoRAEmbedding(nn.Module):
         self.lora_b[slot].zero_()
         self.ranks.pop(slot, None)
         self.copies.pop(slot, None)
-
-    def set_copy(self, slot: int, weight: torch.Tensor | None) -> None:
-        if weight is None:
-            self.copies.pop(slot, None)
-        else:  # the host tier's tensor, on this layer's device (the same tensor on a CPU)
-            self.copies[slot] = weight.to(self.lora_a.device, non_blocking=True)
 
 
 class LoRAExperts(nn.Module):
