@@ -251,7 +251,7 @@ class LoRAManager:
         return self._build(name_of(key), config, tensors, source.path)
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
-        dtype = next(next(iter(self._layers.values()))[0].buffers()).dtype  # every LoRA layer's buffers share it
+        dtype = self._slot_buffer.dtype
         copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
         weights = build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
                                 dtype=dtype, path=path, all_linear=self.all_linear,
@@ -440,7 +440,11 @@ class LoRAManager:
         finally:
             self.head_context.mapping = previous
 
+    @property
+    def _slot_buffer(self) -> torch.Tensor:
+        """A LoRA layer's slot buffer: every layer's share its dtype and device."""
+        return next(next(iter(self._layers.values()))[0].buffers())
 
     @property
     def _device(self) -> torch.device:
-        return next(next(iter(self._layers.values()))[0].buffers()).device
+        return self._slot_buffer.device

@@ -338,10 +338,11 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
     system = {"worker_niceness": 0} if address is None else None  # joined clusters: see the README
     ray.init(address=address, include_dashboard=False, configure_logging=False, _system_config=system)
     replica_cpus = 1.0
-    gpus = ray.cluster_resources().get("GPU", 0)
+    resources = ray.cluster_resources()
+    gpus = resources.get("GPU", 0)
     replica_gpus = min(1.0, gpus / replicas) if gpus and engine_config.device in ("auto", "cuda") else 0.0
     if address is None:
-        cpus = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
+        cpus = resources.get("CPU", os.cpu_count() or 1)
         replica_cpus = min(1.0, cpus / replicas)
         if engine_config.num_threads is None:
             engine_config = replace(engine_config, num_threads=max(1, int(cpus // replicas)))
