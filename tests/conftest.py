@@ -38,6 +38,23 @@ def backend_params(backends, cpu_available) -> list:
     return [pytest.param(name, marks=skips.get(name, ())) for name in backends]
 
 
+def save_distinct_adapter(base, path, seed, **kwargs) -> str:
+    """A PEFT adapter whose embedding LoRA and saved modules differ clearly from the base (PEFT initialises
+    them to no-ops)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, lora_alpha=8, **kwargs))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding" in name:
+                p.normal_(0, 0.2)
+            elif "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 def save_peft_adapter(base, path, seed: int = 0, **lora_kwargs) -> str:
     """Train-free PEFT adapter: random A and B (init_lora_weights=False), saved as PEFT saves it."""
     from peft import LoraConfig, get_peft_model
@@ -64,6 +81,17 @@ def peft_logits(base, adapter_dir, input_ids):
         model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.no_grad():
         return model(input_ids).logits
+
+
+def peft_logprobs(base, adapter_dir, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: PEFT's log-softmax at every position of `ids`, that adapter alone."""
+    return torch.log_softmax(peft_logits(base, adapter_dir, torch.tensor([ids]))[0].float(), -1)
+
+
+def assert_prompt_logprobs_equal_peft(out, base, adapter_dir, prompt: list[int], msg=None) -> None:
+    """An engine output's prompt logprobs (prompt_logprobs=0) against PEFT's for the same adapter alone."""
+    expected = peft_logprobs(base, adapter_dir, prompt)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4, msg=msg)
 
 
 # Adapters that exercise every PEFT field that changes the math, with different ranks.

@@ -295,23 +295,14 @@ def test_reload_in_place_keeps_the_pin_and_a_failed_pin_changes_nothing(adapter_
 def test_embedding_and_head_lora_on_a_plain_hf_model_per_row(tmp_path):
     """LoRAModel with embed_tokens / lm_head targeted: rows of [batch, seq] ids take their own adapter's
     embedding LoRA and head (the layers read the row mapping per token, as the linear ones do)."""
-    from conftest import tiny_llama
+    from conftest import save_distinct_adapter, tiny_llama
 
     from loramux.config import DEFAULT_TARGET_MODULES
 
     base = tiny_llama()
-    emb = save_peft_adapter(base, tmp_path / "emb", seed=3, r=4, lora_alpha=8,
-                            target_modules=["embed_tokens", "lm_head", "q_proj"])
+    emb = save_distinct_adapter(base, tmp_path / "emb", 3, r=4, target_modules=["embed_tokens", "lm_head", "q_proj"])
     plain = save_peft_adapter(base, tmp_path / "plain", seed=4, r=8)
-    save = save_peft_adapter(base, tmp_path / "save", seed=5, r=4, lora_alpha=8, target_modules=["v_proj"],
-                             modules_to_save=["lm_head"])
-    with torch.no_grad():  # a saved head of its own (PEFT saves the base's unless it was trained)
-        from safetensors.torch import load_file, save_file
-
-        tensors = load_file(os.path.join(save, "adapter_model.safetensors"))
-        for key in [k for k in tensors if "lm_head" in k]:
-            tensors[key] = tensors[key] + torch.randn_like(tensors[key]) * 0.5
-        save_file(tensors, os.path.join(save, "adapter_model.safetensors"))
+    save = save_distinct_adapter(base, tmp_path / "save", 5, r=4, target_modules=["v_proj"], modules_to_save=["lm_head"])
     model, manager = manager_for(base, target_modules=(*DEFAULT_TARGET_MODULES, "embed_tokens", "lm_head"),
                                  max_module_copies_bytes=2 * 128 * 64 * 4)
     paths = {"emb": emb, "plain": plain, "save": save}

@@ -1,34 +1,16 @@
 """Embedding and output-head LoRA (PEFT's lora_embedding_A/B, LoRA on lm_head) and whole per-adapter copies of
 either (modules_to_save), in mixed batches: every row gives the prompt logprobs and greedy tokens of HF + PEFT
 running that adapter alone (fp32), with base rows and plain adapters beside it."""
-import copy
 
 import pytest
-import torch
 
-from conftest import hf_greedy, peft_logits, save_checkpoint, save_peft_adapter, tiny_llama
+from conftest import assert_prompt_logprobs_equal_peft, hf_greedy, save_checkpoint, save_peft_adapter, tiny_llama
+from conftest import save_distinct_adapter as save_adapter
 from loramux import LoRAConfig, LoRAStatus, SamplingParams
 from loramux.config import DEFAULT_TARGET_MODULES
 from loramux.llm import LLM
 
 TARGETS = (*DEFAULT_TARGET_MODULES, "embed_tokens", "lm_head")
-
-
-def save_adapter(base, path, seed, **kwargs) -> str:
-    """A PEFT adapter whose embedding LoRA and saved modules differ clearly from the base (PEFT initialises
-    them to no-ops)."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, lora_alpha=8, **kwargs))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "lora_embedding" in name:
-                p.normal_(0, 0.2)
-            elif "modules_to_save" in name:
-                p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -59,9 +41,7 @@ def test_mixed_rows_give_peft_prompt_logprobs(setup):
     prompts = [[5 + i, 17, 33 + 2 * i, 9, 64 - i, 3] for i in range(len(ROWS))]
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=ROWS)
     for prompt, row, out in zip(prompts, ROWS, outs):
-        oracle = torch.log_softmax(peft_logits(base, adapters.get(row), torch.tensor([prompt]))[0].float(), -1)
-        expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
+        assert_prompt_logprobs_equal_peft(out, base, adapters.get(row), prompt)
 
 
 def test_mixed_rows_give_peft_greedy_tokens(setup):
@@ -131,6 +111,4 @@ def test_ensure_weight_tying_adapters_equal_peft(setup, tmp_path, kwargs):
     assert result, result.message
     prompt = [5, 17, 33, 9, 64, 3]
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=["tied"])[0]
-    oracle = torch.log_softmax(peft_logits(base, path, torch.tensor([prompt]))[0].float(), -1)
-    expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
+    assert_prompt_logprobs_equal_peft(out, base, path, prompt)

@@ -3,16 +3,11 @@ log-softmax of the logits its own adapter produces alone, before sampling change
 import pytest
 import torch
 
-from conftest import peft_logits
+from conftest import peft_logprobs as oracle
 from loramux.sampling_params import MAX_LOGPROBS, SamplingParams
 from test_llm import checkpoints, make_llm, prompts, record_preemptions  # noqa: F401  (the module fixture)
 
 ROWS = ["r4", None, "r8_rslora", "r64_qv", "r4", None]
-
-
-def oracle(base, adapter_dir, ids: list[int]) -> torch.Tensor:
-    """[len(ids), vocab]: PEFT's log-softmax at every position of `ids`, that adapter alone."""
-    return torch.log_softmax(peft_logits(base, adapter_dir, torch.tensor([ids]))[0].float(), -1)
 
 
 def test_generated_token_logprobs_equal_peft_for_every_row_of_a_mixed_batch(checkpoints):  # noqa: F811

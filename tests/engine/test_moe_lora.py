@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import hf_greedy, peft_logits, save_checkpoint
+from conftest import assert_prompt_logprobs_equal_peft, hf_greedy, save_checkpoint
+from conftest import save_distinct_adapter as save_adapter
 from loramux import LoRAConfig, LoRAStatus, SamplingParams
 from loramux.config import DEFAULT_TARGET_MODULES
 from loramux.llm import LLM
@@ -21,21 +22,6 @@ from models.test_moe import tiny_moe
 
 TARGETS = (*DEFAULT_TARGET_MODULES, "experts", "embed_tokens", "lm_head")
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-
-
-def save_adapter(base, path, seed, **kwargs) -> str:
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = get_peft_model(copy.deepcopy(base), LoraConfig(init_lora_weights=False, lora_alpha=8, **kwargs))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name or "lora_embedding" in name:
-                p.normal_(0, 0.2)
-            elif "modules_to_save" in name:
-                p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(str(path))
-    return str(path)
 
 
 def per_expert_copy(src: str, dst, num_experts: int, kind: str) -> str:
@@ -115,10 +101,7 @@ def test_mixed_rows_give_peft_prompt_logprobs(setup):
     outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=ROWS)
     for prompt, row, out in zip(prompts, ROWS, outs):
         oracle_dir = adapters["experts"] if row == "per_expert" else adapters.get(row)  # the same weights, 3D
-        oracle = torch.log_softmax(peft_logits(base, oracle_dir, torch.tensor([prompt]))[0].float(), -1)
-        expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-        torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, row=row: f"{row}: {m}")
+        assert_prompt_logprobs_equal_peft(out, base, oracle_dir, prompt, msg=lambda m, row=row: f"{row}: {m}")
 
 
 def test_mixed_rows_give_peft_greedy_tokens(setup):
@@ -206,36 +189,30 @@ def test_batch_invariance_is_refused_for_moe_models(setup, tmp_path):
             max_model_len=32, batch_invariant=True)
 
 
+def served_like_peft(llm, base, name: str, path: str) -> None:
+    """Load `path` as `name`: its prompt logprobs equal PEFT's for that adapter alone; unload it."""
+    result = llm.load_adapter(name, path)
+    assert result, result.message
+    prompt = [5, 17, 33, 9, 64, 3, 100]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=[name])[0]
+    assert_prompt_logprobs_equal_peft(out, base, path, prompt)
+    assert llm.unload_adapter(name)
+
+
 @pytest.mark.parametrize("pattern", [dict(alpha_pattern={"down_proj": 64}), dict(rank_pattern={"gate_up_proj": 8}),
                                      dict(use_rslora=True)])
 def test_expert_parameters_take_their_own_rank_and_alpha_patterns(setup, tmp_path, pattern):
     """PEFT matches rank_pattern / alpha_pattern against the parameter (mlp.experts.down_proj), not the block."""
     base, _, llm = setup
     path = save_adapter(base, tmp_path / "a", 7, r=4, target_modules=["q_proj"], target_parameters=EXPERTS, **pattern)
-    name = f"pattern-{tmp_path.name}"
-    result = llm.load_adapter(name, path)
-    assert result, result.message
-    prompt = [5, 17, 33, 9, 64, 3, 100]
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=[name])[0]
-    oracle = torch.log_softmax(peft_logits(base, path, torch.tensor([prompt]))[0].float(), -1)
-    expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
-    assert llm.unload_adapter(name)
+    served_like_peft(llm, base, f"pattern-{tmp_path.name}", path)
 
 
 def test_layers_to_transform_leaves_target_parameters_in_every_layer_as_peft(setup, tmp_path):
     base, _, llm = setup
     path = save_adapter(base, tmp_path / "a", 8, r=4, target_modules=["q_proj"], target_parameters=EXPERTS,
                         layers_to_transform=[0])
-    name = f"ltt-{tmp_path.name}"
-    result = llm.load_adapter(name, path)
-    assert result, result.message
-    prompt = [5, 17, 33, 9, 64, 3, 100]
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=[name])[0]
-    oracle = torch.log_softmax(peft_logits(base, path, torch.tensor([prompt]))[0].float(), -1)
-    expected = oracle[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs.logprobs), expected, atol=1e-4, rtol=1e-4)
-    assert llm.unload_adapter(name)
+    served_like_peft(llm, base, f"ltt-{tmp_path.name}", path)
 
 
 def test_per_expert_weights_the_config_does_not_target_are_refused(setup, tmp_path):

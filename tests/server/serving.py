@@ -36,6 +36,18 @@ def make_files(tmp_path_factory, **model_overrides):
     return {"root": root, "model": model, "served": served, "allowed": str(allowed), "runtime": runtime}
 
 
+def offline_llm(files, adapters: dict[str, str], max_model_len: int = MAX_MODEL_LEN):
+    """The engine start_server serves (the same checkpoint, slots and rank), offline, with `adapters` loaded."""
+    from loramux import LoRAConfig
+    from loramux.llm import LLM
+
+    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=4, max_lora_rank=32), dtype="float32",
+              kv_cache_memory=2**23, max_model_len=max_model_len)
+    for name, path in adapters.items():
+        assert llm.load_adapter(name, path)
+    return llm
+
+
 def start_server(files, *extra) -> tuple[subprocess.Popen, str]:
     port = free_port()
     modules = [f"{name}={path}" for name, path in files["served"].items()]

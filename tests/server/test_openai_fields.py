@@ -9,9 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from loramux import LoRAConfig, SamplingParams
-from loramux.llm import LLM
-from serving import CHAT_TEMPLATE, make_files, openai_client, server_log, start_server, stop
+from loramux import SamplingParams
+from serving import CHAT_TEMPLATE, make_files, offline_llm, openai_client, server_log, start_server, stop
 
 MAX_LEN = 256  # a character-level tokenizer: a tool call's JSON is ~60 tokens
 
@@ -48,22 +47,16 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(files):
-    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=4, max_lora_rank=32), dtype="float32",
-              kv_cache_memory=2**23, max_model_len=MAX_LEN)
+    llm = offline_llm(files, files["served"], MAX_LEN)
     llm.tokenizer.chat_template = TEMPLATE
-    for name, path in files["served"].items():
-        assert llm.load_adapter(f"{name}={path}")
     return llm
 
 
 def peft_logprobs(files, adapter, ids: list[int]):
     """The oracle: log_softmax of HF transformers + PEFT logits for that adapter alone ([len(ids), vocab])."""
-    import torch
+    import conftest
 
-    from conftest import peft_logits, tiny_llama
-
-    adapter_dir = None if adapter == "tiny" else files["served"][adapter]
-    return torch.log_softmax(peft_logits(tiny_llama(), adapter_dir, torch.tensor([ids]))[0].float(), -1)
+    return conftest.peft_logprobs(conftest.tiny_llama(), None if adapter == "tiny" else files["served"][adapter], ids)
 
 
 def close(a: list, b: list) -> bool:

@@ -13,9 +13,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from loramux import LoRAConfig, SamplingParams  # noqa: E402
-from loramux.llm import LLM  # noqa: E402
-from serving import MAX_MODEL_LEN, NO_KEEPALIVE, make_files, start_server, stop, wait_until  # noqa: E402
+from loramux import SamplingParams  # noqa: E402
+from serving import NO_KEEPALIVE, make_files, offline_llm, start_server, stop, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY = "scale-key"
@@ -30,10 +29,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def oracle(files):
     """The single-engine LLM on the same checkpoint and adapters: prompt, adapter -> greedy text."""
-    llm = LLM(model=files["model"], lora=LoRAConfig(max_loras=4, max_lora_rank=32), dtype="float32",
-              kv_cache_memory=2**23, max_model_len=MAX_MODEL_LEN)
-    for name, path in {**files["served"], **files["runtime"]}.items():
-        assert llm.load_adapter(name, path)
+    llm = offline_llm(files, {**files["served"], **files["runtime"]})
     prompts = [f"prompt {i} about {w}" for i, w in enumerate(["cats", "ships", "rain", "maps", "tea", "bells"] * 10)]
     rows = [(p, ADAPTERS[i % 6]) for i, p in enumerate(prompts)]
     outs = llm.generate([p for p, _ in rows], SamplingParams(max_tokens=8, temperature=0), adapters=[a for _, a in rows])
