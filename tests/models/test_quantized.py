@@ -79,6 +79,21 @@ def test_gguf_kept_quantized_gives_the_logits_of_its_dequantized_weights(gguf_ca
     assert loaded.weight_bytes <= (plain if case == "q5_0-dequantized" else plain / 3)
 
 
+@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
+def test_one_bf16_token_through_a_q4_k_m_model_equals_the_reference_op(gguf_case):
+    """Batch-1 decode in bf16 (one token: every K-quant matmul takes the vdpbf16ps path where the CPU has it)
+    gives the logits of the same model through the fp32 reference op, within bf16's rounding."""
+    case, path, _ = gguf_case
+    if case != "q4_k_m":
+        pytest.skip("the K-quant case")
+    token = torch.tensor([[7]])
+    logits = {}
+    for backend in BACKENDS:
+        model = use_backend(load_model(path, dtype="bfloat16", max_model_len=64).model, backend)
+        logits[backend] = prefill_logits(model, token).float()
+    torch.testing.assert_close(logits["cpu"], logits["torch"], atol=2e-2, rtol=2e-2)
+
+
 def test_gguf_quantization_none_dequantizes_everything(gguf_case):
     case, path, reference = gguf_case
     loaded = load_model(path, dtype="float32", max_model_len=64, quantization="none")

@@ -111,3 +111,17 @@ def test_cpu_kernel_uses_every_thread_split_and_leading_dims():
     torch.testing.assert_close(quant_cpu.quantized_linear(x, weight), quantized_linear(x, weight), rtol=1e-5, atol=1e-5)
     odd = any_weight("i8c", 3, 96)  # K not a multiple of 64 or 128, three rows for two threads
     torch.testing.assert_close(quant_cpu.quantized_linear(x[0, :, :96], odd), quantized_linear(x[0, :, :96], odd))
+
+
+@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+def test_one_bf16_row_is_the_fp32_reference_rounded_once(fmt):
+    """Batch-1 decode in bf16 (for K-quants, sums of bf16 x times bf16 q by vdpbf16ps with the scales applied
+    per run): the fp32 reference of the same bf16 x, rounded to bf16 -- off by one bf16 step at most, where
+    the order of the sums tips a rounding."""
+    weight = any_weight(fmt, 300, 2048, seed=3)
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(4)).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), dequantize(weight))
+    out = quant_cpu.quantized_linear(x, weight).float()
+    assert ((out - expected).abs() <= expected.abs() * 2**-7 + 1e-6 * expected.abs().max()).all()
+    assert (out == expected.bfloat16().float()).float().mean().item() > 0.97
