@@ -8,6 +8,7 @@ import torch
 from conftest import backend_params
 from gguf_files import random_blocks
 from loramux.ops import QUANT_BACKENDS, quant_cpu
+from loramux.ops.cpu_extension import _cpu_flags
 from loramux.ops.quant_torch import (GGUF_FORMATS, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
                                      quantized_linear, stack_rows)
 
@@ -125,3 +126,19 @@ def test_one_bf16_row_is_the_fp32_reference_rounded_once(fmt):
     out = quant_cpu.quantized_linear(x, weight).float()
     assert ((out - expected).abs() <= expected.abs() * 2**-7 + 1e-6 * expected.abs().max()).all()
     assert (out == expected.bfloat16().float()).float().mean().item() > 0.97
+
+
+@pytest.mark.skipif(not quant_cpu.available() or "amx_bf16" not in _cpu_flags(),
+                    reason="needs the C++ quantized-matmul kernel on a CPU with AMX")
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+def test_few_bf16_rows_use_the_weights_rounded_to_bf16(fmt):
+    """2-32 rows of bf16 x (AMX where the CPU has it, 32 rows of W a pass, the last pass partial): x times the
+    weights rounded to bf16, summed in fp32, the result rounded once."""
+    weight = any_weight(fmt, 300, 1024, seed=5)
+    rounded = dequantize(weight).bfloat16().float()
+    for rows in (2, 17, 32):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        expected = torch.nn.functional.linear(x.float(), rounded)
+        out = quant_cpu.quantized_linear(x, weight).float()
+        assert ((out - expected).abs() <= expected.abs() * 2**-7 + 1e-6 * expected.abs().max()).all(), rows
+        assert (out == expected.bfloat16().float()).float().mean().item() > 0.97, rows

@@ -583,76 +583,122 @@ at::Tensor dequantize(const at::Tensor& data, const std::string& fmt, int64_t K,
 #include "amx.h"
 constexpr int64_t kAmxRows = 32;  // two B tiles of 16 rows of x
 
-template <typename Dec, int... R>
-static inline void amx_block(const uint8_t* const* blocks, int rows, const uint32_t* xb, int64_t tiles,
-                             int64_t chunk, uint16_t (*a)[32], std::integer_sequence<int, R...>) {
-  using State = decltype(BlockState<Dec>::make(blocks[0]));
-  State state[16];
-  for (int i = 0; i < rows; ++i) state[i] = BlockState<Dec>::make(blocks[i]);
-  auto run = [&](int r) {
-    for (int i = 0; i < rows; ++i) {
-      const W32 w = decode_v(Dec{}, state[i], blocks[i], r);
-      _mm512_storeu_si512(a[i], (__m512i)_mm512_cvtne2ps_pbh(w.hi, w.lo));
-    }
-    _tile_loadd(2, a, 64);
-    _tile_loadd(3, xb + (chunk + r) * tiles * 256, 64);
-    _tile_dpbf16ps(0, 2, 3);
-    if (tiles > 1) {
-      _tile_loadd(4, xb + ((chunk + r) * tiles + 1) * 256, 64);
-      _tile_dpbf16ps(1, 2, 4);
-    }
-  };
-  (run(R), ...);
+// q4_k runs 2p and 2p+1 of one row, as bf16, into a[2p][i] and a[2p+1][i]: they share 32 bytes (low and
+// high nibbles) and one 32-entry table (bf16(d * j - m) of each run, rounded as the fp32 decode is), looked up
+// by vpermw: decode_v's values rounded to bf16, without widening to fp32 lanes
+static inline void q4_k_bf16_pair(const BlockScales& s, const uint8_t* p, int pair, uint16_t (*a)[16][32], int i) {
+  const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[2 * pair]), iota16()), _mm512_set1_ps(s.m[2 * pair]));
+  const __m512 hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[2 * pair + 1]), iota16()), _mm512_set1_ps(s.m[2 * pair + 1]));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 0-15: run 2p, 16-31: run 2p+1
+  const __m512i v = u8x32w(p + 16 + 32 * pair);
+  const __m512i low = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
+  const __m512i high = _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi16(0x10));
+  _mm512_storeu_si512(a[2 * pair][i], _mm512_permutexvar_epi16(low, table));
+  _mm512_storeu_si512(a[2 * pair + 1][i], _mm512_permutexvar_epi16(high, table));
 }
 
-// rows [n0, n1) of W, 16 at a time
+// C[h][t] += A[h] B[t] over n runs: tiles 0-3 hold C (W rows 16h.., x rows 16t..), 4-5 the decoded A of
+// the two halves, 6-7 x's B tiles. Each B tile loaded serves both halves (x's packed tiles, 128 KB at K =
+// 2048, come from L2: loading them once per 16 rows of W cost as much as the multiplies).
+static inline void amx_multiply(uint16_t (*const a[2])[16][32], bool two, const uint32_t* xb, int64_t tiles,
+                                int64_t chunk, int r0, int n) {
+  for (int r = r0; r < r0 + n; ++r) {
+    _tile_loadd(4, a[0][r], 64);
+    if (two) _tile_loadd(5, a[1][r], 64);
+    _tile_loadd(6, xb + (chunk + r) * tiles * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(2, 5, 6);
+    if (tiles > 1) {
+      _tile_loadd(7, xb + ((chunk + r) * tiles + 1) * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// One block of each of the pass's rows (row 16h + i's at blocks[h][i]), from run r0: its runs decoded to bf16
+// a chunk at a time (q4_k: the two runs that share bytes) for all rows, each chunk multiplied before the next
+// is decoded, so the vector decode of one overlaps the tile multiplies of the last.
+template <typename Dec, int... C>
+static inline void amx_block(const uint8_t* const (*blocks)[16], const int* rows, int r0, uint16_t (*const a[2])[16][32],
+                             const uint32_t* xb, int64_t tiles, int64_t chunk, std::integer_sequence<int, C...>) {
+  constexpr int kChunk = std::is_same<Dec, Q4_K>::value ? 2 : 1;
+  using State = decltype(BlockState<Dec>::make(nullptr));
+  State st[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < rows[h]; ++i) st[h][i] = BlockState<Dec>::make(blocks[h][i]);
+  auto step = [&](auto cc) {
+    constexpr int c = decltype(cc)::value;
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < rows[h]; ++i) {
+        if constexpr (kChunk == 2) {
+          q4_k_bf16_pair(st[h][i], blocks[h][i], c, a[h], i);
+        } else {
+          const W32 w = decode_v(Dec{}, st[h][i], blocks[h][i], r0 + c);
+          _mm512_storeu_si512(a[h][c][i], (__m512i)_mm512_cvtne2ps_pbh(w.hi, w.lo));
+        }
+      }
+    amx_multiply(a, rows[1] > 0, xb, tiles, chunk, c * kChunk, kChunk);
+  };
+  (step(std::integral_constant<int, C>{}), ...);
+}
+
+// C tile (h, t) -> y rows 16t.., outputs g + 16h..: column m of C is row m of y's 16 outputs, gathered in
+// L1, then one store (storing each value down y's columns, a row stride apart, took a fifth of the call)
+static inline void amx_store(int h, int64_t t, int rows, int64_t M, int64_t g, float* y, int64_t ldy) {
+  alignas(64) float c[16][16];
+  switch (2 * h + t) {
+    case 0: _tile_stored(0, c, 64); break;
+    case 1: _tile_stored(1, c, 64); break;
+    case 2: _tile_stored(2, c, 64); break;
+    default: _tile_stored(3, c, 64); break;
+  }
+  for (int64_t m = 16 * t; m < std::min(M, 16 * t + 16); ++m) {
+    alignas(64) float col[16];
+    for (int i = 0; i < 16; ++i) col[i] = c[i][m - 16 * t];
+    _mm512_mask_storeu_ps(y + m * ldy + g + 16 * h, static_cast<__mmask16>((1u << rows) - 1), _mm512_load_ps(col));
+  }
+}
+
+// Bytes [lo, hi) of rows [r0, r1) of W into L2. 32 interleaved row streams are more than the hardware
+// prefetchers follow, so each step asks for its slice of the next 32 rows (batch 8 of the 1.7B Q4_K_M: 41.7
+// -> 45.7 tok/s for the next 16 rows at once; a slice per step, in pace with the decode, since 32 rows at once
+// overran the queue of misses in flight).
+static inline void prefetch_slice(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t lo, int64_t hi) {
+  for (int64_t row = r0; row < r1; ++row)
+    for (int64_t off = lo & ~int64_t{63}; off < hi; off += 64) _mm_prefetch((const char*)(w + row * row_bytes + off), _MM_HINT_T1);
+}
+
+// rows [n0, n1) of W, 32 at a time (two halves of 16)
 template <typename Dec>
 static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
                      int64_t n1, float* y, int64_t ldy) {
+  constexpr int kRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;  // decoded per step
   const int64_t tiles = (M + 15) / 16;
   TileConfig cfg;
-  cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = cfg.rows[4] = 16;
-  for (int t = 0; t < 5; ++t) cfg.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
-  alignas(64) uint16_t a[16][32] = {};
-  alignas(64) float c[16][16];
-  for (int64_t g = n0; g < n1; g += 16) {
-    const int rows = static_cast<int>(std::min<int64_t>(16, n1 - g));
-    // the next 16 rows are one contiguous stretch: ask for it while these are decoded (16 interleaved row
-    // streams are more than the hardware prefetchers follow; batch 8 of the 1.7B Q4_K_M: 41.7 -> 45.7 tok/s)
-    const uint8_t* next = w + (g + 16) * L.row_bytes;
-    for (int64_t off = 0; off < 16 * L.row_bytes && next + off < w + n1 * L.row_bytes; off += 64)
-      _mm_prefetch((const char*)(next + off), _MM_HINT_T1);
+  alignas(64) static thread_local uint16_t buf[2][kRuns][16][32];  // [half][run][row of W][input]
+  uint16_t (*const a[2])[16][32] = {buf[0], buf[1]};
+  for (int64_t g = n0; g < n1; g += 32) {
+    const int rows[2] = {static_cast<int>(std::min<int64_t>(16, n1 - g)),
+                         static_cast<int>(std::clamp<int64_t>(n1 - g - 16, 0, 16))};
     _tile_zero(0);
     _tile_zero(1);
-    const uint8_t* blocks[16];
-    for (int64_t b = 0, k = 0; k < K; ++b) {
-      for (int i = 0; i < rows; ++i) blocks[i] = w + (g + i) * L.row_bytes + b * L.bytes;
-      if constexpr (Dec::kElems > 0) {
-        amx_block<Dec>(blocks, rows, xb, tiles, k / 32, a, std::make_integer_sequence<int, Dec::kElems / 32>{});
-        k += Dec::kElems;
-      } else {
-        for (int64_t r = 0; r < L.elems / 32; ++r, k += 32) {
-          for (int i = 0; i < rows; ++i) {
-            const W32 v = decode_v(Dec{}, 0, blocks[i], static_cast<int>(r));
-            _mm512_storeu_si512(a[i], (__m512i)_mm512_cvtne2ps_pbh(v.hi, v.lo));
-          }
-          _tile_loadd(2, a, 64);
-          _tile_loadd(3, xb + (k / 32) * tiles * 256, 64);
-          _tile_dpbf16ps(0, 2, 3);
-          if (tiles > 1) {
-            _tile_loadd(4, xb + ((k / 32) * tiles + 1) * 256, 64);
-            _tile_dpbf16ps(1, 2, 4);
-          }
-        }
-      }
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 32 * kRuns) {
+      prefetch_slice(w, L.row_bytes, g + 32, std::min(g + 64, n1), L.row_bytes * k / K, L.row_bytes * (k + 32 * kRuns) / K);
+      const int64_t b = k / L.elems;
+      const uint8_t* blocks[2][16];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < rows[h]; ++i) blocks[h][i] = w + (g + 16 * h + i) * L.row_bytes + b * L.bytes;
+      constexpr int kChunks = std::is_same<Dec, Q4_K>::value ? kRuns / 2 : kRuns;
+      amx_block<Dec>(blocks, rows, static_cast<int>(k % L.elems / 32), a, xb, tiles, k / 32,
+                     std::make_integer_sequence<int, kChunks>{});
     }
-    for (int64_t t = 0; t < tiles; ++t) {  // C: [16 outputs][16 rows of x]
-      if (t == 0) _tile_stored(0, c, 64);
-      else _tile_stored(1, c, 64);
-      for (int i = 0; i < rows; ++i)
-        for (int64_t m = 16 * t; m < std::min(M, 16 * t + 16); ++m) y[m * ldy + g + i] = c[i][m - 16 * t];
-    }
+    for (int h = 0; h < 2; ++h)
+      for (int64_t t = 0; t < tiles && rows[h] > 0; ++t) amx_store(h, t, rows[h], M, g, y, ldy);
   }
   _tile_release();
 }
@@ -661,9 +707,9 @@ template <typename Dec>
 static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
   const int64_t M = x.size(0);
   const std::vector<uint32_t> xb = pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, (M + 15) / 16);
-  const int64_t groups = (N + 15) / 16;
+  const int64_t groups = (N + 31) / 32;
   at::parallel_for(0, groups, std::max<int64_t>(1, groups / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
-    amx_rows<Dec>(xb.data(), M, K, w, L, 16 * a, std::min(N, 16 * b), y, N);
+    amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y, N);
   });
 }
 #endif
