@@ -79,21 +79,6 @@ def test_gguf_kept_quantized_gives_the_logits_of_its_dequantized_weights(gguf_ca
     assert loaded.weight_bytes <= (plain if case == "q5_0-dequantized" else plain / 3)
 
 
-@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
-def test_one_bf16_token_through_a_q4_k_m_model_equals_the_reference_op(gguf_case):
-    """Batch-1 decode in bf16 (one token: every K-quant matmul takes the vdpbf16ps path where the CPU has it)
-    gives the logits of the same model through the fp32 reference op, within bf16's rounding."""
-    case, path, _ = gguf_case
-    if case != "q4_k_m":
-        pytest.skip("the K-quant case")
-    token = torch.tensor([[7]])
-    logits = {}
-    for backend in BACKENDS:
-        model = use_backend(load_model(path, dtype="bfloat16", max_model_len=64).model, backend)
-        logits[backend] = prefill_logits(model, token).float()
-    torch.testing.assert_close(logits["cpu"], logits["torch"], atol=2e-2, rtol=2e-2)
-
-
 def test_gguf_quantization_none_dequantizes_everything(gguf_case):
     case, path, reference = gguf_case
     loaded = load_model(path, dtype="float32", max_model_len=64, quantization="none")
@@ -113,6 +98,19 @@ def mixed_setup(tmp_path_factory):
     path = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: GGUF_CASES["q4_k_m"][2](name))
     adapters = {f"a{r}": save_peft_adapter(hf, root / f"a{r}", seed=r, r=r) for r in (4, 8, 16)}
     return path, adapters
+
+
+@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
+def test_one_bf16_token_through_a_q4_k_m_model_equals_the_reference_op(mixed_setup):
+    """Batch-1 decode in bf16 (one token: every K-quant matmul takes the vdpbf16ps path where the CPU has it)
+    gives the logits of the same model through the fp32 reference op, within bf16's rounding."""
+    path, _ = mixed_setup
+    token = torch.tensor([[7]])
+    logits = {}
+    for backend in BACKENDS:
+        model = use_backend(load_model(path, dtype="bfloat16", max_model_len=64).model, backend)
+        logits[backend] = prefill_logits(model, token).float()
+    torch.testing.assert_close(logits["cpu"], logits["torch"], atol=2e-2, rtol=2e-2)
 
 
 def test_lora_on_a_kept_quantized_base_equals_the_dequantized_run(mixed_setup):

@@ -10,6 +10,8 @@
 // Few rows (decode, M <= kFusedRows): each weight row is decoded once and dotted with every row of x while
 // its 32 weights sit in registers: the weights stream from memory once per call, the cost at batch 1.
 // More rows (prefill): panels of W are decoded into a buffer and multiplied by torch's GEMM (oneDNN).
+// bf16 x, where the CPU has the instructions: one row of x against q4_k / q6_k sums bf16 x times the blocks'
+// integers by vdpbf16ps (bf16_single); 2-32 rows run on AMX tiles, the weights decoded to bf16 (amx).
 // Written as plain loops over 32 lanes that the compiler vectorizes (-march=native: AVX2 or AVX-512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -507,8 +509,8 @@ static bool bf16_single(const at::Tensor& x, const uint8_t* w, const std::string
   else if (fmt == "q6_k") row_dot = q6_k_row, row_bytes = K / 256 * Q6_K::kBytes;
   else return false;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  std::vector<float> xsum(K / 32);  // sum(x) per run of 32 (q4_k's b term)
-  for (int64_t r = 0; r < K / 32; ++r) {
+  std::vector<float> xsum(fmt == "q4_k" ? K / 32 : 0);  // sum(x) per run of 32 (q4_k's b term)
+  for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()); ++r) {
     float s = 0.f;
     for (int i = 0; i < 32; ++i) s += static_cast<float>(c10::BFloat16(xb[32 * r + i], c10::BFloat16::from_bits()));
     xsum[r] = s;
