@@ -29,6 +29,7 @@
 namespace {
 
 constexpr int64_t kFusedRows = 8;   // up to this many x rows: the fused decode-and-dot path
+constexpr int64_t kAmxRows = 32;    // bf16 x on AMX, 2 up to this many rows (two B tiles of 16 rows of x)
 constexpr int64_t kPanelBytes = 4 << 20;  // GEMM path: W decoded this many bytes of rows at a time
 
 static inline float f16(const uint8_t* p) {
@@ -266,6 +267,21 @@ struct Layout {
   int64_t elems, bytes, row_bytes;
 };
 
+// Where a kernel's fp32 sums go: y [M, N] (row stride ld) in x's dtype, plus the bias [N] (fp32) if any,
+// rounded once (as the reference's fp32 result + bias, then .to(dtype)). Written by the kernel itself: a
+// separate fp32 result and two conversions cost ~2.5 us a call, ~120 calls a decode step.
+struct Out {
+  float* f = nullptr;           // fp32 y, or
+  c10::BFloat16* b = nullptr;   // bf16 y
+  const float* bias = nullptr;
+  int64_t ld = 0;
+  inline void put(int64_t m, int64_t n, float v) const {
+    if (bias) v += bias[n];
+    if (f) f[m * ld + n] = v;
+    else b[m * ld + n] = c10::BFloat16(v);
+  }
+};
+
 // ---- the fused path: rows [n0, n1) of W against M <= kFusedRows rows of x (fp32) -------------------------
 // A thread reads its rows as one stream; the hardware prefetchers alone leave it latency-bound (~4 GB/s a
 // thread, measured), so each row asks for the row kPrefetchBytes ahead, into L2. Measured over 40 cold
@@ -298,7 +314,7 @@ static inline void block_runs(const State& state, const uint8_t* block, const fl
 
 template <typename Dec, int64_t MT>
 static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
-                       int64_t n1, float* y, int64_t ldy) {
+                       int64_t n1, const Out& y) {
   constexpr int64_t kAcc = MT <= 4 ? 4 : 2;  // 8 rows x 4 accumulators would not fit in 32 registers
   for (int64_t n = n0; n < n1; ++n) {
     __m512 acc[MT][kAcc];
@@ -329,14 +345,14 @@ static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, c
     for (int64_t m = 0; m < M; ++m) {
       __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
       if constexpr (kAcc == 4) sum = _mm512_add_ps(sum, _mm512_add_ps(acc[m][2], acc[m][3]));
-      y[m * ldy + n] = _mm512_reduce_add_ps(sum);
+      y.put(m, n, _mm512_reduce_add_ps(sum));
     }
   }
 }
 #else
 template <typename Dec, int64_t MT>
 static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
-                       int64_t n1, float* y, int64_t ldy) {
+                       int64_t n1, const Out& y) {
   alignas(64) float wv[32];
   const int64_t runs = L.elems / 32;
   for (int64_t n = n0; n < n1; ++n) {
@@ -355,7 +371,7 @@ static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, c
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
       for (int i = 0; i < 32; ++i) s += acc[m][i];
-      y[m * ldy + n] = s;
+      y.put(m, n, s);
     }
   }
 }
@@ -412,15 +428,13 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
 #endif
 
 template <typename Dec>
-static void fused(const at::Tensor& xf, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
-  const int64_t M = xf.size(0);
-  const float* x = xf.data_ptr<float>();
+static void fused(const float* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
   const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (M == 1) fused_rows<Dec, 1>(x, M, K, w, L, n0, n1, y, N);
-    else if (M <= 2) fused_rows<Dec, 2>(x, M, K, w, L, n0, n1, y, N);
-    else if (M <= 4) fused_rows<Dec, 4>(x, M, K, w, L, n0, n1, y, N);
-    else fused_rows<Dec, kFusedRows>(x, M, K, w, L, n0, n1, y, N);
+    if (M == 1) fused_rows<Dec, 1>(x, M, K, w, L, n0, n1, y);
+    else if (M <= 2) fused_rows<Dec, 2>(x, M, K, w, L, n0, n1, y);
+    else if (M <= 4) fused_rows<Dec, 4>(x, M, K, w, L, n0, n1, y);
+    else fused_rows<Dec, kFusedRows>(x, M, K, w, L, n0, n1, y);
   });
 }
 
@@ -502,7 +516,7 @@ static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x, con
 }
 
 // y [N] = W x for x [1, K] bf16, W in fmt (q4_k or q6_k); false for other formats (the fp32 path takes them)
-static bool bf16_single(const at::Tensor& x, const uint8_t* w, const std::string& fmt, int64_t N, int64_t K, float* y) {
+static bool bf16_single(const at::Tensor& x, const uint8_t* w, const std::string& fmt, int64_t N, int64_t K, const Out& y) {
   float (*row_dot)(const uint8_t*, int64_t, const uint16_t*, const float*) = nullptr;
   int64_t row_bytes = 0;
   if (fmt == "q4_k") row_dot = q4_k_row, row_bytes = K / 256 * Q4_K::kBytes;
@@ -519,7 +533,7 @@ static bool bf16_single(const at::Tensor& x, const uint8_t* w, const std::string
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       prefetch_ahead(w + n * row_bytes, row_bytes, w + n1 * row_bytes);
-      y[n] = row_dot(w + n * row_bytes, K / 256, xb, xsum.data());
+      y.put(0, n, row_dot(w + n * row_bytes, K / 256, xb, xsum.data()));
     }
   });
   return true;
@@ -583,7 +597,6 @@ at::Tensor dequantize(const at::Tensor& data, const std::string& fmt, int64_t K,
 // AMX's pair-interleaved layout), and C holds 16 outputs x 16 rows of x in fp32. The decode is the fused
 // path's, so the weights still stream once; the multiply no longer grows with the rows of x.
 #include "amx.h"
-constexpr int64_t kAmxRows = 32;  // two B tiles of 16 rows of x
 
 // q4_k runs 2p and 2p+1 of one row, as bf16, into a[2p][i] and a[2p+1][i]: they share 32 bytes (low and
 // high nibbles) and one 32-entry table (bf16(d * j - m) of each run, rounded as the fp32 decode is), looked up
@@ -647,7 +660,7 @@ static inline void amx_block(const uint8_t* const (*blocks)[16], const int* rows
 
 // C tile (h, t) -> y rows 16t.., outputs g + 16h..: column m of C is row m of y's 16 outputs, gathered in
 // L1, then one store (storing each value down y's columns, a row stride apart, took a fifth of the call)
-static inline void amx_store(int h, int64_t t, int rows, int64_t M, int64_t g, float* y, int64_t ldy) {
+static inline void amx_store(int h, int64_t t, int rows, int64_t M, int64_t g, const Out& y) {
   alignas(64) float c[16][16];
   switch (2 * h + t) {
     case 0: _tile_stored(0, c, 64); break;
@@ -658,7 +671,12 @@ static inline void amx_store(int h, int64_t t, int rows, int64_t M, int64_t g, f
   for (int64_t m = 16 * t; m < std::min(M, 16 * t + 16); ++m) {
     alignas(64) float col[16];
     for (int i = 0; i < 16; ++i) col[i] = c[i][m - 16 * t];
-    _mm512_mask_storeu_ps(y + m * ldy + g + 16 * h, static_cast<__mmask16>((1u << rows) - 1), _mm512_load_ps(col));
+    const int64_t n0 = g + 16 * h;
+    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
+    __m512 v = _mm512_load_ps(col);
+    if (y.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y.bias + n0));
+    if (y.f) _mm512_mask_storeu_ps(y.f + m * y.ld + n0, mask, v);
+    else _mm256_mask_storeu_epi16(y.b + m * y.ld + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));  // RNE, as torch's
   }
 }
 
@@ -674,7 +692,7 @@ static inline void prefetch_slice(const uint8_t* w, int64_t row_bytes, int64_t r
 // rows [n0, n1) of W, 32 at a time (two halves of 16)
 template <typename Dec>
 static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
-                     int64_t n1, float* y, int64_t ldy) {
+                     int64_t n1, const Out& y) {
   constexpr int kRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;  // decoded per step
   const int64_t tiles = (M + 15) / 16;
   TileConfig cfg;
@@ -700,21 +718,67 @@ static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w,
                      std::make_integer_sequence<int, kChunks>{});
     }
     for (int h = 0; h < 2; ++h)
-      for (int64_t t = 0; t < tiles && rows[h] > 0; ++t) amx_store(h, t, rows[h], M, g, y, ldy);
+      for (int64_t t = 0; t < tiles && rows[h] > 0; ++t) amx_store(h, t, rows[h], M, g, y);
   }
   _tile_release();
 }
 
 template <typename Dec>
-static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, float* y) {
+static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
   const int64_t M = x.size(0);
   const std::vector<uint32_t> xb = pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, (M + 15) / 16);
   const int64_t groups = (N + 31) / 32;
   at::parallel_for(0, groups, std::max<int64_t>(1, groups / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
-    amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y, N);
+    amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
   });
 }
 #endif
+
+// x [M, K] as contiguous fp32 for the fused path: x's own data when it is that already, else a copy in buf
+static const float* x_as_f32(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat && x.is_contiguous()) return x.data_ptr<float>();
+  const at::Tensor xc = x.contiguous();
+  buf.resize(static_cast<size_t>(xc.numel()));
+  if (xc.scalar_type() == at::kFloat) {
+    std::memcpy(buf.data(), xc.data_ptr<float>(), buf.size() * sizeof(float));
+  } else {
+    const c10::BFloat16* xb = xc.data_ptr<c10::BFloat16>();
+    for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<float>(xb[i]);
+  }
+  return buf.data();
+}
+
+static Out out_for(at::Tensor& y, const at::Tensor& bias_f) {
+  Out out;
+  out.ld = y.size(1);
+  if (y.scalar_type() == at::kFloat) out.f = y.data_ptr<float>();
+  else out.b = y.data_ptr<c10::BFloat16>();
+  if (bias_f.defined()) out.bias = bias_f.data_ptr<float>();
+  return out;
+}
+
+// Decode sizes (M <= kFusedRows, or up to kAmxRows on AMX): the kernels that stream W once, into y; false
+// where none applies (the GEMM path takes it).
+static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K, const Out& y) {
+  const int64_t M = x.size(0), N = data.size(0);
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+  if (bf16 && M >= 2 && M <= kAmxRows && amx_usable()) {
+    const at::Tensor xb = x.contiguous();
+    with_format(fmt, K, [&](auto dec, const Layout& L) { amx<decltype(dec)>(xb, w, L, N, K, y); });
+    return true;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (bf16 && M == 1 && bf16_single(x.contiguous(), w, fmt, N, K, y)) return true;
+#endif
+  if (M > kFusedRows) return false;
+  static thread_local std::vector<float> buf;
+  const float* xf = x_as_f32(x, buf);
+  with_format(fmt, K, [&](auto dec, const Layout& L) { fused<decltype(dec)>(xf, M, w, L, N, K, y); });
+  return true;
+}
 
 at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K,
                    const c10::optional<at::Tensor>& bias) {
@@ -722,37 +786,12 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.device().is_cpu(), "x must be [M, ", K, "] on the CPU");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), N = data.size(0);
-  at::Tensor y;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-  if (x.scalar_type() == at::kBFloat16 && M >= 2 && M <= kAmxRows && amx_usable()) {
-    at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
-    const at::Tensor xb = x.contiguous();
-    with_format(fmt, K, [&](auto dec, const Layout& L) { amx<decltype(dec)>(xb, data.data_ptr<uint8_t>(), L, N, K, yf.data_ptr<float>()); });
-    if (bias.has_value()) yf.add_(bias->to(at::kFloat));
-    return yf.to(x.scalar_type());
-  }
-#endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (x.scalar_type() == at::kBFloat16 && M == 1) {
-    at::Tensor yf = at::empty({1, N}, x.options().dtype(at::kFloat));
-    const at::Tensor xc = x.contiguous();
-    if (bf16_single(xc, data.data_ptr<uint8_t>(), fmt, N, K, yf.data_ptr<float>())) {
-      if (bias.has_value()) yf.add_(bias->to(at::kFloat));
-      return yf.to(x.scalar_type());
-    }
-  }
-#endif
-  if (M <= kFusedRows) {
-    const at::Tensor xf = x.to(at::kFloat).contiguous();
-    at::Tensor yf = at::empty({M, N}, x.options().dtype(at::kFloat));
-    with_format(fmt, K, [&](auto dec, const Layout& L) {
-      fused<decltype(dec)>(xf, data.data_ptr<uint8_t>(), L, N, K, yf.data_ptr<float>());
-    });
-    if (bias.has_value()) yf.add_(bias->to(at::kFloat));
-    return yf.to(x.scalar_type());
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M <= std::max(kFusedRows, kAmxRows)) {
+    const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+    if (decode_sizes(x, data, fmt, K, out_for(y, bias_f))) return y;
   }
   // Panels of W in x's dtype through torch's GEMM (bf16: the weights rounded to bf16, as a bf16 model's are).
-  y = at::empty({M, N}, x.options());
   const int64_t rows = std::max<int64_t>(1, kPanelBytes / (K * x.element_size()));
   at::Tensor panel = at::empty({std::min(rows, N), K}, x.options());
   with_format(fmt, K, [&](auto dec, const Layout& L) {
