@@ -32,6 +32,9 @@ constexpr int64_t kFusedRows = 8;   // up to this many x rows: the fused decode-
 constexpr int64_t kAmxRows = 32;    // bf16 x on AMX, 2 up to this many rows (two B tiles of 16 rows of x)
 constexpr int64_t kPanelBytes = 4 << 20;  // GEMM path: W decoded this many bytes of rows at a time
 
+// parallel_for's grain over n items: about four chunks a thread, so a slow chunk does not hold up the call
+static inline int64_t grain_of(int64_t n) { return std::max<int64_t>(1, n / (4 * at::get_num_threads())); }
+
 static inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -429,8 +432,7 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
 
 template <typename Dec>
 static void fused(const float* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
-  const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_of(N), [&](int64_t n0, int64_t n1) {
     if (M == 1) fused_rows<Dec, 1>(x, M, K, w, L, n0, n1, y);
     else if (M <= 2) fused_rows<Dec, 2>(x, M, K, w, L, n0, n1, y);
     else if (M <= 4) fused_rows<Dec, 4>(x, M, K, w, L, n0, n1, y);
@@ -504,7 +506,7 @@ static inline void q6_k_runs(const uint8_t* p, __m512 d, const uint16_t* x, __m5
   };
   (run(std::integral_constant<int, R>{}), ...);
 }
-static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x, const float*) {
+static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x) {
   const __m512i t_lo = bf16_ints(-32.0f), t_hi = bf16_ints(0.0f);  // q = 0..31 -> -32..-1, 32..63 -> 0..31
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -515,34 +517,34 @@ static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x, con
   return sum4(acc);
 }
 
-// y [N] = W x for x [1, K] bf16, W in fmt (q4_k or q6_k); false for other formats (the fp32 path takes them)
-static bool bf16_single(const at::Tensor& x, const uint8_t* w, const std::string& fmt, int64_t N, int64_t K, const Out& y) {
-  float (*row_dot)(const uint8_t*, int64_t, const uint16_t*, const float*) = nullptr;
-  int64_t row_bytes = 0;
-  if (fmt == "q4_k") row_dot = q4_k_row, row_bytes = K / 256 * Q4_K::kBytes;
-  else if (fmt == "q6_k") row_dot = q6_k_row, row_bytes = K / 256 * Q6_K::kBytes;
-  else return false;
+// The formats bf16_single takes
+template <typename Dec>
+constexpr bool kBf16Dot = std::is_same<Dec, Q4_K>::value || std::is_same<Dec, Q6_K>::value;
+
+// y [N] = W x for x [1, K] bf16 (contiguous), W in q4_k or q6_k
+template <typename Dec>
+static void bf16_single(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
+  constexpr bool kQ4 = std::is_same<Dec, Q4_K>::value;
   const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  std::vector<float> xsum(fmt == "q4_k" ? K / 32 : 0);  // sum(x) per run of 32 (q4_k's b term)
+  std::vector<float> xsum(kQ4 ? K / 32 : 0);  // sum(x) per run of 32 (q4_k's b term)
   for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()); ++r) {
     float s = 0.f;
     for (int i = 0; i < 32; ++i) s += static_cast<float>(c10::BFloat16(xb[32 * r + i], c10::BFloat16::from_bits()));
     xsum[r] = s;
   }
-  const int64_t grain = std::max<int64_t>(1, N / (4 * at::get_num_threads()));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_of(N), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      prefetch_ahead(w + n * row_bytes, row_bytes, w + n1 * row_bytes);
-      y.put(0, n, row_dot(w + n * row_bytes, K / 256, xb, xsum.data()));
+      const uint8_t* row = w + n * L.row_bytes;
+      prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
+      y.put(0, n, kQ4 ? q4_k_row(row, K / 256, xb, xsum.data()) : q6_k_row(row, K / 256, xb));
     }
   });
-  return true;
 }
 #endif
 
 template <typename Dec>
 static void decode_all(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, at::Tensor& out) {
-  at::parallel_for(n0, n1, std::max<int64_t>(1, (n1 - n0) / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
+  at::parallel_for(n0, n1, grain_of(n1 - n0), [&](int64_t a, int64_t b) {
     if (out.scalar_type() == at::kFloat) decode_rows<Dec, float>(w, L, K, a, b, out.data_ptr<float>() + (a - n0) * K);
     else decode_rows<Dec, c10::BFloat16>(w, L, K, a, b, out.data_ptr<c10::BFloat16>() + (a - n0) * K);
   });
@@ -728,7 +730,7 @@ static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t 
   const int64_t M = x.size(0);
   const std::vector<uint32_t> xb = pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, (M + 15) / 16);
   const int64_t groups = (N + 31) / 32;
-  at::parallel_for(0, groups, std::max<int64_t>(1, groups / (4 * at::get_num_threads())), [&](int64_t a, int64_t b) {
+  at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
     amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
   });
 }
@@ -770,13 +772,17 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
     return true;
   }
 #endif
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (bf16 && M == 1 && bf16_single(x.contiguous(), w, fmt, N, K, y)) return true;
-#endif
   if (M > kFusedRows) return false;
-  static thread_local std::vector<float> buf;
-  const float* xf = x_as_f32(x, buf);
-  with_format(fmt, K, [&](auto dec, const Layout& L) { fused<decltype(dec)>(xf, M, w, L, N, K, y); });
+  with_format(fmt, K, [&](auto dec, const Layout& L) {
+    using Dec = decltype(dec);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if constexpr (kBf16Dot<Dec>) {
+      if (bf16 && M == 1) return bf16_single<Dec>(x.contiguous(), w, L, N, K, y);
+    }
+#endif
+    static thread_local std::vector<float> buf;
+    fused<Dec>(x_as_f32(x, buf), M, w, L, N, K, y);
+  });
   return true;
 }
 
