@@ -253,13 +253,22 @@ class ModelRunner:
         decode = seqs[:num_decode]
         meta = AttentionMetadata(False, cache_rows, block_size=self.block_size, num_decode=num_decode,
                                  chunks=[(offsets[i], a, b) for i, (a, b) in enumerate(spans) if i >= num_decode],
-                                 chunk_cache_index=[self._tensor(self._cache_index(s, range(b)))
-                                                    for s, (a, b) in zip(seqs[num_decode:], spans[num_decode:])])
+                                 chunk_context=[self._chunk_context(s, a, b)
+                                                for s, (a, b) in zip(seqs[num_decode:], spans[num_decode:])])
         if decode:
             max_blocks = max(len(s.block_table) for s in decode)
             meta.block_tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode])
             meta.context_lens = self._tensor([b for _, b in spans[:num_decode]])
         return input_ids, positions, meta, lengths, offsets
+
+    def _chunk_context(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A later chunk's keys: the cache rows of positions [0, end) and its mask [end - start, end] (True =
+        attend: position <= the query's); None for a chunk that starts the prompt (it needs neither)."""
+        if start == 0:
+            return None
+        keys = torch.arange(end, device=self.device)
+        mask = keys[None, :] <= torch.arange(start, end, device=self.device)[:, None]
+        return self._tensor(self._cache_index(seq, range(end))), mask
 
     # ---- sampling state ------------------------------------------------------------------------------
     def _sampling_row(self, seq: Sequence, vocab_size: int) -> SamplingRow:

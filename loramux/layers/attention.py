@@ -34,10 +34,12 @@ class AttentionMetadata:
     # chunked prefill (a mixed step): the first num_decode tokens are decode rows (block_tables and
     # context_lens describe them); then prompt chunks, each (token offset, start, end): its query rows are
     # tokens offset .. offset + end - start, at positions start..end-1, and it attends to its sequence's
-    # positions 0..end-1, read from the cache at chunk_cache_index.
+    # positions 0..end-1. A chunk with start 0 attends causally within its own new K/V; a later one reads
+    # them from the cache: chunk_context holds its (cache index [end], mask [end - start, end]), built once
+    # a step for all layers (None for a chunk with start 0).
     num_decode: int = 0
     chunks: list[tuple[int, int, int]] | None = None
-    chunk_cache_index: list[torch.Tensor] | None = None
+    chunk_context: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 class Attention(nn.Module):
@@ -56,23 +58,27 @@ class Attention(nn.Module):
         if self.k_cache is not None:
             self.store_op(self.k_cache, self.v_cache, k, v, meta.cache_rows)
         if meta.chunks is not None:
-            return self._mixed(q, meta)
+            return self._mixed(q, k, v, meta)
         if meta.is_prefill:
             return self.prefill(q, k, v, meta)
         return self._decode(q, meta)
 
-    def _mixed(self, q, meta: AttentionMetadata) -> torch.Tensor:
-        """A chunked-prefill step: decode rows through the decode op, each chunk through SDPA over its
-        sequence's cached keys (this chunk's were just stored) with a causal mask shifted by its start."""
+    def _mixed(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        """A chunked-prefill step: decode rows through the decode op; a chunk that starts its prompt through
+        causal SDPA over its own new K/V (the values just stored), a later one over its sequence's cached
+        keys (this chunk's included) with the causal mask shifted by its start."""
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.num_decode:
             out[:meta.num_decode] = self._decode(q[:meta.num_decode], meta)
-        for (offset, start, end), index in zip(meta.chunks, meta.chunk_cache_index):
-            n = end - start
-            k, v = (c[index].transpose(0, 1).unsqueeze(0) for c in (self.k_cache, self.v_cache))  # [1, kv, end, d]
-            query = q[offset:offset + n].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-            out[offset:offset + n] = self._sdpa(query, k, v, mask)[0].transpose(0, 1).reshape(n, -1)
+        for (offset, start, end), context in zip(meta.chunks, meta.chunk_context):
+            rows = slice(offset, offset + end - start)
+            if context is None:
+                keys, values, mask = k[rows], v[rows], None
+            else:
+                index, mask = context
+                keys, values = self.k_cache[index], self.v_cache[index]
+            query, keys, values = (t.transpose(0, 1).unsqueeze(0) for t in (q[rows], keys, values))  # [1, h, len, d]
+            out[rows] = self._sdpa(query, keys, values, mask)[0].transpose(0, 1).reshape(end - start, -1)
         return out
 
     def prefill_padded(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
