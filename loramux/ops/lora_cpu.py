@@ -2,7 +2,8 @@
 
 Tokens are grouped by slot inside the kernel (a counting sort), so any token order works; the
 shrink is tiled over tokens x rank rows and the expand over 16-output blocks, skipping the zero
-padding beyond each slot's real rank (Punica's SGMV idea, for CPUs). Same contract as lora_torch.py;
+padding beyond each slot's real rank (Punica's SGMV idea, for CPUs). bf16 groups of 16+ tokens (prefill) run
+on AMX tiles where the CPU has them. Same contract as lora_torch.py;
 the kernel reads lora_b rank-major, as LoRALinear stores it (any other layout is copied per call).
 """
 from __future__ import annotations
@@ -26,4 +27,4 @@ def add_lora_cpu(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices: tupl
 def is_rank_major(lora_b) -> bool:
     """lora_b [L, out, r] laid out as a contiguous [L, r, out] (the kernel's layout)."""
     _, out, rank = lora_b.shape
-    return lora_b.stride() == (out * rank, 1, out)
+    return lora_b.stride()[:2] == (out * rank, 1) and (rank == 1 or lora_b.stride(2) == out)  # rank 1: any stride

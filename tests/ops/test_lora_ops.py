@@ -166,6 +166,38 @@ def test_cpu_kernel_threaded_paths(dtype, atol, tokens_per_slot):
     torch.testing.assert_close(y.float(), expected, atol=atol * 10, rtol=atol)
 
 
+@pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
+@pytest.mark.parametrize("rank", [1, 5, 16, 32])  # odd ranks end on half a pair of the expand's tiles
+@pytest.mark.parametrize("tokens_per_slot", [[16], [40, 17, 3]])  # whole and partial 16-token tiles, a small group
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_bf16_prefill_groups(rank, tokens_per_slot, threads):
+    """Groups of 16+ tokens in bf16 (AMX tiles where the CPU has them): every row is the reference computed as
+    the kernel rounds, h = bf16(x A^T) and y = bf16(y + h B^T), up to the order of the fp32 sums."""
+    torch.manual_seed(4)
+    slices, n_in = (40, 24, 24), 96
+    lora_a = torch.randn(len(tokens_per_slot), 3 * rank, n_in).bfloat16() * 0.2
+    lora_b = (torch.randn(len(tokens_per_slot), sum(slices), rank) * 0.2).bfloat16()
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    slots = [s for s, n in enumerate(tokens_per_slot) for _ in range(n)] + [-1]
+    slots = [slots[i] for i in torch.randperm(len(slots)).tolist()]
+    x, y0 = torch.randn(len(slots), n_in).bfloat16(), torch.randn(len(slots), sum(slices)).bfloat16()
+    expected = y0.float().clone()
+    for t, s in enumerate(slots):
+        if s >= 0:
+            h = (lora_a[s].float() @ x[t].float()).bfloat16().float()  # [3 * rank]
+            expected[t] += block_diagonal(lora_b, slices)[s].float() @ h
+    expected = expected.bfloat16().float()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = y0.clone()
+        lora_cpu.add_lora_cpu(y, x, lora_a, lora_b, LoRAMapping.from_slots(slots), slices)
+    finally:
+        torch.set_num_threads(previous)
+    torch.testing.assert_close(y.float(), expected, atol=2e-2, rtol=8e-3)
+    assert torch.equal(y[torch.tensor(slots) < 0], y0[torch.tensor(slots) < 0])
+
+
 SMALLER_TEAM = textwrap.dedent("""
     import torch
     from loramux.ops import LoRAMapping, lora_cpu
