@@ -67,11 +67,38 @@ def offline(args, path, adapters) -> dict:
             if out.finished:
                 done[out.request_id] = now
     wall = time.perf_counter() - start
+    chunk_ms = prefill_step_ms(engine, prompts, names, chunk_tokens(args))
     ttft = [(first[r] - submitted[r]) * 1000 for r in submitted]
     tpot = [(done[r] - first[r]) * 1000 / (args.new_tokens - 1) for r in submitted]
     return {"output_throughput": args.requests * args.new_tokens / wall, "duration_s": wall,
             "p50_ttft_ms": percentile(ttft, 50), "p99_ttft_ms": percentile(ttft, 99),
-            "p50_tpot_ms": percentile(tpot, 50), "p99_tpot_ms": percentile(tpot, 99)}
+            "p50_tpot_ms": percentile(tpot, 50), "p99_tpot_ms": percentile(tpot, 99),
+            "prefill_chunk_tokens": chunk_tokens(args), "prefill_chunk_ms": chunk_ms}
+
+
+def chunk_tokens(args) -> int:
+    """One prefill chunk of the served configuration: the step's token budget when chunked (vLLM's chunk size,
+    --max-num-batched-tokens), else one prompt."""
+    flags = args.serve_args
+    if "--enable-chunked-prefill" not in flags:
+        return args.prompt_len
+    budget = int(flags[flags.index("--max-num-batched-tokens") + 1]) if "--max-num-batched-tokens" in flags else 4096
+    return max(args.prompt_len, budget // args.prompt_len * args.prompt_len)
+
+
+def prefill_step_ms(engine, prompts, names, tokens: int) -> float:
+    """Median of 3 steps that prefill `tokens` tokens of whole prompts (each on its adapter) and nothing else."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for _ in range(3):
+        for i in range(tokens // len(prompts[0])):
+            engine.add_request(prompts[i], params, names[i])
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1000)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,7 +151,13 @@ def print_report(report: dict) -> None:
         "served/offline output tok/s": served["output_throughput"] / off["output_throughput"],
         "served/offline TPOT p50": served["p50_tpot_ms"] / off["p50_tpot_ms"],
         "poisson TPOT p99/p50": poisson["p99_tpot_ms"] / poisson["p50_tpot_ms"],
+        "poisson TPOT p99/decode step": poisson["p99_tpot_ms"] / poisson["p50_itl_ms"],
     }
+    # issue 12's TTFT bound: two decode steps (the Poisson phase's median inter-token latency) + one prefill chunk
+    bound = 2 * poisson["p50_itl_ms"] + off["prefill_chunk_ms"]
+    report["ratios"]["poisson TTFT p99/bound"] = poisson["p99_ttft_ms"] / bound
+    print(f"TTFT bound: 2 x {poisson['p50_itl_ms']:.1f} ms (decode step) + {off['prefill_chunk_ms']:.1f} ms (a prefill "
+          f"step of {off['prefill_chunk_tokens']} tokens) = {bound:.0f} ms")
     print(f"poisson at {poisson['request_rate']:.2f} requests/s")
     for label, value in report["ratios"].items():
         print(f"  {label:<32}{value:6.2f}x")

@@ -84,6 +84,9 @@ class Attention(nn.Module):
     def prefill_padded(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """All sequences in one call: [batch, heads, max_len, head_dim]; padded query rows are computed and then
         dropped. (A sequence's result may depend on max_len: the kernel's blocking follows the padded length.)"""
+        if meta.pad_index.shape[0] == 1:  # one sequence: nothing to pad (the same call, without the gathers)
+            out = self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # [1, heads, len, head_dim]
+            return out[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
         q, k, v = (t[meta.pad_index].transpose(1, 2) for t in (q, k, v))
         out = self._sdpa(q, k, v).transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         return out[meta.unpad_index]
