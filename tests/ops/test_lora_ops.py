@@ -198,6 +198,43 @@ def test_cpu_kernel_bf16_prefill_groups(rank, tokens_per_slot, threads):
     assert torch.equal(y[torch.tensor(slots) < 0], y0[torch.tensor(slots) < 0])
 
 
+@pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
+def test_cpu_kernel_prompt_rows_equal_the_same_rows_one_by_one():
+    """Prompts on adapters of real ranks 3, 8, 5 under a padded rank of 8 (AMX tiles where the CPU has them, a
+    tile configuration per rank), rows of x and y wider than their data: each row as the kernel computes it
+    one token at a time (the AVX-512 path), to the last bit but where the two orders of the fp32 sums round
+    differently (never by more than one bf16 step)."""
+    torch.manual_seed(5)
+    slices, n_in, max_rank, ranks = (40, 24, 24), 96, 8, [3, 8, 5]
+    lora_a = torch.zeros(3, 3 * max_rank, n_in, dtype=torch.bfloat16)
+    lora_b = torch.zeros(3, sum(slices), max_rank, dtype=torch.bfloat16)
+    for slot, r in enumerate(ranks):
+        for k in range(3):
+            lora_a[slot, k * max_rank : k * max_rank + r] = torch.randn(r, n_in) * 0.2
+        lora_b[slot, :, :r] = torch.randn(sum(slices), r) * 0.2
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    slots = [s for s, n in enumerate([20, 37, 18]) for _ in range(n)]
+    slots = [slots[i] for i in torch.randperm(len(slots)).tolist()]
+    x = torch.randn(len(slots), n_in + 8).bfloat16()[:, 4 : 4 + n_in]  # row stride != width
+    y0 = torch.randn(len(slots), sum(slices) + 3).bfloat16()
+    together, one_by_one = y0.clone(), y0.clone()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lora_cpu.add_lora_cpu(together[:, : sum(slices)], x, lora_a, lora_b, LoRAMapping.from_slots(slots), slices,
+                              torch.tensor(ranks))
+        for t, s in enumerate(slots):
+            lora_cpu.add_lora_cpu(one_by_one[t : t + 1, : sum(slices)], x[t : t + 1], lora_a, lora_b,
+                                  LoRAMapping.from_slots([s]), slices, torch.tensor(ranks))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together[:, sum(slices) :], y0[:, sum(slices) :])  # nothing past the width
+    differ = together != one_by_one
+    assert differ.float().mean() < 0.02
+    step = one_by_one.float().abs().clamp_min(2**-20) * 2**-7  # one bf16 step at that magnitude, and then some
+    assert ((together.float() - one_by_one.float()).abs() <= step)[differ].all()
+
+
 SMALLER_TEAM = textwrap.dedent("""
     import torch
     from loramux.ops import LoRAMapping, lora_cpu

@@ -54,6 +54,10 @@
 #include <type_traits>
 
 #include "simd.h"
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx.h"  // outside the anonymous namespace: it includes system headers
+#define LORA_AMX 1
+#endif
 
 namespace {
 
@@ -309,8 +313,6 @@ static void own_groups(Plan& pl, int nth, double total, int64_t K, int64_t in, i
 // outputs a tile). Shrunk rows are compact: slice k's rank rows at [k * rkp, k * rkp + rk), rkp = rk rounded
 // up to a pair (the pad row of A and rank row of B are packed as zeros). Packing is once per group per call,
 // split over the threads; then the threads split the groups' token tiles. Needs in % 32 == 0 and rank <= 32.
-#include "amx.h"
-#define LORA_AMX 1
 
 constexpr int64_t kAmxTokens = 16;
 
