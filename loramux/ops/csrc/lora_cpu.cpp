@@ -311,8 +311,8 @@ static void own_groups(Plan& pl, int nth, double total, int64_t K, int64_t in, i
 // interleaved, 16 rank rows a tile). Expand, per slice: y += h B^T, with h rounded to bf16 (as the vector path
 // rounds it) as the A operand and the slice's rank rows of B packed as B tiles (pairs of ranks interleaved, 16
 // outputs a tile). Shrunk rows are compact: slice k's rank rows at [k * rkp, k * rkp + rk), rkp = rk rounded
-// up to a pair (the pad row of A and rank row of B are packed as zeros). Packing is once per group per call,
-// split over the threads; then the threads split the groups' token tiles. Needs in % 32 == 0 and rank <= 32.
+// up to a pair (the pad row of A and rank row of B are packed as zeros). The threads split the groups' token
+// tiles; each packs the groups it has tiles of for itself. Needs in % 32 == 0 and rank <= 32.
 
 constexpr int64_t kAmxTokens = 16;
 
