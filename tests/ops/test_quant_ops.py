@@ -137,11 +137,12 @@ def test_one_bf16_row_is_the_fp32_reference_rounded_once(fmt):
                     reason="needs the C++ quantized-matmul kernel on a CPU with AMX")
 @pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
 def test_few_bf16_rows_use_the_weights_rounded_to_bf16(fmt):
-    """2-32 rows of bf16 x (AMX where the CPU has it, 32 rows of W a pass, the last pass partial): x times the
-    weights rounded to bf16, summed in fp32, the result rounded once."""
+    """2-96 rows of bf16 x (AMX where the CPU has it, 32 rows of W a pass, the last pass partial; past 32 rows
+    each block of W decoded whole, then multiplied by x 32 rows at a time, the last 16 or fewer alone): x times
+    the weights rounded to bf16, summed in fp32, the result rounded once."""
     weight = any_weight(fmt, 300, 1024, seed=5)
     rounded = dequantize(weight).bfloat16().float()
-    for rows in (2, 17, 32):
+    for rows in (2, 17, 32, 33, 64, 96):
         x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).bfloat16()
         expected = torch.nn.functional.linear(x.float(), rounded)
         assert_rounded_once(quant_cpu.quantized_linear(x, weight).float(), expected, rows)

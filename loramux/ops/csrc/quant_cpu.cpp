@@ -30,6 +30,7 @@ namespace {
 
 constexpr int64_t kFusedRows = 8;   // up to this many x rows: the fused decode-and-dot path
 constexpr int64_t kAmxRows = 32;    // bf16 x on AMX, 2 up to this many rows (two B tiles of 16 rows of x)
+constexpr int64_t kAmxWideRows = 96;  // bf16 x on AMX, more than kAmxRows rows: W decoded once per 32 rows
 constexpr int64_t kPanelBytes = 4 << 20;  // GEMM path: W decoded this many bytes of rows at a time
 
 // parallel_for's grain over n items: about four chunks a thread, so a slow chunk does not hold up the call
@@ -655,7 +656,7 @@ static inline void amx_block(const uint8_t* const (*blocks)[16], const int* rows
           _mm512_storeu_si512(a[h][c][i], (__m512i)_mm512_cvtne2ps_pbh(w.hi, w.lo));
         }
       }
-    amx_multiply(a, rows[1] > 0, xb, tiles, chunk, c * kChunk, kChunk);
+    if (xb) amx_multiply(a, rows[1] > 0, xb, tiles, chunk, c * kChunk, kChunk);  // null: decode only
   };
   (step(std::integral_constant<int, C>{}), ...);
 }
@@ -725,13 +726,76 @@ static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w,
   _tile_release();
 }
 
+// C tiles (0-3) += the decoded block's two halves (tiles 4, 5) times x's tiles t0 and t0 + 1 (6, 7) over all runs
+static inline void amx_multiply_whole(uint16_t (*const whole[2])[16][32], bool two, const uint32_t* xb, int64_t tiles,
+                                      int64_t t0, int64_t runs) {
+  const bool two_x = t0 + 1 < tiles;
+  for (int64_t r = 0; r < runs; ++r) {
+    _tile_loadd(4, whole[0][r], 64);
+    if (two) _tile_loadd(5, whole[1][r], 64);
+    _tile_loadd(6, xb + (r * tiles + t0) * 256, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) _tile_dpbf16ps(2, 5, 6);
+    if (two_x) {
+      _tile_loadd(7, xb + (r * tiles + t0 + 1) * 256, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// More than kAmxRows rows of x (prefill): rows [n0, n1) of W, 32 at a time, each block of 32 rows decoded whole
+// into bf16 tiles once (as amx_rows decodes it, the next rows prefetched alike), then multiplied by x 32 rows
+// at a time, C in tiles over all of K. The decode no longer overlaps the tiles, but serves every row of x.
+template <typename Dec>
+static void amx_wide_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
+                          int64_t n1, const Out& y) {
+  constexpr int kRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;
+  constexpr int kChunks = std::is_same<Dec, Q4_K>::value ? kRuns / 2 : kRuns;
+  const int64_t tiles = (M + 15) / 16, runs = K / 32;
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  static thread_local std::vector<uint16_t> buf;  // [half][run][row of W][input]
+  buf.resize(static_cast<size_t>(2 * runs * 512));
+  uint16_t (*const whole[2])[16][32] = {reinterpret_cast<uint16_t (*)[16][32]>(buf.data()),
+                                        reinterpret_cast<uint16_t (*)[16][32]>(buf.data() + runs * 512)};
+  for (int64_t g = n0; g < n1; g += 32) {
+    const int rows[2] = {static_cast<int>(std::min<int64_t>(16, n1 - g)),
+                         static_cast<int>(std::clamp<int64_t>(n1 - g - 16, 0, 16))};
+    for (int64_t k = 0; k < K; k += 32 * kRuns) {
+      prefetch_slice(w, L.row_bytes, g + 32, std::min(g + 64, n1), L.row_bytes * k / K, L.row_bytes * (k + 32 * kRuns) / K);
+      const uint8_t* blocks[2][16];
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < rows[h]; ++i) blocks[h][i] = w + (g + 16 * h + i) * L.row_bytes + k / L.elems * L.bytes;
+      uint16_t (*const a[2])[16][32] = {whole[0] + k / 32, whole[1] + k / 32};
+      amx_block<Dec>(blocks, rows, static_cast<int>(k % L.elems / 32), a, nullptr, 0, 0,
+                     std::make_integer_sequence<int, kChunks>{});
+    }
+    for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      amx_multiply_whole(whole, rows[1] > 0, xb, tiles, t0, runs);
+      Out part = y;  // x rows 16 t0.. of y
+      if (part.f) part.f += 16 * t0 * y.ld; else part.b += 16 * t0 * y.ld;
+      const int64_t m = std::min<int64_t>(32, M - 16 * t0);
+      for (int h = 0; h < 2; ++h)
+        for (int64_t t = 0; t < (m + 15) / 16 && rows[h] > 0; ++t) amx_store(h, t, rows[h], m, g, part);
+    }
+  }
+  _tile_release();
+}
+
 template <typename Dec>
 static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
   const int64_t M = x.size(0);
   const std::vector<uint32_t> xb = pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, (M + 15) / 16);
   const int64_t groups = (N + 31) / 32;
   at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
-    amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
+    if (M <= kAmxRows) amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
+    else amx_wide_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
   });
 }
 #endif
@@ -759,14 +823,14 @@ static Out out_for(at::Tensor& y, const at::Tensor& bias_f) {
   return out;
 }
 
-// Decode sizes (M <= kFusedRows, or up to kAmxRows on AMX): the kernels that stream W once, into y; false
-// where none applies (the GEMM path takes it).
+// Decode sizes (M <= kFusedRows, or up to kAmxRows on AMX) and bf16 prefill up to kAmxWideRows on AMX: the
+// kernels that stream W once, into y; false where none applies (the GEMM path takes it).
 static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K, const Out& y) {
   const int64_t M = x.size(0), N = data.size(0);
   const uint8_t* w = data.data_ptr<uint8_t>();
   const bool bf16 = x.scalar_type() == at::kBFloat16;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-  if (bf16 && M >= 2 && M <= kAmxRows && amx_usable()) {
+  if (bf16 && M >= 2 && M <= kAmxWideRows && amx_usable()) {
     const at::Tensor xb = x.contiguous();
     with_format(fmt, K, [&](auto dec, const Layout& L) { amx<decltype(dec)>(xb, w, L, N, K, y); });
     return true;
@@ -793,7 +857,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), N = data.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M <= std::max(kFusedRows, kAmxRows)) {
+  if (M <= std::max({kFusedRows, kAmxRows, kAmxWideRows})) {
     const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     if (decode_sizes(x, data, fmt, K, out_for(y, bias_f))) return y;
   }
