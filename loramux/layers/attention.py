@@ -77,16 +77,14 @@ class Attention(nn.Module):
             else:
                 index, mask = context
                 keys, values = self.k_cache[index], self.v_cache[index]
-            query, keys, values = (t.transpose(0, 1).unsqueeze(0) for t in (q[rows], keys, values))  # [1, h, len, d]
-            out[rows] = self._sdpa(query, keys, values, mask)[0].transpose(0, 1).reshape(end - start, -1)
+            out[rows] = self._sdpa_rows(q[rows], keys, values, mask)
         return out
 
     def prefill_padded(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """All sequences in one call: [batch, heads, max_len, head_dim]; padded query rows are computed and then
         dropped. (A sequence's result may depend on max_len: the kernel's blocking follows the padded length.)"""
         if meta.pad_index.shape[0] == 1:  # one sequence: nothing to pad (the same call, without the gathers)
-            out = self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # [1, heads, len, head_dim]
-            return out[0].transpose(0, 1).reshape(-1, self.num_heads * self.head_dim)
+            return self._sdpa_rows(q, k, v)
         q, k, v = (t[meta.pad_index].transpose(1, 2) for t in (q, k, v))
         out = self._sdpa(q, k, v).transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
         return out[meta.unpad_index]
@@ -94,9 +92,12 @@ class Attention(nn.Module):
     def prefill_per_sequence(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """One call per sequence, at its own length: its result never depends on its batch mates."""
         offsets = meta.seq_offsets
-        outs = [self._sdpa(*(t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
-                for s, e in zip(offsets, offsets[1:])]  # each [1, heads, len, head_dim]
-        return torch.cat([o[0].transpose(0, 1) for o in outs]).reshape(-1, self.num_heads * self.head_dim)
+        return torch.cat([self._sdpa_rows(q[s:e], k[s:e], v[s:e]) for s, e in zip(offsets, offsets[1:])])
+
+    def _sdpa_rows(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One sequence's rows: q [len, heads, d], k, v [keys, kv_heads, d] -> [len, heads * d]."""
+        out = self._sdpa(*(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), mask)  # [1, heads, len, d]
+        return out[0].transpose(0, 1).reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _sdpa(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal, or with `mask` ([q_len, k_len] bool, True = attend) when queries start after keys do."""

@@ -14,6 +14,13 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// The first n tiles 16 rows x 64 bytes (a full bf16 A or B tile, or an fp32 C tile of 16 x 16)
+static inline TileConfig square_tiles(int n = 8) {
+  TileConfig cfg;
+  for (int t = 0; t < n; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  return cfg;
+}
+
 // Linux hands out the AMX tile state only on request (once per process)
 static inline bool amx_usable() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;

@@ -446,8 +446,7 @@ static void amx_tile(const AmxCall& a, const Group& gr, const AmxShape& sh, int6
 }
 
 static void amx_config(const AmxShape& sh) {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  TileConfig cfg = square_tiles();
   cfg.colsb[5] = static_cast<uint16_t>(sh.rkp * 2);  // h's slice: 16 tokens x rkp ranks
   cfg.rows[6] = static_cast<uint8_t>(sh.rkp / 2);    // B: rkp / 2 pairs of ranks x 16 outputs
   _tile_loadconfig(&cfg);

@@ -111,8 +111,7 @@ static void amx_group(const AmxRun& run, const uint16_t* w, int64_t N, int64_t K
 static void amx_runs(const std::vector<AmxRun>& runs, const uint16_t* w, int64_t N, int64_t K, uint16_t* out) {
   const int64_t groups = N / 16, items = static_cast<int64_t>(runs.size()) * groups;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    TileConfig cfg;
-    for (int t = 0; t < 5; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    const TileConfig cfg = square_tiles(5);
     _tile_loadconfig(&cfg);
     for (int64_t i = i0; i < i1; ++i) amx_group(runs[i / groups], w, N, K, 16 * (i % groups), out);
     _tile_release();

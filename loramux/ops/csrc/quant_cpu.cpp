@@ -615,19 +615,19 @@ static inline void q4_k_bf16_pair(const BlockScales& s, const uint8_t* p, int pa
   _mm512_storeu_si512(a[2 * pair + 1][i], _mm512_permutexvar_epi16(high, table));
 }
 
-// C[h][t] += A[h] B[t] over n runs: tiles 0-3 hold C (W rows 16h.., x rows 16t..), 4-5 the decoded A of
-// the two halves, 6-7 x's B tiles. Each B tile loaded serves both halves (x's packed tiles, 128 KB at K =
+// C[h][t] += A[h] B[t0 + t] over n runs: tiles 0-3 hold C (W rows 16h.., x rows 16(t0 + t)..), 4-5 the decoded
+// A of the two halves, 6-7 x's B tiles. Each B tile loaded serves both halves (x's packed tiles, 128 KB at K =
 // 2048, come from L2: loading them once per 16 rows of W cost as much as the multiplies).
 static inline void amx_multiply(uint16_t (*const a[2])[16][32], bool two, const uint32_t* xb, int64_t tiles,
-                                int64_t chunk, int r0, int n) {
+                                int64_t chunk, int r0, int n, int64_t t0 = 0) {
   for (int r = r0; r < r0 + n; ++r) {
     _tile_loadd(4, a[0][r], 64);
     if (two) _tile_loadd(5, a[1][r], 64);
-    _tile_loadd(6, xb + (chunk + r) * tiles * 256, 64);
+    _tile_loadd(6, xb + ((chunk + r) * tiles + t0) * 256, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (two) _tile_dpbf16ps(2, 5, 6);
-    if (tiles > 1) {
-      _tile_loadd(7, xb + ((chunk + r) * tiles + 1) * 256, 64);
+    if (t0 + 1 < tiles) {
+      _tile_loadd(7, xb + ((chunk + r) * tiles + t0 + 1) * 256, 64);
       _tile_dpbf16ps(1, 4, 7);
       if (two) _tile_dpbf16ps(3, 5, 7);
     }
@@ -692,56 +692,51 @@ static inline void prefetch_slice(const uint8_t* w, int64_t row_bytes, int64_t r
     for (int64_t off = lo & ~int64_t{63}; off < hi; off += 64) _mm_prefetch((const char*)(w + row * row_bytes + off), _MM_HINT_T1);
 }
 
+template <typename Dec>
+constexpr int kAmxRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;  // runs decoded per step
+
+// The rows of W in each half (16, 16 or fewer) of the pass at row g of [n0, n1)
+static inline void pass_rows(int64_t g, int64_t n1, int (&rows)[2]) {
+  rows[0] = static_cast<int>(std::min<int64_t>(16, n1 - g));
+  rows[1] = static_cast<int>(std::clamp<int64_t>(n1 - g - 16, 0, 16));
+}
+
+// Inputs [k, k + 32 kAmxRuns) of the pass's rows at g, decoded into a (each run at a[h][run - k / 32]) and, where xb
+// is given, multiplied into the C tiles; the next pass's rows asked for a slice at a time
+template <typename Dec>
+static inline void amx_step(const uint8_t* w, const Layout& L, int64_t K, int64_t g, int64_t n1, const int (&rows)[2],
+                            int64_t k, uint16_t (*const a[2])[16][32], const uint32_t* xb, int64_t tiles) {
+  constexpr int kChunks = std::is_same<Dec, Q4_K>::value ? kAmxRuns<Dec> / 2 : kAmxRuns<Dec>;
+  prefetch_slice(w, L.row_bytes, g + 32, std::min(g + 64, n1), L.row_bytes * k / K,
+                 L.row_bytes * (k + 32 * kAmxRuns<Dec>) / K);
+  const uint8_t* blocks[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < rows[h]; ++i) blocks[h][i] = w + (g + 16 * h + i) * L.row_bytes + k / L.elems * L.bytes;
+  amx_block<Dec>(blocks, rows, static_cast<int>(k % L.elems / 32), a, xb, tiles, k / 32,
+                 std::make_integer_sequence<int, kChunks>{});
+}
+
 // rows [n0, n1) of W, 32 at a time (two halves of 16)
 template <typename Dec>
 static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
                      int64_t n1, const Out& y) {
-  constexpr int kRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;  // decoded per step
   const int64_t tiles = (M + 15) / 16;
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  const TileConfig cfg = square_tiles();
   _tile_loadconfig(&cfg);
-  alignas(64) static thread_local uint16_t buf[2][kRuns][16][32];  // [half][run][row of W][input]
+  alignas(64) static thread_local uint16_t buf[2][kAmxRuns<Dec>][16][32];  // [half][run][row of W][input]
   uint16_t (*const a[2])[16][32] = {buf[0], buf[1]};
   for (int64_t g = n0; g < n1; g += 32) {
-    const int rows[2] = {static_cast<int>(std::min<int64_t>(16, n1 - g)),
-                         static_cast<int>(std::clamp<int64_t>(n1 - g - 16, 0, 16))};
+    int rows[2];
+    pass_rows(g, n1, rows);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32 * kRuns) {
-      prefetch_slice(w, L.row_bytes, g + 32, std::min(g + 64, n1), L.row_bytes * k / K, L.row_bytes * (k + 32 * kRuns) / K);
-      const int64_t b = k / L.elems;
-      const uint8_t* blocks[2][16];
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < rows[h]; ++i) blocks[h][i] = w + (g + 16 * h + i) * L.row_bytes + b * L.bytes;
-      constexpr int kChunks = std::is_same<Dec, Q4_K>::value ? kRuns / 2 : kRuns;
-      amx_block<Dec>(blocks, rows, static_cast<int>(k % L.elems / 32), a, xb, tiles, k / 32,
-                     std::make_integer_sequence<int, kChunks>{});
-    }
+    for (int64_t k = 0; k < K; k += 32 * kAmxRuns<Dec>) amx_step<Dec>(w, L, K, g, n1, rows, k, a, xb, tiles);
     for (int h = 0; h < 2; ++h)
       for (int64_t t = 0; t < tiles && rows[h] > 0; ++t) amx_store(h, t, rows[h], M, g, y);
   }
   _tile_release();
-}
-
-// C tiles (0-3) += the decoded block's two halves (tiles 4, 5) times x's tiles t0 and t0 + 1 (6, 7) over all runs
-static inline void amx_multiply_whole(uint16_t (*const whole[2])[16][32], bool two, const uint32_t* xb, int64_t tiles,
-                                      int64_t t0, int64_t runs) {
-  const bool two_x = t0 + 1 < tiles;
-  for (int64_t r = 0; r < runs; ++r) {
-    _tile_loadd(4, whole[0][r], 64);
-    if (two) _tile_loadd(5, whole[1][r], 64);
-    _tile_loadd(6, xb + (r * tiles + t0) * 256, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (two) _tile_dpbf16ps(2, 5, 6);
-    if (two_x) {
-      _tile_loadd(7, xb + (r * tiles + t0 + 1) * 256, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
 }
 
 // More than kAmxRows rows of x (prefill): rows [n0, n1) of W, 32 at a time, each block of 32 rows decoded whole
@@ -750,34 +745,26 @@ static inline void amx_multiply_whole(uint16_t (*const whole[2])[16][32], bool t
 template <typename Dec>
 static void amx_wide_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
                           int64_t n1, const Out& y) {
-  constexpr int kRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;
-  constexpr int kChunks = std::is_same<Dec, Q4_K>::value ? kRuns / 2 : kRuns;
   const int64_t tiles = (M + 15) / 16, runs = K / 32;
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  const TileConfig cfg = square_tiles();
   _tile_loadconfig(&cfg);
   static thread_local std::vector<uint16_t> buf;  // [half][run][row of W][input]
   buf.resize(static_cast<size_t>(2 * runs * 512));
   uint16_t (*const whole[2])[16][32] = {reinterpret_cast<uint16_t (*)[16][32]>(buf.data()),
                                         reinterpret_cast<uint16_t (*)[16][32]>(buf.data() + runs * 512)};
   for (int64_t g = n0; g < n1; g += 32) {
-    const int rows[2] = {static_cast<int>(std::min<int64_t>(16, n1 - g)),
-                         static_cast<int>(std::clamp<int64_t>(n1 - g - 16, 0, 16))};
-    for (int64_t k = 0; k < K; k += 32 * kRuns) {
-      prefetch_slice(w, L.row_bytes, g + 32, std::min(g + 64, n1), L.row_bytes * k / K, L.row_bytes * (k + 32 * kRuns) / K);
-      const uint8_t* blocks[2][16];
-      for (int h = 0; h < 2; ++h)
-        for (int i = 0; i < rows[h]; ++i) blocks[h][i] = w + (g + 16 * h + i) * L.row_bytes + k / L.elems * L.bytes;
+    int rows[2];
+    pass_rows(g, n1, rows);
+    for (int64_t k = 0; k < K; k += 32 * kAmxRuns<Dec>) {
       uint16_t (*const a[2])[16][32] = {whole[0] + k / 32, whole[1] + k / 32};
-      amx_block<Dec>(blocks, rows, static_cast<int>(k % L.elems / 32), a, nullptr, 0, 0,
-                     std::make_integer_sequence<int, kChunks>{});
+      amx_step<Dec>(w, L, K, g, n1, rows, k, a, nullptr, 0);
     }
     for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
       _tile_zero(0);
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      amx_multiply_whole(whole, rows[1] > 0, xb, tiles, t0, runs);
+      amx_multiply(whole, rows[1] > 0, xb, tiles, 0, 0, static_cast<int>(runs), t0);
       Out part = y;  // x rows 16 t0.. of y
       if (part.f) part.f += 16 * t0 * y.ld; else part.b += 16 * t0 * y.ld;
       const int64_t m = std::min<int64_t>(32, M - 16 * t0);
