@@ -74,7 +74,9 @@ def test_gguf_kept_quantized_gives_the_logits_of_its_dequantized_weights(gguf_ca
     input_ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(input_ids).logits
-    torch.testing.assert_close(prefill_logits(model, input_ids), expected, atol=2e-5, rtol=1e-4)
+    # the order of the fp32 sums only: a few ulps of the logits' scale (the K-quant cases' logits reach ~40-120)
+    scale = max(1.0, expected.abs().max().item())
+    torch.testing.assert_close(prefill_logits(model, input_ids), expected, atol=2e-5 * scale, rtol=1e-4)
     plain = sum(t.numel() * 4 for t in reference.state_dict().values())
     assert loaded.weight_bytes <= (plain if case == "q5_0-dequantized" else plain / 3)
 

@@ -146,3 +146,24 @@ def test_few_bf16_rows_use_the_weights_rounded_to_bf16(fmt):
         x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).bfloat16()
         expected = torch.nn.functional.linear(x.float(), rounded)
         assert_rounded_once(quant_cpu.quantized_linear(x, weight).float(), expected, rows)
+
+
+@pytest.mark.skipif(not quant_cpu.available() or "avx512f" not in _cpu_flags(),
+                    reason="needs the C++ quantized-matmul kernel on a CPU with AVX-512")
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+def test_rows_past_the_fused_path_are_the_reference(fmt):
+    """9-512 rows of fp32 x (and of bf16 x where AMX does not take them): 32 rows of W decoded once into a
+    k-major panel, multiplied by x 12 rows at a time (the last group of W and the last tile of x partial);
+    the fp32 reference up to the order of the sums. 513 rows: panels through oneDNN."""
+    weight = any_weight(fmt, 300, 1024, seed=6)
+    dense = dequantize(weight)
+    bias = torch.randn(300)
+    for rows in (9, 12, 13, 25, 100, 512, 513):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+        expected = torch.nn.functional.linear(x, dense, bias)
+        out = quant_cpu.quantized_linear(x, weight, bias)
+        assert ((out - expected).abs().max() / expected.abs().max()).item() < 1e-5, rows
+        if "amx_bf16" not in _cpu_flags() and rows <= 512:  # bf16 x: the exact weights, the result rounded once
+            xb = x.bfloat16()
+            assert_rounded_once(quant_cpu.quantized_linear(xb, weight).float(),
+                                torch.nn.functional.linear(xb.float(), dense), rows)

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "simd.h"  // transpose16
+
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -25,32 +27,6 @@ static inline TileConfig square_tiles(int n = 8) {
 static inline bool amx_usable() {
   static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
   return ok;
-}
-
-// r[n][k] -> r[k][n] for 16 x 16 dwords: at lane distances 8, 4, 2, 1, rows i and i + d swap the off-diagonal
-// d x d blocks of each 2d x 2d block (lane j of row i takes row i + d's lane j - d where j & d, and so on)
-template <int D>
-struct SwapIndex {  // lane j: j & D ? 16 + j - D (row i + D's lane j - D) : j
-  alignas(64) int32_t v[16] = {};
-  constexpr SwapIndex() { for (int j = 0; j < 16; ++j) v[j] = (j & D) ? 16 + j - D : j; }
-};
-template <int D>
-static inline void swap_blocks(__m512i (&r)[16]) {
-  static constexpr SwapIndex<D> lo{};
-  const __m512i il = _mm512_load_si512(lo.v);
-  const __m512i ih = _mm512_add_epi32(il, _mm512_set1_epi32(D));  // lane j: j & D ? 16 + j : j + D
-  for (int i = 0; i < 16; ++i) {
-    if (i & D) continue;
-    const __m512i a = r[i], b = r[i + D];
-    r[i] = _mm512_permutex2var_epi32(a, il, b);
-    r[i + D] = _mm512_permutex2var_epi32(a, ih, b);
-  }
-}
-static inline void transpose16(__m512i (&r)[16]) {
-  swap_blocks<8>(r);
-  swap_blocks<4>(r);
-  swap_blocks<2>(r);
-  swap_blocks<1>(r);
 }
 
 // x [M, K] bf16 (row stride K) -> [K / 32][tiles][16 pairs][16 rows][2]: the B tile of rows 16t..16t+15,

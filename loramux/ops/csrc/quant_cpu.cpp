@@ -9,6 +9,7 @@
 // reference's (dequantize to fp32, then matmul) up to the order of the sums.
 // Few rows (decode, M <= kFusedRows): each weight row is decoded once and dotted with every row of x while
 // its 32 weights sit in registers: the weights stream from memory once per call, the cost at batch 1.
+// Up to kOuterRows: 32 rows of W decoded once, turned k-major, and multiplied by x as outer products (outer).
 // More rows (prefill): panels of W are decoded into a buffer and multiplied by torch's GEMM (oneDNN).
 // bf16 x, where the CPU has the instructions: one row of x against q4_k / q6_k sums bf16 x times the blocks'
 // integers by vdpbf16ps (bf16_single); 2-32 rows run on AMX tiles, the weights decoded to bf16 (amx).
@@ -26,9 +27,14 @@
 #include <utility>
 #include <vector>
 
+#ifdef __AVX512F__
+#include "simd.h"  // transpose16
+#endif
+
 namespace {
 
 constexpr int64_t kFusedRows = 8;   // up to this many x rows: the fused decode-and-dot path
+constexpr int64_t kOuterRows = 512;  // past kFusedRows up to this many (fp32 x, or bf16 x off AMX): outer products
 constexpr int64_t kAmxRows = 32;    // bf16 x on AMX, 2 up to this many rows (two B tiles of 16 rows of x)
 constexpr int64_t kAmxWideRows = 96;  // bf16 x on AMX, more than kAmxRows rows: W decoded once per 32 rows
 constexpr int64_t kPanelBytes = 4 << 20;  // GEMM path: W decoded this many bytes of rows at a time
@@ -396,22 +402,22 @@ static inline void store_block(const uint8_t* block, T* o, std::integer_sequence
   const auto state = BlockState<Dec>::make(block);
   (store_run(o + 32 * R, decode_v(Dec{}, state, block, R)), ...);
 }
+// One block of one row of W decoded into o [L.elems]
+template <typename Dec, typename T>
+static inline void decode_block(const uint8_t* block, const Layout& L, T* o) {
+  if constexpr (Dec::kElems > 0) {
+    store_block<Dec>(block, o, std::make_integer_sequence<int, Dec::kElems / 32>{});
+  } else {
+    const auto state = BlockState<Dec>::make(block);
+    for (int64_t r = 0; r < L.elems / 32; ++r) store_run(o + 32 * r, decode_v(Dec{}, state, block, static_cast<int>(r)));
+  }
+}
 template <typename Dec, typename T>
 static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, T* out) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * L.row_bytes;
-    T* o = out + (n - n0) * K;
     prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
-    for (int64_t b = 0, k = 0; k < K; ++b) {
-      const uint8_t* block = row + b * L.bytes;
-      if constexpr (Dec::kElems > 0) {
-        store_block<Dec>(block, o + k, std::make_integer_sequence<int, Dec::kElems / 32>{});
-        k += Dec::kElems;
-      } else {
-        const auto state = BlockState<Dec>::make(block);
-        for (int64_t r = 0; r < L.elems / 32; ++r, k += 32) store_run(o + k, decode_v(Dec{}, state, block, static_cast<int>(r)));
-      }
-    }
+    for (int64_t b = 0; b < K / L.elems; ++b) decode_block<Dec>(row + b * L.bytes, L, out + (n - n0) * K + b * L.elems);
   }
 }
 #else
@@ -428,6 +434,106 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
         for (int i = 0; i < 32; ++i) o[k + i] = static_cast<T>(wv[i]);
       }
   }
+}
+#endif
+
+#ifdef __AVX512F__
+// ---- kFusedRows < M <= kOuterRows rows of x in fp32 (fp32 activations, or bf16 ones without AMX) -----------
+// The fused path decodes every weight again per 8 rows of x and pays a horizontal sum per output; the GEMM
+// path writes W out as a panel that oneDNN reorders at every call (SmolLM2's Q4_1 decode step: 25 ms at
+// batch 8, 60 ms at 9). Here a thread takes 32 rows of W at a time, decodes them once (the fused path's
+// values) into a k-major panel [K][32] (k_major), and multiplies it by x's rows kOuterTile at a time as outer
+// products: acc[m] (32 outputs in two vectors) += W^T[k] * x[m][k], x broadcast. K a multiple of 32.
+constexpr int kOuterTile = 12;  // 24 accumulators + 2 weight vectors + a broadcast: within 32 registers
+
+// Rows [n0, n0 + n) of W (n <= 32) -> panel [K][32] fp32 (k-major; 0 past n): each block of 16 rows is
+// decoded into an L1 scratch [16][L.elems] and turned by 16 x 16 transposes
+template <typename Dec>
+static void k_major(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int n, float* panel, float* scratch) {
+  for (int h = 0; h < 2; ++h) {
+    const int rows = std::max(0, std::min(16, n - 16 * h));
+    for (int64_t b = 0; b < K / L.elems; ++b) {
+      for (int j = 0; j < rows; ++j) {
+        const uint8_t* row = w + (n0 + 16 * h + j) * L.row_bytes;
+        decode_block<Dec>(row + b * L.bytes, L, scratch + j * L.elems);
+      }
+      for (int64_t c = 0; c < L.elems; c += 16) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = j < rows ? _mm512_loadu_si512(scratch + j * L.elems + c) : _mm512_setzero_si512();
+        transpose16(r);  // r[i]: input b * L.elems + c + i of the 16 rows
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(panel + (b * L.elems + c + i) * 32 + 16 * h, r[i]);
+      }
+    }
+  }
+}
+
+// y row m, outputs [n0, n0 + 16) under mask (+ bias), in y's dtype (bf16 rounded to nearest even, as torch's)
+static inline void put_row16(const Out& y, int64_t m, int64_t n0, __mmask16 mask, __m512 v) {
+  if (y.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y.bias + n0));
+  if (y.f) {
+    _mm512_mask_storeu_ps(y.f + m * y.ld + n0, mask, v);
+    return;
+  }
+#ifdef __AVX512BF16__
+  _mm256_mask_storeu_epi16(y.b + m * y.ld + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  alignas(64) float o[16];
+  _mm512_store_ps(o, v);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) y.b[m * y.ld + n0 + i] = c10::BFloat16(o[i]);
+#endif
+}
+
+// y rows [m0, m0 + MT), outputs [n0, n0 + n) = x rows . the k-major panel of those n rows of W; asks for
+// pf_lines cache lines from pf into L2 on the way (the next rows of W: cold, the loop stalled on them)
+template <int MT>
+static void outer_tile(const float* x, int64_t K, const float* panel, int64_t m0, int64_t n0, int n, const Out& y,
+                       const uint8_t* pf, int64_t pf_lines) {
+  __m512 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const float* xr = x + m0 * K;
+  int64_t pf_acc = 0;
+  for (int64_t k = 0; k < K; ++k) {  // each output's sum in k's order, as a GEMM's inner kernel runs it
+    for (pf_acc += pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch((const char*)pf, _MM_HINT_T1);
+    const __m512 w0 = _mm512_loadu_ps(panel + 32 * k), w1 = _mm512_loadu_ps(panel + 32 * k + 16);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xb = _mm512_set1_ps(xr[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(w0, xb, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    put_row16(y, m0 + m, n0, mask16(n), acc[m][0]);
+    if (n > 16) put_row16(y, m0 + m, n0 + 16, mask16(n - 16), acc[m][1]);
+  }
+}
+
+template <int... T>
+static void outer_rows(int mt, const float* x, int64_t K, const float* panel, int64_t m0, int64_t n0, int n,
+                       const Out& y, const uint8_t* pf, int64_t pf_lines, std::integer_sequence<int, T...>) {
+  ((mt == T + 1 ? outer_tile<T + 1>(x, K, panel, m0, n0, n, y, pf, pf_lines) : void()), ...);  // mt in 1..kOuterTile
+}
+
+template <typename Dec>
+static void outer(const float* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
+  const int64_t groups = (N + 31) / 32;
+  at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
+    static thread_local std::vector<float> scratch, panel;
+    scratch.resize(static_cast<size_t>(16 * L.elems));
+    panel.resize(static_cast<size_t>(32 * K));
+    for (int64_t g = a; g < b; ++g) {
+      const int64_t n0 = 32 * g;
+      const int n = static_cast<int>(std::min<int64_t>(32, N - n0));
+      k_major<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kOuterTile) {
+        const int mt = static_cast<int>(std::min<int64_t>(kOuterTile, M - m0));
+        // the first tile asks for the next group's rows into L2, spread over its k loop
+        const int64_t lines = m0 == 0 && n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
+        outer_rows(mt, x, K, panel.data(), m0, n0, n, y, w + (n0 + 32) * L.row_bytes, lines,
+                   std::make_integer_sequence<int, kOuterTile>{});
+      }
+    }
+  });
 }
 #endif
 
@@ -674,12 +780,7 @@ static inline void amx_store(int h, int64_t t, int rows, int64_t M, int64_t g, c
   for (int64_t m = 16 * t; m < std::min(M, 16 * t + 16); ++m) {
     alignas(64) float col[16];
     for (int i = 0; i < 16; ++i) col[i] = c[i][m - 16 * t];
-    const int64_t n0 = g + 16 * h;
-    const __mmask16 mask = static_cast<__mmask16>((1u << rows) - 1);
-    __m512 v = _mm512_load_ps(col);
-    if (y.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, y.bias + n0));
-    if (y.f) _mm512_mask_storeu_ps(y.f + m * y.ld + n0, mask, v);
-    else _mm256_mask_storeu_epi16(y.b + m * y.ld + n0, mask, (__m256i)_mm512_cvtneps_pbh(v));  // RNE, as torch's
+    put_row16(y, m, g + 16 * h, mask16(rows), _mm512_load_ps(col));
   }
 }
 
@@ -810,8 +911,18 @@ static Out out_for(at::Tensor& y, const at::Tensor& bias_f) {
   return out;
 }
 
-// Decode sizes (M <= kFusedRows, or up to kAmxRows on AMX) and bf16 prefill up to kAmxWideRows on AMX: the
-// kernels that stream W once, into y; false where none applies (the GEMM path takes it).
+// Whether bf16 x runs on AMX tiles here (up to kAmxWideRows rows; past them oneDNN's GEMM, on AMX too)
+static bool bf16_on_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
+// The kernels that decode W once per call, into y: decode sizes (M <= kFusedRows), AMX for bf16 x up to
+// kAmxWideRows, outer products up to kOuterRows where AMX does not take x; false where none applies (then the
+// GEMM path: bf16 prefill past kAmxWideRows on AMX, and past kOuterRows).
 static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K, const Out& y) {
   const int64_t M = x.size(0), N = data.size(0);
   const uint8_t* w = data.data_ptr<uint8_t>();
@@ -820,6 +931,14 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
   if (bf16 && M >= 2 && M <= kAmxWideRows && amx_usable()) {
     const at::Tensor xb = x.contiguous();
     with_format(fmt, K, [&](auto dec, const Layout& L) { amx<decltype(dec)>(xb, w, L, N, K, y); });
+    return true;
+  }
+#endif
+#ifdef __AVX512F__
+  if (M > kFusedRows && M <= kOuterRows && !(bf16 && bf16_on_amx())) {
+    static thread_local std::vector<float> buf;
+    const float* xf = x_as_f32(x, buf);
+    with_format(fmt, K, [&](auto dec, const Layout& L) { outer<decltype(dec)>(xf, M, w, L, N, K, y); });
     return true;
   }
 #endif
@@ -844,7 +963,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
   const int64_t M = x.size(0), N = data.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
-  if (M <= std::max({kFusedRows, kAmxRows, kAmxWideRows})) {
+  if (M <= std::max({kFusedRows, kOuterRows, kAmxRows, kAmxWideRows})) {
     const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
     if (decode_sizes(x, data, fmt, K, out_for(y, bias_f))) return y;
   }
