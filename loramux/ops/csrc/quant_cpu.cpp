@@ -168,10 +168,16 @@ struct W32 {
 };
 static inline __m512i u8x16i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 static inline __m512 i8x16(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-static inline __m512 f16x16(const uint8_t* p) {  // the fp16 at p, broadcast (vpbroadcastw + vcvtph2ps)
-  uint16_t h;
+static inline __m512 f16x16(const uint8_t* p) {  // the fp16 at p, broadcast
+#ifdef __AVX512FP16__
+  __m512 r;  // one instruction, the broadcast folded into the load (the shuffle port stays free for the lookups)
+  asm("vcvtph2psx %1%{1to16%}, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint16_t*>(p)));
+  return r;
+#else
+  uint16_t h;  // vpbroadcastw + vcvtph2ps
   std::memcpy(&h, p, 2);
   return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+#endif
 }
 static inline W32 decode_v(Q8_0, const uint8_t* p, int) {
   const __m512 d = f16x16(p);
