@@ -1,7 +1,8 @@
 """One user alone (issue 19): loramux against llama.cpp on the same GGUF, in one run.
 
 Phases, each on one request at a time (--prompt-len random prompt tokens, --new-tokens greedy new tokens,
-ignore_eos), --repeats times, medians reported:
+ignore_eos), --repeats times, medians reported; the first three interleaved (each repeat runs each once, so a
+slow spell of a shared machine falls on all of them alike):
   loramux          LLM on the model (the embedded default: its Q4_1 GGUF, kept quantized as `loramux serve`
                    serves it; --quantization none: dequantized), no adapter
   loramux_lora     the same with one random PEFT adapter (rank 16, all 7 projections)
@@ -43,41 +44,47 @@ def summary(ttfts: list[float], decode: list[float]) -> dict:
             "runs_ttft_ms": [round(t * 1000, 1) for t in ttfts], "runs_decode_tok_s": [round(d, 1) for d in decode]}
 
 
-def loramux_alone(llm: LLM, prompt: list[int], adapter: str | None, args) -> dict:
-    """One request at a time through the engine's step loop: first token and the rest, timed apart."""
-    engine, params = llm.engine, SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    ttfts, decode = [], []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        engine.add_request(prompt, params, adapter)
-        first = last = None
-        while engine.has_unfinished_requests():
-            engine.step()
-            last = time.perf_counter()
-            first = first or last
-        ttfts.append(first - start)
-        decode.append((args.new_tokens - 1) / (last - first))
-    return summary(ttfts, decode)
+def loramux_once(llm: LLM, prompt: list[int], adapter: str | None, new_tokens: int) -> tuple[float, float]:
+    """One request through the engine's step loop: (time to first token, decode tok/s after it)."""
+    engine, params = llm.engine, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(prompt, params, adapter)
+    first = last = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        last = time.perf_counter()
+        first = first or last
+    return first - start, (new_tokens - 1) / (last - first)
 
 
-def llama_cpp_alone(gguf: str, prompt: list[int], args) -> dict:
+def llama_cpp_model(gguf: str, args):
     from llama_cpp import Llama
 
-    model = Llama(model_path=gguf, n_threads=torch.get_num_threads(), n_ctx=args.prompt_len + args.new_tokens + 8,
-                  verbose=False)
-    ttfts, decode = [], []
-    for _ in range(args.repeats + 1):  # the first run warms up
-        model.reset()
-        start = time.perf_counter()
-        first = None
-        for n, _token in enumerate(model.generate(prompt, temp=0.0), start=1):  # greedy; never stops on EOS itself
-            first = first or time.perf_counter()
-            if n == args.new_tokens:
-                break
-        last = time.perf_counter()
-        ttfts.append(first - start)
-        decode.append((args.new_tokens - 1) / (last - first))
-    return summary(ttfts[1:], decode[1:])
+    return Llama(model_path=gguf, n_threads=torch.get_num_threads(), n_ctx=args.prompt_len + args.new_tokens + 8,
+                 verbose=False)
+
+
+def llama_cpp_once(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    model.reset()
+    start = time.perf_counter()
+    first = None
+    for n, _token in enumerate(model.generate(prompt, temp=0.0), start=1):  # greedy; never stops on EOS itself
+        first = first or time.perf_counter()
+        if n == new_tokens:
+            break
+    return first - start, (new_tokens - 1) / (time.perf_counter() - first)
+
+
+def interleaved(phases: dict, repeats: int) -> dict:
+    """phases: name -> a function running one request, (ttft, decode). Each is warmed up once, then every
+    repeat runs every phase once, so a slow spell of the machine falls on all of them alike."""
+    for run in phases.values():
+        run()
+    runs = {name: [] for name in phases}
+    for _ in range(repeats):
+        for name, run in phases.items():
+            runs[name].append(run())
+    return {name: summary([t for t, _ in r], [d for _, d in r]) for name, r in runs.items()}
 
 
 def served_alone(args, model: str | None, tokenizer: str, adapter_dir: str, workdir: str) -> dict:
@@ -124,12 +131,13 @@ def main(argv: list[str] | None = None) -> None:
               max_model_len=args.prompt_len + args.new_tokens + 16, quantization=args.quantization)
     report["weight_mb"] = llm.engine.core.runner.weight_bytes / 2**20
     assert llm.load_adapter("a0", adapter_dir)
-    loramux_alone(llm, prompt, "a0", argparse.Namespace(new_tokens=4, repeats=1))  # warm-up (slot written too)
-    report["loramux"] = loramux_alone(llm, prompt, None, args)
-    report["loramux_lora"] = loramux_alone(llm, prompt, "a0", args)
-    del llm
+    phases = {"loramux": lambda: loramux_once(llm, prompt, None, args.new_tokens),
+              "loramux_lora": lambda: loramux_once(llm, prompt, "a0", args.new_tokens)}
     if not args.skip_llama_cpp:
-        report["llama_cpp"] = llama_cpp_alone(args.gguf or default_gguf_path(), prompt, args)
+        cpp = llama_cpp_model(args.gguf or default_gguf_path(), args)
+        phases["llama_cpp"] = lambda: llama_cpp_once(cpp, prompt, args.new_tokens)
+    report.update(interleaved(phases, args.repeats))
+    del llm, phases
     if not args.skip_served:
         report["served"] = served_alone(args, args.model, hf_dir, adapter_dir, workdir)
     report["load_after"] = cpu_load()
