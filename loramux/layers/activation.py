@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.ops import pointwise_torch
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(DirectCall, nn.Module):
     pointwise_ops = {"op": "silu_and_mul"}  # the model runner sets self.op to the backend's op of this name
 
     def __init__(self):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 
 _HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -42,7 +43,7 @@ class AttentionMetadata:
     chunk_context: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
-class Attention(nn.Module):
+class Attention(DirectCall, nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.layers.quantized import QuantizedLinear
 
 
@@ -19,7 +20,7 @@ class PackedLinear(nn.Linear):
         self.output_sizes = tuple(output_sizes)
 
 
-class PrepackedLinear(nn.Module):
+class PrepackedLinear(DirectCall, nn.Module):
     """A Linear whose weight lives in oneDNN's blocked layout, packed once at load (CPU only).
 
     At decode sizes (tens of rows) this runs the GEMM 1.2-2.4x faster than nn.Linear on this kind of

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.ops import pointwise_torch
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     pointwise_ops = {"op": "rms_norm", "add_op": "add_rms_norm"}  # set by the model runner from the backend
 
     def __init__(self, dim: int, eps: float = 1e-6):

@@ -13,11 +13,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.ops import quant_torch
 from loramux.ops.quant_torch import QuantizedWeight
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(DirectCall, nn.Module):
     quant_ops = {"op": "quantized_linear"}  # set by the model runner from the quantized-matmul backend
 
     def __init__(self, weights: Sequence[QuantizedWeight], bias: torch.Tensor | None, dtype: torch.dtype,

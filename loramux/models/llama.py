@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.layers.attention import Attention, AttentionMetadata
 from loramux.layers.linear import PackedLinear
 from loramux.layers.activation import SiluAndMul
@@ -25,7 +26,7 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCall, nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
 
     def __init__(self, config, intermediate_size: int | None = None):
@@ -68,7 +69,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -90,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DirectCall, nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

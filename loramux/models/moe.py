@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loramux.layers import DirectCall
 from loramux.ops import moe_torch
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
@@ -50,7 +51,7 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(DirectCall, nn.Module):
     """The experts of one block, stacked. op: the fused-experts op, set once by the model runner (moe_ops);
     lora: the per-slot expert LoRA a LoRA layer hands it for one forward pass (None: base)."""
 
@@ -68,7 +69,7 @@ class FusedExperts(nn.Module):
         return self.op(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, lora)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(DirectCall, nn.Module):
     def __init__(self, config, dense_mlp: type[nn.Module]):
         super().__init__()
         spec = moe_spec(config)
