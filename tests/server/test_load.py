@@ -13,12 +13,12 @@ from serving import make_files, metric, start_server, stop, wait_until
 
 pytestmark = pytest.mark.slow
 CLIENTS = 200
-LONG = 224  # a leaving client's request: long enough that it cannot end before its client reads two chunks
+LONG = 2000  # a leaving client's request: long enough that it cannot end before its client reads two chunks
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    files = make_files(tmp_path_factory)
+    files = make_files(tmp_path_factory, max_position_embeddings=LONG + 16)  # (a busy client reads late)
     proc, url = start_server(files, "--max-pending-requests", "160", "--max-num-seqs", "32", "--max-model-len", str(LONG + 16))
     allowed = files["allowed"]
     for i, runtime in enumerate(["new", "other", "v2", "new", "other"]):
