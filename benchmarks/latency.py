@@ -57,11 +57,13 @@ def loramux_once(llm: LLM, prompt: list[int], adapter: str | None, new_tokens: i
     return first - start, (new_tokens - 1) / (last - first)
 
 
-def llama_cpp_model(gguf: str, args):
+def llama_cpp_phase(gguf: str, prompt: list[int], args):
+    """llama.cpp on the GGUF file, loaded once: a function running one request (the model lives as long as it)."""
     from llama_cpp import Llama
 
-    return Llama(model_path=gguf, n_threads=torch.get_num_threads(), n_ctx=args.prompt_len + args.new_tokens + 8,
-                 verbose=False)
+    model = Llama(model_path=gguf, n_threads=torch.get_num_threads(), n_ctx=args.prompt_len + args.new_tokens + 8,
+                  verbose=False)
+    return lambda: llama_cpp_once(model, prompt, args.new_tokens)
 
 
 def llama_cpp_once(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
@@ -134,10 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     phases = {"loramux": lambda: loramux_once(llm, prompt, None, args.new_tokens),
               "loramux_lora": lambda: loramux_once(llm, prompt, "a0", args.new_tokens)}
     if not args.skip_llama_cpp:
-        cpp = llama_cpp_model(args.gguf or default_gguf_path(), args)
-        phases["llama_cpp"] = lambda: llama_cpp_once(cpp, prompt, args.new_tokens)
+        phases["llama_cpp"] = llama_cpp_phase(args.gguf or default_gguf_path(), prompt, args)
     report.update(interleaved(phases, args.repeats))
-    del llm, phases
+    del llm, phases  # both engines freed before the served phase
     if not args.skip_served:
         report["served"] = served_alone(args, args.model, hf_dir, adapter_dir, workdir)
     report["load_after"] = cpu_load()

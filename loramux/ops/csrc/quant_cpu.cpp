@@ -531,11 +531,11 @@ static void outer(const float* x, int64_t M, const uint8_t* w, const Layout& L, 
       const int64_t n0 = 32 * g;
       const int n = static_cast<int>(std::min<int64_t>(32, N - n0));
       k_major<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
+      // the first tile asks for the next group's rows into L2, spread over its k loop
+      const int64_t lines = n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
       for (int64_t m0 = 0; m0 < M; m0 += kOuterTile) {
         const int mt = static_cast<int>(std::min<int64_t>(kOuterTile, M - m0));
-        // the first tile asks for the next group's rows into L2, spread over its k loop
-        const int64_t lines = m0 == 0 && n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
-        outer_rows(mt, x, K, panel.data(), m0, n0, n, y, w + (n0 + 32) * L.row_bytes, lines,
+        outer_rows(mt, x, K, panel.data(), m0, n0, n, y, w + (n0 + 32) * L.row_bytes, m0 == 0 ? lines : 0,
                    std::make_integer_sequence<int, kOuterTile>{});
       }
     }
@@ -941,14 +941,11 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
   }
 #endif
 #ifdef __AVX512F__
-  if (M > kFusedRows && M <= kOuterRows && !(bf16 && bf16_on_amx())) {
-    static thread_local std::vector<float> buf;
-    const float* xf = x_as_f32(x, buf);
-    with_format(fmt, K, [&](auto dec, const Layout& L) { outer<decltype(dec)>(xf, M, w, L, N, K, y); });
-    return true;
-  }
+  const bool by_outer = M > kFusedRows && M <= kOuterRows && !(bf16 && bf16_on_amx());
+#else
+  const bool by_outer = false;
 #endif
-  if (M > kFusedRows) return false;
+  if (M > kFusedRows && !by_outer) return false;
   with_format(fmt, K, [&](auto dec, const Layout& L) {
     using Dec = decltype(dec);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -957,7 +954,11 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
     }
 #endif
     static thread_local std::vector<float> buf;
-    fused<Dec>(x_as_f32(x, buf), M, w, L, N, K, y);
+    const float* xf = x_as_f32(x, buf);
+#ifdef __AVX512F__
+    if (by_outer) return outer<Dec>(xf, M, w, L, N, K, y);
+#endif
+    fused<Dec>(xf, M, w, L, N, K, y);
   });
   return true;
 }
