@@ -6,6 +6,8 @@ slow spell of a shared machine falls on all of them alike):
   loramux          LLM on the model (the embedded default: its Q4_1 GGUF, kept quantized as `loramux serve`
                    serves it; --quantization none: dequantized), no adapter
   loramux_lora     the same with one random PEFT adapter (rank 16, all 7 projections)
+  loramux_lora_bf16  the same with the adapter's weights in bf16 (--lora-dtype bfloat16), where the model runs in
+                   fp32 (a GGUF's default): a second engine in the same process
   llama_cpp        llama-cpp-python on the same GGUF file (quantized, as llama.cpp runs it), same threads
   served           `loramux serve` with that adapter, driven by vLLM's load generator (`vllm bench serve`,
                    --max-concurrency 1): one streaming client
@@ -103,6 +105,13 @@ def served_alone(args, model: str | None, tokenizer: str, adapter_dir: str, work
             "decode_tok_s": 1000 / result["p50_tpot_ms"], "p99_tpot_ms": result["p99_tpot_ms"]}
 
 
+def engine_with_adapter(args, adapter_dir: str, lora_dtype: str) -> LLM:
+    llm = LLM(model=args.model, lora=LoRAConfig(max_loras=1, max_lora_rank=16, lora_dtype=lora_dtype), dtype=args.dtype,
+              max_num_seqs=1, max_model_len=args.prompt_len + args.new_tokens + 16, quantization=args.quantization)
+    assert llm.load_adapter("a0", adapter_dir)
+    return llm
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or GGUF (default: the embedded SmolLM2, from its "
@@ -129,16 +138,17 @@ def main(argv: list[str] | None = None) -> None:
     report = {"model": os.path.basename((args.model or default_gguf_path()).rstrip("/")), "dtype": args.dtype,
               "quantization": args.quantization, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "threads": torch.get_num_threads(), "load_before": cpu_load()}
-    llm = LLM(model=args.model, lora=LoRAConfig(max_loras=1, max_lora_rank=16), dtype=args.dtype, max_num_seqs=1,
-              max_model_len=args.prompt_len + args.new_tokens + 16, quantization=args.quantization)
+    llm = engine_with_adapter(args, adapter_dir, "auto")
     report["weight_mb"] = llm.engine.core.runner.weight_bytes / 2**20
-    assert llm.load_adapter("a0", adapter_dir)
     phases = {"loramux": lambda: loramux_once(llm, prompt, None, args.new_tokens),
               "loramux_lora": lambda: loramux_once(llm, prompt, "a0", args.new_tokens)}
+    if llm.engine.core.runner.dtype == torch.float32:
+        llm_bf16 = engine_with_adapter(args, adapter_dir, "bfloat16")
+        phases["loramux_lora_bf16"] = lambda: loramux_once(llm_bf16, prompt, "a0", args.new_tokens)
     if not args.skip_llama_cpp:
         phases["llama_cpp"] = llama_cpp_phase(args.gguf or default_gguf_path(), prompt, args)
     report.update(interleaved(phases, args.repeats))
-    del llm, phases  # both engines freed before the served phase
+    del llm, phases  # the engines freed before the served phase
     if not args.skip_served:
         report["served"] = served_alone(args, args.model, hf_dir, adapter_dir, workdir)
     report["load_after"] = cpu_load()
@@ -148,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def ratios(report: dict) -> dict:
     out = {"loramux_lora/loramux decode": report["loramux_lora"]["decode_tok_s"] / report["loramux"]["decode_tok_s"]}
+    if "loramux_lora_bf16" in report:
+        out["loramux_lora_bf16/loramux decode"] = (report["loramux_lora_bf16"]["decode_tok_s"]
+                                                   / report["loramux"]["decode_tok_s"])
     if "llama_cpp" in report:
         out["loramux/llama_cpp decode"] = report["loramux"]["decode_tok_s"] / report["llama_cpp"]["decode_tok_s"]
         out["loramux/llama_cpp ttft"] = report["loramux"]["ttft_ms"] / report["llama_cpp"]["ttft_ms"]
@@ -161,10 +174,10 @@ def print_report(report: dict) -> None:
     print(f"\n{report['model']} ({report['dtype']}), one request: {report['prompt_len']} prompt + "
           f"{report['new_tokens']} new tokens, {report['threads']} threads; load average "
           f"{report['load_before']:.2f} -> {report['load_after']:.2f}")
-    print(f"{'phase':<14}{'TTFT ms':>10}{'decode tok/s':>14}")
-    for phase in ("loramux", "loramux_lora", "llama_cpp", "served"):
+    print(f"{'phase':<18}{'TTFT ms':>10}{'decode tok/s':>14}")
+    for phase in ("loramux", "loramux_lora", "loramux_lora_bf16", "llama_cpp", "served"):
         if phase in report:
-            print(f"{phase:<14}{report[phase]['ttft_ms']:10.1f}{report[phase]['decode_tok_s']:14.1f}")
+            print(f"{phase:<18}{report[phase]['ttft_ms']:10.1f}{report[phase]['decode_tok_s']:14.1f}")
     for label, value in report["ratios"].items():
         print(f"  {label:<36}{value:6.2f}x")
     print(json.dumps(report))

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
+LORA_DTYPES = ("auto", "float32", "bfloat16")
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -33,6 +34,11 @@ class LoRAConfig:
     max_module_copies_bytes: int = 0
     """Bytes all loaded adapters' whole module copies (PEFT modules_to_save of embed_tokens / lm_head: one full
     table each) may take together; 0 = such adapters are refused. The modules must be in target_modules."""
+    lora_dtype: str = "auto"
+    """The linear layers' LoRA A/B in their slots (vLLM's lora_dtype): "auto" = the activations' dtype (exact);
+    "bfloat16" on a float32 model (a GGUF's default) halves the adapter bytes each decode step reads, and with
+    them most of an adapter's cost at batch 1; the math stays fp32 on the bf16-rounded weights. Embedding and
+    expert LoRA keep the activations' dtype."""
 
     def __post_init__(self) -> None:
         _check_positive("max_loras", self.max_loras)
@@ -42,6 +48,8 @@ class LoRAConfig:
             _check_positive("max_cpu_lora_bytes", self.max_cpu_lora_bytes)
         if not isinstance(self.max_module_copies_bytes, int) or self.max_module_copies_bytes < 0:
             raise ValueError(f"max_module_copies_bytes must be an integer >= 0, got {self.max_module_copies_bytes!r}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {', '.join(LORA_DTYPES)}; got {self.lora_dtype!r}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}): "

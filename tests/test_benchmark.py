@@ -51,10 +51,10 @@ def test_latency_reports_ttft_and_decode_speed_with_and_without_an_adapter(tmp_p
     module.main(["--model", model, "--dtype", "float32", "--prompt-len", "6", "--new-tokens", "4", "--repeats", "2",
                  "--skip-llama-cpp", "--skip-served"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for phase in ("loramux", "loramux_lora"):
+    for phase in ("loramux", "loramux_lora", "loramux_lora_bf16"):  # (fp32 model: bf16 LoRA weights too)
         assert report[phase]["ttft_ms"] > 0 and report[phase]["decode_tok_s"] > 0
         assert len(report[phase]["runs_decode_tok_s"]) == 2
-    assert set(report["ratios"]) == {"loramux_lora/loramux decode"}
+    assert set(report["ratios"]) == {"loramux_lora/loramux decode", "loramux_lora_bf16/loramux decode"}
 
 
 def test_moe_benchmark_reports_every_row_and_the_same_base_tokens_from_either_experts_op(tmp_path, capsys):

@@ -78,10 +78,10 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
     assert seen["engine"].batch_invariant is True
     assert (seen["engine"].quantization, seen["engine"].quantization_group_size) == ("int4", 64)
     main(["serve", "--lora-target-modules", "q_proj", "embed_tokens", "lm_head", "--max-module-copies-bytes", "1000",
-          "--max-cpu-lora-bytes", "5000000"])
+          "--max-cpu-lora-bytes", "5000000", "--lora-dtype", "bfloat16"])
     lora = seen["engine"].lora
     assert lora.targets == ("q_proj", "embed_tokens", "lm_head") and lora.max_module_copies_bytes == 1000
-    assert lora.max_cpu_lora_bytes == 5_000_000
+    assert lora.max_cpu_lora_bytes == 5_000_000 and lora.lora_dtype == "bfloat16"
 
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice"):
         main(["serve", "--tool-call-parser", "hermes"])

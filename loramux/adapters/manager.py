@@ -21,6 +21,7 @@ from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, 
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
+from loramux.layers import DirectCall
 from loramux.layers.lora import LoRAContext, LoRAEmbedding, LoRAExperts, LoRAHead, LoRALinear, PackedLoRALinear
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from loramux.models.moe import FusedExperts
@@ -114,8 +115,9 @@ class LoRAManager:
 
     def _wrap(self, name: str, base: nn.Module, sub_names: Sequence[str] | None) -> None:
         prefix, _, attr = name.rpartition(".")
+        lora_dtype = None if self.config.lora_dtype == "auto" else getattr(torch, self.config.lora_dtype)
         kw = dict(max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank, context=self.context,
-                  add_lora=self._add_lora)
+                  add_lora=self._add_lora, dtype=lora_dtype)
         if isinstance(base, (nn.Embedding, QuantizedEmbedding)) or attr in _OUTPUT_HEADS:
             self._base_weights[name] = _plain_weight(base)  # (before prepacking) for adapters' copies of it
         if isinstance(base, FusedExperts):  # an MoE block's experts: one layer, both 3D weights
@@ -136,6 +138,8 @@ class LoRAManager:
             modules = (name,)
         parent = self.model.get_submodule(prefix) if prefix else self.model
         parent.register_module(attr, layer)
+        if isinstance(layer, LoRALinear):  # called by the engine's own modules: no hook dispatch either
+            layer.direct_call = isinstance(parent, DirectCall)
         self._layers[name] = (layer, modules)
         for i, module in enumerate(modules):
             self._bindings[module] = _Binding(layer, i)

@@ -36,9 +36,15 @@ class LoRALinear(nn.Module):
         context: LoRAContext,
         add_lora: Callable[..., None],
         output_slices: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
     ):
+        """dtype: the slot buffers' (LoRAConfig.lora_dtype); None = the activations'. Only bf16 under fp32
+        activations differs: fp32 weights under bf16 activations would be rounded to bf16 in every product."""
         super().__init__()
         self.base = base
+        # True where the engine's own modules (layers.DirectCall) call this one, set by the LoRAManager: forward
+        # without nn.Module's hook dispatch, as theirs; in a plain HF model it stays False and hooks run
+        self.direct_call = False
         self.context = context
         self.add_lora = add_lora  # backend op, chosen once (ops.select_backend)
         self.max_rank = max_rank
@@ -47,7 +53,11 @@ class LoRALinear(nn.Module):
             raise ValueError(f"output slices {self.output_slices} do not add up to {base.out_features}")
         a_rows = len(self.output_slices) * max_rank
         ref = base.weight if isinstance(base, nn.Linear) else base  # a QuantizedLinear says its activations' dtype
-        kw = dict(dtype=ref.dtype, device=ref.device)
+        if dtype not in (None, ref.dtype) and (ref.dtype, dtype) != (torch.float32, torch.bfloat16):
+            raise ValueError(f"lora_dtype {str(dtype).removeprefix('torch.')} on a "
+                             f"{str(ref.dtype).removeprefix('torch.')} model: only bfloat16 LoRA weights under "
+                             "float32 activations are supported (or auto: the activations' dtype)")
+        kw = dict(dtype=dtype or ref.dtype, device=ref.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, a_rows, base.in_features, **kw), persistent=False)
         rank_major = torch.zeros(max_loras, max_rank, base.out_features, **kw)
         self.register_buffer("lora_b", rank_major.transpose(1, 2), persistent=False)  # [max_loras, out, max_rank]
@@ -62,6 +72,9 @@ class LoRALinear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.base.out_features
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs) if self.direct_call else super().__call__(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_lora(x, self.base(x))

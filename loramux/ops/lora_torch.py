@@ -12,6 +12,7 @@ and adds in place, for every token t whose slot s = mapping.token_slots[t] >= 0:
                  output rows of slice k use the shrunk rows [k*rank, (k+1)*rank):
                  y[t, rows_k] += lora_b[s, rows_k] @ (lora_a[s, k*rank:(k+1)*rank] @ x[t])
                  so B holds no zero blocks and is [max_loras, out, rank] whatever K is.
+  lora_a/lora_b may be bf16 under fp32 x and y (LoRAConfig.lora_dtype): the math is fp32 on their exact widening.
   slot_ranks:    a hint, [max_loras] int64 or None: the real rank of each slot (within every slice);
                  the rows/columns beyond it are zero, and an op may skip them.
 The results do not depend on the hint.
@@ -39,9 +40,9 @@ def add_lora_gathered(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=
     if rows.numel() == 0:
         return
     slots = mapping.token_slots[rows]
-    shrunk = torch.bmm(lora_a[slots], x[rows].unsqueeze(2))  # [n, K * rank, 1]
+    shrunk = torch.bmm(lora_a[slots].to(x.dtype), x[rows].unsqueeze(2))  # [n, K * rank, 1]
     for o0, o1, r0, r1 in slices_of(output_slices, lora_a, lora_b):
-        expanded = torch.bmm(lora_b[slots, o0:o1], shrunk[:, r0:r1]).squeeze(2)  # [n, o1 - o0]
+        expanded = torch.bmm(lora_b[slots, o0:o1].to(x.dtype), shrunk[:, r0:r1]).squeeze(2)  # [n, o1 - o0]
         y[:, o0:o1].index_add_(0, rows, expanded)
 
 
@@ -49,9 +50,9 @@ def add_lora_segmented(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices
     """Prefill-like form: one shrink GEMM and one expand GEMM per slice per run of tokens sharing a slot (SGMV)."""
     slices = slices_of(output_slices, lora_a, lora_b)
     for slot, start, end in mapping.segments:
-        shrunk = x[start:end] @ lora_a[slot].t()  # [run, K * rank]
+        shrunk = x[start:end] @ lora_a[slot].t().to(x.dtype)  # [run, K * rank]
         for o0, o1, r0, r1 in slices:
-            y[start:end, o0:o1].addmm_(shrunk[:, r0:r1], lora_b[slot, o0:o1].t())
+            y[start:end, o0:o1].addmm_(shrunk[:, r0:r1], lora_b[slot, o0:o1].t().to(x.dtype))
 
 
 FIXED_ROWS = 32
@@ -72,6 +73,6 @@ def add_lora_segmented_fixed_rows(y, x, lora_a, lora_b, mapping: LoRAMapping, ou
     and cheap in prefill (the gathered form copies every token's A and B)."""
     slices = slices_of(output_slices, lora_a, lora_b)
     for slot, start, end in mapping.segments:
-        shrunk = _fixed_rows_mm(x[start:end], lora_a[slot].t())  # [run, K * rank]
+        shrunk = _fixed_rows_mm(x[start:end], lora_a[slot].t().to(x.dtype))  # [run, K * rank]
         for o0, o1, r0, r1 in slices:
-            y[start:end, o0:o1] += _fixed_rows_mm(shrunk[:, r0:r1].contiguous(), lora_b[slot, o0:o1].t())
+            y[start:end, o0:o1] += _fixed_rows_mm(shrunk[:, r0:r1].contiguous(), lora_b[slot, o0:o1].t().to(x.dtype))

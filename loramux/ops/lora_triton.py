@@ -137,7 +137,7 @@ if triton is not None:
                          mask=(m[:, None] < count) & (i[None, :] < n_in), other=0.0)  # [BLOCK_M, BLOCK_K]
             at = tl.load(rows[None, :] + i[:, None] * sa_i,
                          mask=(r[None, :] < real) & (i[:, None] < n_in), other=0.0)  # [BLOCK_K, BLOCK_R]
-            acc = _dot(xt, at, acc, IEEE)
+            acc = _dot(xt, at.to(xt.dtype), acc, IEEE)  # (A may be bf16 under fp32 x: lora_dtype)
         out = h + tokens[:, None] * sh_t + k * rank + r[None, :]
         tl.store(out, _rounded(acc, h.dtype.element_ty, EMULATE), mask=(m[:, None] < count) & (r[None, :] < rank))
 
@@ -165,7 +165,7 @@ if triton is not None:
                          mask=(m[:, None] < count) & (r[None, :] < real), other=0.0)  # [BLOCK_M, BLOCK_R]
             bt = tl.load(b + s * sb_s + o[None, :] * sb_o + r[:, None] * sb_r,
                          mask=cols[None, :] & (r[:, None] < real), other=0.0)  # [BLOCK_R, BLOCK_N]
-            acc = _dot(ht, bt, acc, IEEE)
+            acc = _dot(ht, bt.to(ht.dtype), acc, IEEE)
         out = y + tokens[:, None] * sy_t + o[None, :] * sy_o
         keep = (m[:, None] < count) & (o[None, :] < n_out)
         total = tl.load(out, mask=keep, other=0.0).to(tl.float32) + acc

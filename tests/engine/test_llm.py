@@ -95,6 +95,35 @@ def test_mixed_batch_greedy_equals_hf_peft_alone(kind, backend, checkpoints):
     assert len({tuple(o.token_ids) for o in outputs}) > 5  # adapters really changed the outputs
 
 
+def test_bf16_lora_weights_under_fp32_activations_are_fp32_math_on_the_rounded_weights(checkpoints, tmp_path):
+    """lora_dtype="bfloat16" on an fp32 model: slots hold A and B in bf16, the math stays fp32. An adapter whose
+    weights are bf16 numbers (scaling a power of two, so B * scaling is one too) therefore gives exactly the
+    tokens of HF + PEFT in fp32, mixed with base rows and an fp32-exact adapter in one batch."""
+    from safetensors.torch import load_file, save_file
+
+    from loramux.layers.lora import LoRALinear
+
+    base, path, adapters = checkpoints["llama"]
+    rounded = save_peft_adapter(base, tmp_path / "bf16", seed=7, r=8, lora_alpha=16)
+    weights = load_file(f"{rounded}/adapter_model.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in weights.items()}, f"{rounded}/adapter_model.safetensors")
+    llm = make_llm(path, {"bf16": rounded, "r4": adapters["r4"]},
+                   lora=LoRAConfig(max_loras=2, max_lora_rank=64, lora_dtype="bfloat16"))
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(m.lora_a.dtype == m.lora_b.dtype == torch.bfloat16 for m in layers)
+    assert all(m.direct_call for m in layers)  # inside the engine's DirectCall modules: no hook dispatch
+    rows = ["bf16", None, "bf16", "r4"]
+    batch = prompts(len(rows), seed=5)
+    outputs = llm.generate(batch, GREEDY, adapters=rows)
+    for prompt, adapter, out in zip(batch[:3], rows, outputs):
+        assert out.token_ids == hf_greedy(base, {"bf16": rounded}.get(adapter), prompt, GREEDY.max_tokens)
+    with pytest.raises(ValueError, match="lora_dtype"):
+        LoRAConfig(lora_dtype="float16")
+    with pytest.raises(ValueError, match="only bfloat16 LoRA weights under float32"):
+        LLM(model=path, lora=LoRAConfig(max_loras=1, max_lora_rank=8, lora_dtype="float32"), dtype="bfloat16",
+            kv_cache_memory=2**22)
+
+
 def test_rows_keep_their_order_unless_the_lora_op_wants_them_grouped():
     slots = [2, -1, 0, 2, -1]
     assert batch_order(slots, grouped=False) == [0, 1, 2, 3, 4]

@@ -79,3 +79,16 @@ def test_slot_ranks_track_the_largest_real_rank_per_slot():
     packed.set_slot(1, [None, torch.randn(3, 16), None], [None, torch.randn(4, 3), None])  # rewrite: not a max
     packed.clear_slot(0)
     assert packed.slot_ranks.tolist() == [0, 3, 0]
+
+
+def test_hooks_run_unless_the_layer_is_called_directly():
+    """In a plain HF model the LoRA layer keeps nn.Module's call, so users' hooks run; inside the engine's own
+    modules (layers.DirectCall; the LoRAManager sets direct_call) it calls forward without the dispatch."""
+    calls = []
+    layer = make(nn.Linear(8, 4))
+    layer.register_forward_hook(lambda *_: calls.append("hook"))
+    y = layer(torch.randn(2, 8))
+    assert calls == ["hook"] and not layer.direct_call
+    layer.direct_call = True
+    assert torch.equal(layer(torch.ones(2, 8)), layer.forward(torch.ones(2, 8))) and calls == ["hook"]
+    assert y.shape == (2, 4)

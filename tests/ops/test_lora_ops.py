@@ -10,6 +10,7 @@ import torch
 from conftest import backend_params
 from loramux.ops import BACKENDS, LoRAMapping, RowSlots, UniformSlot, lora_cpu
 from loramux.ops.cpu_extension import load_extension
+from loramux.ops.lora_torch import add_lora_gathered
 from loramux.ops.mapping import segments_of
 
 
@@ -81,22 +82,27 @@ def block_diagonal(lora_b, slices):
     return full
 
 
+# (activations, LoRA weights, tolerance): bf16 weights under fp32 activations are LoRAConfig.lora_dtype="bfloat16"
+DTYPES = [(torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 3e-2),
+          (torch.float32, torch.bfloat16, 1e-5)]
+
+
 @pytest.mark.parametrize("backend", backend_params(BACKENDS, lora_cpu.available))
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, wdtype, atol", DTYPES)
 @pytest.mark.parametrize("rank", [4, 5])  # bf16: the kernel's expand pairs rank rows; odd ranks end on half a pair
 @pytest.mark.parametrize("per_slot", [1, 4, 11])  # the kernel's token tiles: 1, 4, 8 + 3
 @pytest.mark.parametrize("with_ranks", [False, True])
-def test_packed_output_slices(backend, dtype, atol, rank, per_slot, with_ranks):
+def test_packed_output_slices(backend, dtype, wdtype, atol, rank, per_slot, with_ranks):
     """A packed layer (q|k|v): one shrink over K*rank rows of A; B [slots, out, rank] holds each slice's rows."""
     torch.manual_seed(1)
     slices, n_in, num_slots = (40, 16, 24), 32, 3
     ranks = [rank, rank - 2, 0] if with_ranks else [rank] * num_slots
-    lora_a = torch.zeros(num_slots, 3 * rank, n_in, dtype=dtype)
-    lora_b = torch.zeros(num_slots, sum(slices), rank, dtype=dtype)
+    lora_a = torch.zeros(num_slots, 3 * rank, n_in, dtype=wdtype)
+    lora_b = torch.zeros(num_slots, sum(slices), rank, dtype=wdtype)
     for slot, r in enumerate(ranks):
         for k in range(3):
-            lora_a[slot, k * rank : k * rank + r] = torch.randn(r, n_in, dtype=dtype) * 0.3
-        lora_b[slot, :, :r] = torch.randn(sum(slices), r, dtype=dtype) * 0.3
+            lora_a[slot, k * rank : k * rank + r] = torch.randn(r, n_in, dtype=wdtype) * 0.3
+        lora_b[slot, :, :r] = torch.randn(sum(slices), r, dtype=wdtype) * 0.3
     slots = [s for s in (0, 1, 2) for _ in range(per_slot)] + [-1]
     x = torch.randn(len(slots), n_in, dtype=dtype)
     mapping = LoRAMapping.from_slots(slots)
@@ -135,20 +141,20 @@ def test_slot_ranks_hint_on_zero_padded_slots(backend, dtype, atol):
 
 
 @pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("tokens_per_slot", [[4] * 8, [3, 5, 4, 4, 6, 2, 4, 4], [32], [29, 1, 1, 1]])
-def test_cpu_kernel_threaded_paths(dtype, atol, tokens_per_slot):
+@pytest.mark.parametrize("dtype, wdtype, atol", DTYPES)
+@pytest.mark.parametrize("tokens_per_slot", [[4] * 8, [3, 5, 4, 4, 6, 2, 4, 4], [32], [29, 1, 1, 1], [1], [2]])
+def test_cpu_kernel_threaded_paths(dtype, wdtype, atol, tokens_per_slot):
     """Big enough for two threads (the small tests above run on one): many slots, where each thread owns
     whole slots, and one slot or an uneven mix, where every slot is split over the threads."""
     torch.manual_seed(3)
     slices, n_in, max_rank = (96, 40, 40), 256, 16
     ranks = [max_rank if i % 2 == 0 else 7 for i in range(len(tokens_per_slot))]
-    lora_a = torch.zeros(len(ranks), 3 * max_rank, n_in, dtype=dtype)
-    lora_b = torch.zeros(len(ranks), sum(slices), max_rank, dtype=dtype)
+    lora_a = torch.zeros(len(ranks), 3 * max_rank, n_in, dtype=wdtype)
+    lora_b = torch.zeros(len(ranks), sum(slices), max_rank, dtype=wdtype)
     for slot, r in enumerate(ranks):
         for k in range(3):
-            lora_a[slot, k * max_rank : k * max_rank + r] = torch.randn(r, n_in, dtype=dtype) * 0.1
-        lora_b[slot, :, :r] = torch.randn(sum(slices), r, dtype=dtype) * 0.1
+            lora_a[slot, k * max_rank : k * max_rank + r] = torch.randn(r, n_in, dtype=wdtype) * 0.1
+        lora_b[slot, :, :r] = torch.randn(sum(slices), r, dtype=wdtype) * 0.1
     lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
     slots = [s for s, n in enumerate(tokens_per_slot) for _ in range(n)] + [-1, -1]
     slots = [slots[i] for i in torch.randperm(len(slots)).tolist()]
@@ -262,9 +268,14 @@ def test_cpu_kernel_with_a_smaller_openmp_team_than_torch_asks_for():
 
 
 @pytest.mark.skipif(not lora_cpu.available(), reason="needs the C++ CPU kernel")
-def test_cpu_kernel_names_the_layout_it_needs():
+def test_cpu_kernel_copies_a_b_that_is_not_rank_major():
     ext = load_extension("lora_cpu")
-    lora_a, lora_b = torch.zeros(2, 4, 8), torch.zeros(2, 16, 4)  # out-major: the wrapper copies, the kernel refuses
-    with pytest.raises(RuntimeError, match="rank-major"):
-        ext.add_lora(torch.zeros(1, 16), torch.zeros(1, 8), lora_a, lora_b, torch.zeros(1, dtype=torch.long))
-    assert not lora_cpu.is_rank_major(lora_b) and lora_cpu.is_rank_major(lora_b.transpose(1, 2).contiguous().transpose(1, 2))
+    gen = torch.Generator().manual_seed(0)
+    lora_a, lora_b = torch.randn(2, 4, 8, generator=gen), torch.randn(2, 16, 4, generator=gen)  # out-major B
+    x, slots = torch.randn(3, 8, generator=gen), torch.tensor([1, -1, 0])
+    expected = torch.zeros(3, 16)
+    add_lora_gathered(expected, x, lora_a, lora_b, LoRAMapping(slots))
+    for b in (lora_b, lora_b.transpose(1, 2).contiguous().transpose(1, 2)):
+        y = torch.zeros(3, 16)
+        ext.add_lora(y, x, lora_a, b, slots)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

@@ -2,9 +2,11 @@
 //
 //   add_lora(y, x, lora_a, lora_b, token_slots, out_slices=[], slot_ranks=None)
 //     in-place, returns None
-//     x [N,in], y [N,out] (row stride may differ from width; unit column stride)
-//     lora_a [L,K*r,in] contiguous; lora_b [L,out,r] stored rank-major: strides (r*out, 1, out), i.e.
-//     lora_b.transpose(1, 2) is contiguous (LoRALinear allocates it so); token_slots [N] int64 in [-1,L)
+//     x [N,in], y [N,out] (row stride may differ from width; unit column stride); x, y, A, B all fp32, all bf16,
+//     or x, y fp32 with A, B bf16 (lora_dtype bf16 on an fp32 model: B's bytes halved, fp32 math on exact widenings)
+//     lora_a [L,K*r,in] contiguous; lora_b [L,out,r] read rank-major: strides (r*out, 1, out), i.e.
+//     lora_b.transpose(1, 2) contiguous (LoRALinear allocates it so; any other layout is copied per call);
+//     token_slots [N] int64 in [-1,L)
 //     K = len(out_slices) (1 if empty); output rows of slice k use the shrunk rows [k*r, (k+1)*r):
 //     y[t, rows_k] += lora_b[s, rows_k] @ (lora_a[s, k*r:(k+1)*r] @ x[t])   for s = token_slots[t] >= 0
 //     slot_ranks: optional int64 [L], real rank r_s <= r of each slot (zero-padded adapters): only A rows
@@ -83,15 +85,31 @@ static inline void store_sums_4x4(__m512 (&acc)[4][4], float* const* hp) {
   _mm_storeu_ps(hp[3], _mm512_extractf32x4_ps(r, 3));
 }
 
-// h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows
-template <typename T, int TT, int RT>
-static inline void shrink_tile(const T* const* xp, const T* ap, int64_t in, float* const* hp) {
-  const T* arows[RT];
+// fp32 x rows against A rows of W (fp32, or bf16 widened exactly: lora_dtype bf16 on an fp32 model), 16 lanes a step:
+//   acc[t][j] += x[t][d : d+16] * A[j][d : d+16]
+template <int TT, int RT, typename W>
+static inline void dot_rows_f32(const float* const* xp, const W* const* arows, int64_t in, __m512 (&acc)[TT][RT]) {
+  for (int64_t d = 0; d < in; d += 16) {
+    const __mmask16 m = mask16(in - d);
+    __m512 av[RT];
+    for (int j = 0; j < RT; ++j) av[j] = load16(arows[j] + d, m);
+    for (int t = 0; t < TT; ++t) {
+      const __m512 xv = load16(xp[t] + d, m);
+      for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_fmadd_ps(xv, av[j], acc[t][j]);
+    }
+  }
+}
+
+// h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows (x: T; A: W, = T or bf16 under fp32 x)
+template <typename T, typename W, int TT, int RT>
+static inline void shrink_tile(const T* const* xp, const W* ap, int64_t in, float* const* hp) {
+  const W* arows[RT];
   for (int j = 0; j < RT; ++j) arows[j] = ap + j * in;
   __m512 acc[TT][RT];
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_setzero_ps();
-  dot_tile(xp, arows, in, acc);
+  if constexpr (std::is_same<T, float>::value) dot_rows_f32(xp, arows, in, acc);
+  else dot_tile(xp, arows, in, acc);  // bf16 x and A: vdpbf16ps over pairs
   if constexpr (TT == 4 && RT == 4) {
     store_sums_4x4(acc, hp);
   } else {
@@ -100,38 +118,52 @@ static inline void shrink_tile(const T* const* xp, const T* ap, int64_t in, floa
   }
 }
 
-template <typename T, int TT>
-static inline void shrink_rt(int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp) {
+template <typename T, typename W, int TT>
+static inline void shrink_rt(int rt, const T* const* xp, const W* ap, int64_t in, float* const* hp) {
   switch (rt) {
-    case 4: shrink_tile<T, TT, 4>(xp, ap, in, hp); break;
-    case 3: shrink_tile<T, TT, 3>(xp, ap, in, hp); break;
-    case 2: shrink_tile<T, TT, 2>(xp, ap, in, hp); break;
-    default: shrink_tile<T, TT, 1>(xp, ap, in, hp); break;
+    case 4: shrink_tile<T, W, TT, 4>(xp, ap, in, hp); break;
+    case 3: shrink_tile<T, W, TT, 3>(xp, ap, in, hp); break;
+    case 2: shrink_tile<T, W, TT, 2>(xp, ap, in, hp); break;
+    default: shrink_tile<T, W, TT, 1>(xp, ap, in, hp); break;
   }
 }
-template <typename T>
-static inline void shrink_dispatch(int tt, int rt, const T* const* xp, const T* ap, int64_t in, float* const* hp) {
+template <typename T, typename W>
+static inline void shrink_dispatch(int tt, int rt, const T* const* xp, const W* ap, int64_t in, float* const* hp) {
   switch (tt) {
-    case 4: shrink_rt<T, 4>(rt, xp, ap, in, hp); break;
-    case 3: shrink_rt<T, 3>(rt, xp, ap, in, hp); break;
-    case 2: shrink_rt<T, 2>(rt, xp, ap, in, hp); break;
-    default: shrink_rt<T, 1>(rt, xp, ap, in, hp); break;
+    case 4: shrink_rt<T, W, 4>(rt, xp, ap, in, hp); break;
+    case 3: shrink_rt<T, W, 3>(rt, xp, ap, in, hp); break;
+    case 2: shrink_rt<T, W, 2>(rt, xp, ap, in, hp); break;
+    default: shrink_rt<T, W, 1>(rt, xp, ap, in, hp); break;
   }
 }
 
 
 // ---------------------------------------------------------------- expand
-// fp32: y[t, 16 outputs] += sum_r h[t][r] * b[r * ld + 0:16]   for TJ tokens (b: rank-major B at the block)
-template <int TJ>
-static inline void expand_tile_f32(const float* bt, int64_t ld, int64_t rw, const float* const* hp, float* const* yp,
+// fp32: y[t, 16 outputs] += sum_r h[t][r] * b[r * ld + 0:16]   for TJ tokens (b: rank-major B at the block, fp32
+// or bf16 widened). With one or two tokens the rank sum is split over S partial sums (r mod S): S independent
+// FMA chains instead of one rank-long chain of FMA latencies (batch-1 decode)
+template <int TJ, typename W>
+static inline void expand_tile_f32(const W* bt, int64_t ld, int64_t rw, const float* const* hp, float* const* yp,
                                    __mmask16 om) {
-  __m512 acc[TJ];
-  for (int j = 0; j < TJ; ++j) acc[j] = _mm512_setzero_ps();
-  for (int64_t r = 0; r < rw; ++r) {
-    __m512 b = load16(bt + r * ld, om);
-    for (int j = 0; j < TJ; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r]), b, acc[j]);
+  constexpr int S = TJ == 1 ? 4 : TJ == 2 ? 2 : 1;
+  __m512 acc[S][TJ];
+  for (int k = 0; k < S; ++k)
+    for (int j = 0; j < TJ; ++j) acc[k][j] = _mm512_setzero_ps();
+  int64_t r = 0;
+  for (; r + S <= rw; r += S)
+    for (int k = 0; k < S; ++k) {
+      const __m512 b = load16(bt + (r + k) * ld, om);
+      for (int j = 0; j < TJ; ++j) acc[k][j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r + k]), b, acc[k][j]);
+    }
+  for (; r < rw; ++r) {
+    const __m512 b = load16(bt + r * ld, om);
+    for (int j = 0; j < TJ; ++j) acc[0][j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r]), b, acc[0][j]);
   }
-  for (int j = 0; j < TJ; ++j) store16(yp[j], _mm512_add_ps(load16(yp[j], om), acc[j]), om);
+  for (int j = 0; j < TJ; ++j) {
+    __m512 sum = acc[0][j];
+    for (int k = 1; k < S; ++k) sum = _mm512_add_ps(sum, acc[k][j]);
+    store16(yp[j], _mm512_add_ps(load16(yp[j], om), sum), om);
+  }
 }
 
 // bf16: y[t, 32 outputs] += sum_r h[t][r] * b[r * ld + 0:32] with h rounded to bf16 (as a bf16 reference
@@ -165,8 +197,8 @@ static inline void expand_tile_bf16(const bf16raw* bt, int64_t ld, int64_t rw, c
   }
 }
 
-template <typename T, typename H, typename M>
-static inline void expand_dispatch(int tj, const T* bt, int64_t ld, int64_t rw, const H* const* hp, T* const* yp, M om) {
+template <typename T, typename W, typename H, typename M>
+static inline void expand_dispatch(int tj, const W* bt, int64_t ld, int64_t rw, const H* const* hp, T* const* yp, M om) {
 #define LORA_EXPAND_CASE(n) \
   case n: \
     if constexpr (std::is_same<T, float>::value) expand_tile_f32<n>(bt, ld, rw, hp, yp, om); \
@@ -498,8 +530,9 @@ static void amx_groups(const Plan& pl, const AmxCall& a, int nth) {
 }
 #endif
 
-template <typename T>
-static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, const T* B,
+// T: x and y; W: A and B (T, or bf16 under fp32 activations)
+template <typename T, typename W>
+static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const W* A, const W* B,
                           const int64_t* slots, int64_t N, int64_t in, int64_t out, int64_t L, int64_t R,
                           int64_t K, const int64_t* ranks, const std::vector<int64_t>& out_slices) {
   constexpr bool kF32 = std::is_same<T, float>::value;
@@ -539,7 +572,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   float* hbuf = pl.h.data();
   bf16raw* hbbuf = pl.hb.data();
   const int64_t B_slot = RK * out;
-  const int64_t row_bytes = in * (int64_t)sizeof(T), out_bytes = out * (int64_t)sizeof(T);
+  const int64_t row_bytes = in * (int64_t)sizeof(W), out_bytes = out * (int64_t)sizeof(W);
 
   // where a shrink item's A rows and a group's B start: both what the arithmetic reads and what the
   // cursor prefetches
@@ -547,7 +580,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   auto b_slot = [&](const Group& gr) { return B + gr.slot * B_slot; };
   auto item_lines = [&](int64_t it) { return lines_of(items[it].rt * row_bytes); };
   auto block_lines = [&](int64_t g, int64_t ob) {
-    return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(T));
+    return groups[g].rank * lines_of(blocks[ob].nrows * (int64_t)sizeof(W));
   };
   // Loops run token tiles outside, items / blocks inside: a prefill group's A rows (<= ~110 KB) and B
   // columns stay in L2 across its tiles while x and y are each walked once, row by row (blocks outside
@@ -569,7 +602,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
         if (p0 == 0) cur.advance(item_lines(it));
         float* hp[4];
         for (int i = 0; i < tt; ++i) hp[i] = hrow[i] + si.r0;
-        shrink_dispatch<T>(tt, si.rt, xp, a_rows(si), in, hp);
+        shrink_dispatch<T, W>(tt, si.rt, xp, a_rows(si), in, hp);
       }
     }
   };
@@ -585,7 +618,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   if constexpr (kF32) hsrc = hbuf; else hsrc = hbbuf;
   auto expand_blocks = [&](Cursor& cur, int64_t g, int64_t ob0, int64_t ob1) {  // output blocks [ob0, ob1)
     const Group& gr = groups[g];
-    const T* bslot = b_slot(gr);
+    const W* bslot = b_slot(gr);
     for (int64_t p0 = 0; p0 < gr.len; p0 += 8) {
       const int tj = (int)std::min<int64_t>(8, gr.len - p0);
       T* yrow[8];
@@ -600,8 +633,8 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
         T* yp[8];
         const H* hp[8];
         for (int i = 0; i < tj; ++i) yp[i] = yrow[i] + eb.o0, hp[i] = hrow[i] + eb.rlo;
-        if constexpr (kF32) expand_dispatch<T>(tj, bslot + eb.o0, out, gr.rank, hp, yp, mask16(eb.nrows));
-        else expand_dispatch<T>(tj, bslot + eb.o0, out, gr.rank, hp, yp, mask32(eb.nrows));
+        if constexpr (kF32) expand_dispatch<T, W>(tj, bslot + eb.o0, out, gr.rank, hp, yp, mask16(eb.nrows));
+        else expand_dispatch<T, W>(tj, bslot + eb.o0, out, gr.rank, hp, yp, mask32(eb.nrows));
       }
     }
   };
@@ -610,7 +643,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const T* A, 
   auto add_columns = [&](Cursor& cur, const Group& gr, int64_t ob0, int64_t ob1) {
     if (ob0 >= ob1) return;
     const int64_t o0 = blocks[ob0].o0, o1 = blocks[ob1 - 1].o0 + blocks[ob1 - 1].nrows;
-    cur.add(b_slot(gr) + o0, gr.rank, out_bytes, lines_of((o1 - o0) * (int64_t)sizeof(T)));
+    cur.add(b_slot(gr) + o0, gr.rank, out_bytes, lines_of((o1 - o0) * (int64_t)sizeof(W)));
   };
   const int64_t* gbeg = pl.gbeg.empty() ? nullptr : pl.gbeg.data();
 
@@ -661,10 +694,11 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3 && token_slots.dim() == 1,
               "add_lora: bad ranks");
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu(), "add_lora: CPU only");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == y.scalar_type() && dt == lora_a.scalar_type() && dt == lora_b.scalar_type(),
-              "add_lora: dtype mismatch");
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "add_lora: fp32 or bf16 only");
+  // activations (x, y) and LoRA weights (A, B): both fp32, both bf16, or fp32 activations with bf16 weights
+  const auto dt = x.scalar_type(), wt = lora_a.scalar_type();
+  TORCH_CHECK(dt == y.scalar_type() && wt == lora_b.scalar_type(), "add_lora: x/y or lora_a/lora_b dtype mismatch");
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && (wt == dt || wt == at::kBFloat16),
+              "add_lora: fp32 or bf16 activations with LoRA weights of the same dtype or bf16; got ", dt, " and ", wt);
   TORCH_CHECK(token_slots.scalar_type() == at::kLong && token_slots.is_contiguous(), "add_lora: slots int64 contiguous");
   const int64_t N = x.size(0), in = x.size(1), out = y.size(1);
   const int64_t L = lora_a.size(0), R = lora_a.size(1);
@@ -679,8 +713,9 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   const int64_t K = (int64_t)out_slices.size();
   TORCH_CHECK(R % K == 0, "add_lora: lora_a's rows must be divisible by the number of out_slices");
   TORCH_CHECK(lora_b.size(1) == out && lora_b.size(2) == R / K, "add_lora: lora_b must be [L, out, R/K]");
-  TORCH_CHECK(lora_b.stride(0) == out * (R / K) && lora_b.stride(1) == 1 && (R / K == 1 || lora_b.stride(2) == out),
-              "add_lora: lora_b must be stored rank-major (lora_b.transpose(1, 2) contiguous)");
+  // rank-major B (LoRALinear's buffers are): any other layout is copied into it, per call
+  if (!(lora_b.stride(0) == out * (R / K) && lora_b.stride(1) == 1 && (R / K == 1 || lora_b.stride(2) == out)))
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2);
   // slot_ranks: real rank r_s <= R/K of each slot (adapters zero-padded to R/K per slice)
   torch::Tensor ranks_t;
   const int64_t* ranks = nullptr;
@@ -696,15 +731,18 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   int64_t total = 0;
   for (int64_t size : out_slices) total += size;
   TORCH_CHECK(total == out, "add_lora: out_slices must sum to out");
-  if (dt == at::kFloat) {
-    add_lora_impl<float>(y.data_ptr<float>(), y.stride(0), x.data_ptr<float>(), x.stride(0),
-                         lora_a.data_ptr<float>(), lora_b.data_ptr<float>(), sl, N, in, out, L, R, K, ranks, out_slices);
-  } else {
-    add_lora_impl<bf16raw>((bf16raw*)y.data_ptr<at::BFloat16>(), y.stride(0),
-                           (const bf16raw*)x.data_ptr<at::BFloat16>(), x.stride(0),
-                           (const bf16raw*)lora_a.data_ptr<at::BFloat16>(),
-                           (const bf16raw*)lora_b.data_ptr<at::BFloat16>(), sl, N, in, out, L, R, K, ranks, out_slices);
-  }
+  auto* ys = y.data_ptr();
+  const auto* xs = x.data_ptr();
+  const int64_t y0 = y.stride(0), x0 = x.stride(0);
+  if (dt == at::kFloat && wt == at::kFloat)
+    add_lora_impl<float, float>((float*)ys, y0, (const float*)xs, x0, lora_a.data_ptr<float>(), lora_b.data_ptr<float>(),
+                                sl, N, in, out, L, R, K, ranks, out_slices);
+  else if (dt == at::kFloat)
+    add_lora_impl<float, bf16raw>((float*)ys, y0, (const float*)xs, x0, (const bf16raw*)lora_a.data_ptr(),
+                                  (const bf16raw*)lora_b.data_ptr(), sl, N, in, out, L, R, K, ranks, out_slices);
+  else
+    add_lora_impl<bf16raw, bf16raw>((bf16raw*)ys, y0, (const bf16raw*)xs, x0, (const bf16raw*)lora_a.data_ptr(),
+                                    (const bf16raw*)lora_b.data_ptr(), sl, N, in, out, L, R, K, ranks, out_slices);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
