@@ -8,7 +8,7 @@ import torch
 from conftest import backend_params
 from gguf_files import random_blocks
 from loramux.ops import QUANT_BACKENDS, quant_cpu
-from loramux.ops.cpu_extension import _cpu_flags
+from loramux.ops.cpu_extension import _cpu_flags, load_extension
 from loramux.ops.quant_torch import (GGUF_FORMATS, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
                                      quantized_linear, stack_rows)
 
@@ -163,7 +163,25 @@ def test_rows_past_the_fused_path_are_the_reference(fmt):
         expected = torch.nn.functional.linear(x, dense, bias)
         out = quant_cpu.quantized_linear(x, weight, bias)
         assert ((out - expected).abs().max() / expected.abs().max()).item() < 1e-5, rows
-        if "amx_bf16" not in _cpu_flags() and rows <= 512:  # bf16 x: the exact weights, the result rounded once
-            xb = x.bfloat16()
+        if "amx_bf16" not in _cpu_flags() and rows <= 512:  # bf16 x: the weights exact (fp32 outer products) or,
+            xb = x.bfloat16()                               # where vdpbf16ps runs at the FMA rate, rounded to bf16
+            rounded = load_extension("quant_cpu").bf16_rows_round_weights()
             assert_rounded_once(quant_cpu.quantized_linear(xb, weight).float(),
-                                torch.nn.functional.linear(xb.float(), dense), rows)
+                                torch.nn.functional.linear(xb.float(), dense.bfloat16().float() if rounded else dense), rows)
+
+
+@pytest.mark.skipif(not quant_cpu.available() or "avx512_bf16" not in _cpu_flags() or "amx_bf16" in _cpu_flags()
+                    or not load_extension("quant_cpu").bf16_rows_round_weights(),
+                    reason="needs a CPU whose vdpbf16ps runs at the FMA rate, without AMX (AMD Zen 4/5)")
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+def test_bf16_rows_by_pairs_of_rounded_weights(fmt):
+    """5-512 rows of bf16 x on such a CPU: 32 rows of W decoded, rounded to bf16 and laid out in pairs of
+    inputs, one vdpbf16ps per pair and 16 outputs; x times the rounded weights, summed in fp32, rounded once
+    (2-4 rows stay on the fused path: the exact weights)."""
+    weight = any_weight(fmt, 300, 1024, seed=7)
+    dense = dequantize(weight)
+    for rows in (2, 4, 5, 8, 9, 12, 13, 33, 512):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        weights = dense if rows <= 4 else dense.bfloat16().float()
+        assert_rounded_once(quant_cpu.quantized_linear(x, weight).float(),
+                            torch.nn.functional.linear(x.float(), weights), rows)

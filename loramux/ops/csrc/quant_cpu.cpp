@@ -12,7 +12,9 @@
 // Up to kOuterRows: 32 rows of W decoded once, turned k-major, and multiplied by x as outer products (outer).
 // More rows (prefill): panels of W are decoded into a buffer and multiplied by torch's GEMM (oneDNN).
 // bf16 x, where the CPU has the instructions: one row of x against q4_k / q6_k sums bf16 x times the blocks'
-// integers by vdpbf16ps (bf16_single); 2-32 rows run on AMX tiles, the weights decoded to bf16 (amx).
+// integers by vdpbf16ps (bf16_single); 2-32 rows run on AMX tiles, the weights decoded to bf16 (amx); without
+// AMX, on cores whose vdpbf16ps runs at the FMA rate (AMD Zen 4/5), 5-512 rows by outer products of pairs of
+// bf16 weights (outer_bf16).
 // Written as plain loops over 32 lanes that the compiler vectorizes (-march=native: AVX2 or AVX-512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -655,6 +657,90 @@ static void bf16_single(const at::Tensor& x, const uint8_t* w, const Layout& L, 
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// ---- bf16 x past one row where AMX does not take it, on CPUs whose vdpbf16ps runs at the FMA rate ------------
+// outer()'s scheme with the weights rounded to bf16 (as the AMX path and a bf16 model have them): the panel holds
+// pairs of k per row, so one vdpbf16ps adds two k's of 16 outputs, twice an fp32 FMA's work. Where vdpbf16ps
+// issues at half the FMA rate (Intel cores with AMX hidden), this would be no faster than the fp32 path.
+
+// Rows [n0, n0 + n) of W (n <= 32) -> panel [K/2][32] dwords: dword (k2, j) = bf16 pair (W[j][2 k2], W[j][2 k2 + 1])
+// (0 past n); each block of 16 rows decoded into the L1 scratch [16][L.elems], rounded by 32 k's, transposed
+template <typename Dec>
+static void k_pairs(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int n, uint32_t* panel, float* scratch) {
+  for (int h = 0; h < 2; ++h) {
+    const int rows = std::max(0, std::min(16, n - 16 * h));
+    for (int64_t b = 0; b < K / L.elems; ++b) {
+      for (int j = 0; j < rows; ++j)
+        decode_block<Dec>(w + (n0 + 16 * h + j) * L.row_bytes + b * L.bytes, L, scratch + j * L.elems);
+      for (int64_t c = 0; c < L.elems; c += 32) {
+        __m512i r[16];  // r[j]: row j's 16 pairs of inputs b * L.elems + c ... + 31
+        for (int j = 0; j < 16; ++j) {
+          const float* src = scratch + j * L.elems + c;
+          r[j] = j < rows ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src))
+                          : _mm512_setzero_si512();
+        }
+        transpose16(r);  // r[i]: pair i of the 16 rows
+        for (int i = 0; i < 16; ++i) _mm512_storeu_si512(panel + ((b * L.elems + c) / 2 + i) * 32 + 16 * h, r[i]);
+      }
+    }
+  }
+}
+
+// y rows [m0, m0 + MT), outputs [n0, n0 + n) = bf16 x rows . the pair panel; prefetches as outer_tile
+template <int MT>
+static void outer_tile_bf16(const uint16_t* x, int64_t K, const uint32_t* panel, int64_t m0, int64_t n0, int n,
+                            const Out& y, const uint8_t* pf, int64_t pf_lines) {
+  __m512 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const uint16_t* xr = x + m0 * K;
+  int64_t pf_acc = 0;
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    for (pf_acc += 2 * pf_lines; pf_acc >= K; pf_acc -= K, pf += 64) _mm_prefetch((const char*)pf, _MM_HINT_T1);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + 32 * k2), w1 = (__m512bh)_mm512_loadu_si512(panel + 32 * k2 + 16);
+    for (int m = 0; m < MT; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, xr + m * K + 2 * k2, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    put_row16(y, m0 + m, n0, mask16(n), acc[m][0]);
+    if (n > 16) put_row16(y, m0 + m, n0 + 16, mask16(n - 16), acc[m][1]);
+  }
+}
+
+template <int... T>
+static void outer_rows_bf16(int mt, const uint16_t* x, int64_t K, const uint32_t* panel, int64_t m0, int64_t n0, int n,
+                            const Out& y, const uint8_t* pf, int64_t pf_lines, std::integer_sequence<int, T...>) {
+  ((mt == T + 1 ? outer_tile_bf16<T + 1>(x, K, panel, m0, n0, n, y, pf, pf_lines) : void()), ...);
+}
+
+template <typename Dec>
+static void outer_bf16(const uint16_t* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K,
+                       const Out& y) {
+  const int64_t groups = (N + 31) / 32;
+  at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
+    static thread_local std::vector<float> scratch;
+    static thread_local std::vector<uint32_t> panel;
+    scratch.resize(static_cast<size_t>(16 * L.elems));
+    panel.resize(static_cast<size_t>(16 * K));
+    for (int64_t g = a; g < b; ++g) {
+      const int64_t n0 = 32 * g;
+      const int n = static_cast<int>(std::min<int64_t>(32, N - n0));
+      k_pairs<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
+      const int64_t lines = n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
+      for (int64_t m0 = 0; m0 < M; m0 += kOuterTile) {
+        const int mt = static_cast<int>(std::min<int64_t>(kOuterTile, M - m0));
+        outer_rows_bf16(mt, x, K, panel.data(), m0, n0, n, y, w + (n0 + 32) * L.row_bytes, m0 == 0 ? lines : 0,
+                        std::make_integer_sequence<int, kOuterTile>{});
+      }
+    }
+  });
+}
+#endif
+
 template <typename Dec>
 static void decode_all(const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, at::Tensor& out) {
   at::parallel_for(n0, n1, grain_of(n1 - n0), [&](int64_t a, int64_t b) {
@@ -926,6 +1012,18 @@ static bool bf16_on_amx() {
 #endif
 }
 
+// Whether bf16 x past one row (off AMX) takes outer_bf16: vdpbf16ps at the FMA rate, i.e. twice its work. AMD's
+// cores with AVX512_BF16 (Zen 4, Zen 5) issue it so; Intel's without AMX exposed ran it at half the rate (see
+// docs/performance.md), where the fp32 outer products on exact weights are as fast
+static bool bf16_dot_fast() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  static const bool fast = __builtin_cpu_is("amd");
+  return fast && !bf16_on_amx();
+#else
+  return false;
+#endif
+}
+
 // The kernels that decode W once per call, into y: decode sizes (M <= kFusedRows), AMX for bf16 x up to
 // kAmxWideRows, outer products up to kOuterRows where AMX does not take x; false where none applies (then the
 // GEMM path: bf16 prefill past kAmxWideRows on AMX, and past kOuterRows).
@@ -945,12 +1043,21 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
 #else
   const bool by_outer = false;
 #endif
+  // outer_bf16 from 5 rows: the fused path runs 5-8 rows as 8 (Zen 5, [8192 x 2048] q4_k at 8 rows: 1.8 -> 0.9 ms;
+  // at 2-4 rows the panel's decode and transposes cost more than the fused dots save)
+  const bool by_pairs = bf16 && M > 4 && M <= kOuterRows && bf16_dot_fast();
   if (M > kFusedRows && !by_outer) return false;
   with_format(fmt, K, [&](auto dec, const Layout& L) {
     using Dec = decltype(dec);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (kBf16Dot<Dec>) {
       if (bf16 && M == 1) return bf16_single<Dec>(x.contiguous(), w, L, N, K, y);
+    }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (by_pairs) {
+      const at::Tensor xb = x.contiguous();
+      return outer_bf16<Dec>(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, w, L, N, K, y);
     }
 #endif
     static thread_local std::vector<float> buf;
@@ -994,6 +1101,9 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T (+ bias), W quantized (fmt)", py::arg("x"), py::arg("data"), py::arg("fmt"),
         py::arg("in_features"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_rows_round_weights", [] { return bf16_on_amx() || bf16_dot_fast(); },
+        "whether 9-512 rows of bf16 x multiply the weights rounded to bf16 (AMX tiles, or vdpbf16ps outer "
+        "products) rather than the exact weights (fp32 outer products)");
   m.def("dequantize", &dequantize, "W [N, K] decoded", py::arg("data"), py::arg("fmt"), py::arg("in_features"),
         py::arg("dtype"), py::call_guard<py::gil_scoped_release>());
 }
