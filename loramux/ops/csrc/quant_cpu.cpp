@@ -14,7 +14,7 @@
 // bf16 x, where the CPU has the instructions: one row of x against q4_k / q6_k sums bf16 x times the blocks'
 // integers by vdpbf16ps (bf16_single); 2-32 rows run on AMX tiles, the weights decoded to bf16 (amx); without
 // AMX, on cores whose vdpbf16ps runs at the FMA rate (AMD Zen 4/5), 5-512 rows by outer products of pairs of
-// bf16 weights (outer_bf16).
+// bf16 weights (outer on bf16 x: k_pairs, outer_tile_bf16).
 // Written as plain loops over 32 lanes that the compiler vectorizes (-march=native: AVX2 or AVX-512).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -522,27 +522,6 @@ static void outer_rows(int mt, const float* x, int64_t K, const float* panel, in
   ((mt == T + 1 ? outer_tile<T + 1>(x, K, panel, m0, n0, n, y, pf, pf_lines) : void()), ...);  // mt in 1..kOuterTile
 }
 
-template <typename Dec>
-static void outer(const float* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
-  const int64_t groups = (N + 31) / 32;
-  at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
-    static thread_local std::vector<float> scratch, panel;
-    scratch.resize(static_cast<size_t>(16 * L.elems));
-    panel.resize(static_cast<size_t>(32 * K));
-    for (int64_t g = a; g < b; ++g) {
-      const int64_t n0 = 32 * g;
-      const int n = static_cast<int>(std::min<int64_t>(32, N - n0));
-      k_major<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
-      // the first tile asks for the next group's rows into L2, spread over its k loop
-      const int64_t lines = n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
-      for (int64_t m0 = 0; m0 < M; m0 += kOuterTile) {
-        const int mt = static_cast<int>(std::min<int64_t>(kOuterTile, M - m0));
-        outer_rows(mt, x, K, panel.data(), m0, n0, n, y, w + (n0 + 32) * L.row_bytes, m0 == 0 ? lines : 0,
-                   std::make_integer_sequence<int, kOuterTile>{});
-      }
-    }
-  });
-}
 #endif
 
 template <typename Dec>
@@ -717,24 +696,43 @@ static void outer_rows_bf16(int mt, const uint16_t* x, int64_t K, const uint32_t
   ((mt == T + 1 ? outer_tile_bf16<T + 1>(x, K, panel, m0, n0, n, y, pf, pf_lines) : void()), ...);
 }
 
-template <typename Dec>
-static void outer_bf16(const uint16_t* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K,
-                       const Out& y) {
+#endif
+
+#ifdef __AVX512F__
+// A thread takes 32 rows of W at a time: their panel, then x kOuterTile rows at a time. X = float: fp32 x against
+// the exact weights (k_major, outer_tile); X = uint16_t: bf16 x against pairs of bf16-rounded weights (k_pairs,
+// outer_tile_bf16; built with AVX512_BF16 only). Both panels take 128 bytes per input.
+template <typename Dec, typename X>
+static void outer(const X* x, int64_t M, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
+  constexpr bool kPairs = std::is_same<X, uint16_t>::value;
+  using P = std::conditional_t<kPairs, uint32_t, float>;
   const int64_t groups = (N + 31) / 32;
   at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
     static thread_local std::vector<float> scratch;
-    static thread_local std::vector<uint32_t> panel;
+    static thread_local std::vector<P> panel;
     scratch.resize(static_cast<size_t>(16 * L.elems));
-    panel.resize(static_cast<size_t>(16 * K));
+    panel.resize(static_cast<size_t>((kPairs ? 16 : 32) * K));
     for (int64_t g = a; g < b; ++g) {
       const int64_t n0 = 32 * g;
       const int n = static_cast<int>(std::min<int64_t>(32, N - n0));
-      k_pairs<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
+      // the first tile asks for the next group's rows into L2, spread over its k loop
       const int64_t lines = n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
-      for (int64_t m0 = 0; m0 < M; m0 += kOuterTile) {
-        const int mt = static_cast<int>(std::min<int64_t>(kOuterTile, M - m0));
-        outer_rows_bf16(mt, x, K, panel.data(), m0, n0, n, y, w + (n0 + 32) * L.row_bytes, m0 == 0 ? lines : 0,
-                        std::make_integer_sequence<int, kOuterTile>{});
+      const uint8_t* next = w + (n0 + 32) * L.row_bytes;
+      constexpr auto tiles = std::make_integer_sequence<int, kOuterTile>{};
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (kPairs) {
+        k_pairs<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
+        for (int64_t m0 = 0; m0 < M; m0 += kOuterTile)
+          outer_rows_bf16(static_cast<int>(std::min<int64_t>(kOuterTile, M - m0)), x, K, panel.data(), m0, n0, n, y,
+                          next, m0 == 0 ? lines : 0, tiles);
+        continue;
+      }
+#endif
+      if constexpr (!kPairs) {
+        k_major<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
+        for (int64_t m0 = 0; m0 < M; m0 += kOuterTile)
+          outer_rows(static_cast<int>(std::min<int64_t>(kOuterTile, M - m0)), x, K, panel.data(), m0, n0, n, y,
+                     next, m0 == 0 ? lines : 0, tiles);
       }
     }
   });
@@ -1012,7 +1010,7 @@ static bool bf16_on_amx() {
 #endif
 }
 
-// Whether bf16 x past one row (off AMX) takes outer_bf16: vdpbf16ps at the FMA rate, i.e. twice its work. AMD's
+// Whether bf16 x past one row (off AMX) takes outer's pairs (k_pairs): vdpbf16ps at the FMA rate, i.e. twice its work. AMD's
 // cores with AVX512_BF16 (Zen 4, Zen 5) issue it so; Intel's without AMX exposed ran it at half the rate (see
 // docs/performance.md), where the fp32 outer products on exact weights are as fast
 static bool bf16_dot_fast() {
@@ -1043,7 +1041,7 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
 #else
   const bool by_outer = false;
 #endif
-  // outer_bf16 from 5 rows: the fused path runs 5-8 rows as 8 (Zen 5, [8192 x 2048] q4_k at 8 rows: 1.8 -> 0.9 ms;
+  // outer on pairs from 5 rows: the fused path runs 5-8 rows as 8 (Zen 5, [8192 x 2048] q4_k at 8 rows: 1.8 -> 0.9 ms;
   // at 2-4 rows the panel's decode and transposes cost more than the fused dots save)
   const bool by_pairs = bf16 && M > 4 && M <= kOuterRows && bf16_dot_fast();
   if (M > kFusedRows && !by_outer) return false;
@@ -1057,7 +1055,7 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if (by_pairs) {
       const at::Tensor xb = x.contiguous();
-      return outer_bf16<Dec>(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, w, L, N, K, y);
+      return outer<Dec>(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, w, L, N, K, y);
     }
 #endif
     static thread_local std::vector<float> buf;
