@@ -255,7 +255,9 @@ class LoRAManager:
         return self._build(name_of(key), config, tensors, source.path)
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
-        dtype = self._slot_buffer.dtype
+        # the activations' dtype: whole copies and expert LoRA stay in it; bf16 slots (lora_dtype) round on copy
+        layer = next(iter(self._layers.values()))[0]
+        dtype = getattr(layer, "activation_dtype", self._slot_buffer.dtype)
         copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
         weights = build_adapter(name, config, tensors, self._module_shapes(), self.config.max_lora_rank,
                                 dtype=dtype, path=path, all_linear=self.all_linear,

@@ -57,6 +57,7 @@ class LoRALinear(nn.Module):
             raise ValueError(f"lora_dtype {str(dtype).removeprefix('torch.')} on a "
                              f"{str(ref.dtype).removeprefix('torch.')} model: only bfloat16 LoRA weights under "
                              "float32 activations are supported (or auto: the activations' dtype)")
+        self.activation_dtype = ref.dtype  # (the slots' may be bf16 under fp32: LoRAConfig.lora_dtype)
         kw = dict(dtype=dtype or ref.dtype, device=ref.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, a_rows, base.in_features, **kw), persistent=False)
         rank_major = torch.zeros(max_loras, max_rank, base.out_features, **kw)

@@ -112,3 +112,17 @@ def test_ensure_weight_tying_adapters_equal_peft(setup, tmp_path, kwargs):
     prompt = [5, 17, 33, 9, 64, 3]
     out = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), adapters=["tied"])[0]
     assert_prompt_logprobs_equal_peft(out, base, path, prompt)
+
+
+def test_bf16_lora_slots_keep_whole_copies_in_the_activations_dtype(setup, tmp_path):
+    """lora_dtype="bfloat16" on an fp32 model with the head first-wrapped after a linear layer: the adapter's
+    saved head stays fp32 (it once took the first layer's slot dtype, bf16, and the head's matmul raised)."""
+    base, adapters, _ = setup
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**23,
+              max_model_len=64, lora=LoRAConfig(max_loras=2, max_lora_rank=8, target_modules=("q_proj", "v_proj", "lm_head"),
+                                                max_module_copies_bytes=2 * 4 * base.config.vocab_size * base.config.hidden_size,
+                                                lora_dtype="bfloat16"))
+    assert llm.load_adapter("save_head", adapters["save_head"])
+    out = llm.generate([[7, 8, 9, 10]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                       adapters=["save_head"])[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4

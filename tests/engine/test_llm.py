@@ -98,7 +98,7 @@ def test_mixed_batch_greedy_equals_hf_peft_alone(kind, backend, checkpoints):
 def test_bf16_lora_weights_under_fp32_activations_are_fp32_math_on_the_rounded_weights(checkpoints, tmp_path):
     """lora_dtype="bfloat16" on an fp32 model: slots hold A and B in bf16, the math stays fp32. An adapter whose
     weights are bf16 numbers (scaling a power of two, so B * scaling is one too) therefore gives exactly the
-    tokens of HF + PEFT in fp32, mixed with base rows and an fp32-exact adapter in one batch."""
+    tokens of HF + PEFT in fp32, mixed with base rows and another adapter (rounded, unchecked) in one batch."""
     from safetensors.torch import load_file, save_file
 
     from loramux.layers.lora import LoRALinear

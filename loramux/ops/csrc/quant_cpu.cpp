@@ -1100,7 +1100,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T (+ bias), W quantized (fmt)", py::arg("x"), py::arg("data"), py::arg("fmt"),
         py::arg("in_features"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
   m.def("bf16_rows_round_weights", [] { return bf16_on_amx() || bf16_dot_fast(); },
-        "whether 9-512 rows of bf16 x multiply the weights rounded to bf16 (AMX tiles, or vdpbf16ps outer "
+        "whether bf16 x of 9-512 rows (on AMD from 5) multiplies the weights rounded to bf16 (AMX, or vdpbf16ps outer "
         "products) rather than the exact weights (fp32 outer products)");
   m.def("dequantize", &dequantize, "W [N, K] decoded", py::arg("data"), py::arg("fmt"), py::arg("in_features"),
         py::arg("dtype"), py::call_guard<py::gil_scoped_release>());
