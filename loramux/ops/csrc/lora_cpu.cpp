@@ -85,10 +85,10 @@ static inline void store_sums_4x4(__m512 (&acc)[4][4], float* const* hp) {
   _mm_storeu_ps(hp[3], _mm512_extractf32x4_ps(r, 3));
 }
 
-// fp32 x rows against A rows of W (fp32, or bf16 widened exactly: lora_dtype bf16 on an fp32 model), 16 lanes a step:
-//   acc[t][j] += x[t][d : d+16] * A[j][d : d+16]
-template <int TT, int RT, typename W>
-static inline void dot_rows_f32(const float* const* xp, const W* const* arows, int64_t in, __m512 (&acc)[TT][RT]) {
+// fp32 x rows against bf16 A rows widened exactly (lora_dtype bf16 on an fp32 model; same-dtype operands take
+// simd.h's dot_tile), 16 lanes a step: acc[t][j] += x[t][d : d+16] * A[j][d : d+16]
+template <int TT, int RT>
+static inline void dot_rows_f32(const float* const* xp, const bf16raw* const* arows, int64_t in, __m512 (&acc)[TT][RT]) {
   for (int64_t d = 0; d < in; d += 16) {
     const __mmask16 m = mask16(in - d);
     __m512 av[RT];
@@ -108,8 +108,8 @@ static inline void shrink_tile(const T* const* xp, const W* ap, int64_t in, floa
   __m512 acc[TT][RT];
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_setzero_ps();
-  if constexpr (std::is_same<T, float>::value) dot_rows_f32(xp, arows, in, acc);
-  else dot_tile(xp, arows, in, acc);  // bf16 x and A: vdpbf16ps over pairs
+  if constexpr (std::is_same<T, W>::value) dot_tile(xp, arows, in, acc);  // (bf16: vdpbf16ps over pairs)
+  else dot_rows_f32(xp, arows, in, acc);
   if constexpr (TT == 4 && RT == 4) {
     store_sums_4x4(acc, hp);
   } else {

@@ -492,6 +492,15 @@ static inline void put_row16(const Out& y, int64_t m, int64_t n0, __mmask16 mask
 #endif
 }
 
+// y rows [m0, m0 + MT), outputs [n0, n0 + n <= 32) from an outer-product tile's sums (two vectors a row)
+template <int MT>
+static inline void put_tile(const Out& y, int64_t m0, int64_t n0, int n, const __m512 (&acc)[MT][2]) {
+  for (int m = 0; m < MT; ++m) {
+    put_row16(y, m0 + m, n0, mask16(n), acc[m][0]);
+    if (n > 16) put_row16(y, m0 + m, n0 + 16, mask16(n - 16), acc[m][1]);
+  }
+}
+
 // y rows [m0, m0 + MT), outputs [n0, n0 + n) = x rows . the k-major panel of those n rows of W; asks for
 // pf_lines cache lines from pf into L2 on the way (the next rows of W: cold, the loop stalled on them)
 template <int MT>
@@ -510,10 +519,7 @@ static void outer_tile(const float* x, int64_t K, const float* panel, int64_t m0
       acc[m][1] = _mm512_fmadd_ps(w1, xb, acc[m][1]);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    put_row16(y, m0 + m, n0, mask16(n), acc[m][0]);
-    if (n > 16) put_row16(y, m0 + m, n0 + 16, mask16(n - 16), acc[m][1]);
-  }
+  put_tile(y, m0, n0, n, acc);
 }
 
 template <int... T>
@@ -684,10 +690,7 @@ static void outer_tile_bf16(const uint16_t* x, int64_t K, const uint32_t* panel,
       acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    put_row16(y, m0 + m, n0, mask16(n), acc[m][0]);
-    if (n > 16) put_row16(y, m0 + m, n0 + 16, mask16(n - 16), acc[m][1]);
-  }
+  put_tile(y, m0, n0, n, acc);
 }
 
 template <int... T>
@@ -719,16 +722,14 @@ static void outer(const X* x, int64_t M, const uint8_t* w, const Layout& L, int6
       const int64_t lines = n0 + 32 < N ? (std::min<int64_t>(32, N - n0 - 32) * L.row_bytes + 63) / 64 : 0;
       const uint8_t* next = w + (n0 + 32) * L.row_bytes;
       constexpr auto tiles = std::make_integer_sequence<int, kOuterTile>{};
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
       if constexpr (kPairs) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
         k_pairs<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
         for (int64_t m0 = 0; m0 < M; m0 += kOuterTile)
           outer_rows_bf16(static_cast<int>(std::min<int64_t>(kOuterTile, M - m0)), x, K, panel.data(), m0, n0, n, y,
                           next, m0 == 0 ? lines : 0, tiles);
-        continue;
-      }
 #endif
-      if constexpr (!kPairs) {
+      } else {
         k_major<Dec>(w, L, K, n0, n, panel.data(), scratch.data());
         for (int64_t m0 = 0; m0 < M; m0 += kOuterTile)
           outer_rows(static_cast<int>(std::min<int64_t>(kOuterTile, M - m0)), x, K, panel.data(), m0, n0, n, y,
