@@ -15,7 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from loramux.ops import fuses_with_quantized
 from loramux.ops.moe_torch import ExpertLoRA
+from loramux.ops.quant_torch import quantized_linear_lora
 
 
 class LoRAContext:
@@ -65,6 +67,15 @@ class LoRALinear(nn.Module):
         # Real rank per slot (max over slices; 0 = free): ops may skip the zero padding beyond it.
         self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
                              persistent=False)
+        # A quantized base of one format under fp32 activations (a GGUF's default), beside the C++ LoRA kernel: a
+        # one-token pass on an adapter runs the base matmul and the LoRA as one op, `lora_op` (the quantized-matmul
+        # backend's quantized_linear_lora, set by the model runner as QuantizedLinear's op): at batch 1 a second
+        # call per projection was most of an adapter's cost. (bf16 activations and other LoRA backends: base + add_lora.)
+        self.lora_op = None
+        if len(getattr(base, "weights", ())) == 1 and ref.dtype == torch.float32 and fuses_with_quantized(add_lora):
+            self.quant_ops = {"lora_op": "quantized_linear_lora"}
+            self.lora_op = quantized_linear_lora
+            self.quantized = (base.weights[0], base.bias)  # (a plain tuple: no nn.Module lookup per call)
 
     @property
     def in_features(self) -> int:
@@ -78,6 +89,14 @@ class LoRALinear(nn.Module):
         return self.forward(*args, **kwargs) if self.direct_call else super().__call__(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_op is not None and x.dim() == 2 and x.shape[0] == 1:
+            mapping = self.context.mapping
+            slot = -1 if mapping is None else mapping.one_slot
+            if slot >= 0:
+                buffers = self._buffers
+                weight, bias = self.quantized
+                return self.lora_op(x, weight, bias, buffers["lora_a"], buffers["lora_b"], buffers["slot_ranks"], slot,
+                                    self.output_slices)
         return self._add_lora(x, self.base(x))
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

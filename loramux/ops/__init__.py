@@ -42,6 +42,13 @@ def wants_grouped_tokens(op: AddLoRA) -> bool:
     return op not in ORDER_FREE
 
 
+def fuses_with_quantized(op: AddLoRA) -> bool:
+    """Whether a LoRA layer over a quantized base may run a one-token pass as the quantized-matmul backend's
+    quantized_linear_lora instead of base + `op`: for the C++ kernel (the same fp32 math in one call); the torch
+    references and batch_invariant's fixed-rows form keep their own arithmetic."""
+    return op is lora_cpu.add_lora_cpu
+
+
 def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Callable:
     """backends[name]; "auto" = the C++ CPU kernel where it runs (CPU device, AVX-512 BF16), else torch."""
     if name == "auto":
@@ -120,5 +127,5 @@ def select_moe_backend(name: str = "auto", device: str | torch.device = "cpu"):
 
 __all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "MOE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS",
            "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend", "select_backend",
-           "select_kv_store_backend", "select_moe_backend", "select_pointwise_backend", "select_quant_backend",
+           "fuses_with_quantized", "select_kv_store_backend", "select_moe_backend", "select_pointwise_backend", "select_quant_backend",
            "wants_grouped_tokens"]

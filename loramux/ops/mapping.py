@@ -38,6 +38,11 @@ class LoRAMapping:
     def segments(self) -> tuple[tuple[int, int, int], ...]:
         return segments_of(self.token_slots.tolist())
 
+    @functools.cached_property
+    def one_slot(self) -> int:
+        """The slot of a one-token pass (batch-1 decode) as an int, read once for all its layers; -1 otherwise."""
+        return int(self.token_slots[0]) if self.num_tokens == 1 else -1
+
     @classmethod
     def from_slots(cls, token_slots: Sequence[int], device: torch.device | str = "cpu") -> LoRAMapping:
         return cls(torch.tensor(token_slots, dtype=torch.long, device=device))
@@ -54,6 +59,8 @@ class LoRAMapping:
 
 class RowSlots:
     """One slot per batch row; rows are padded to one length (HF models: x is [rows, seq, hidden])."""
+
+    one_slot = -1  # (LoRAMapping's: the token count is known only per forward, so the general path)
 
     def __init__(self, row_slots: Sequence[int], device: torch.device | str = "cpu"):
         self.row_slots = [int(s) for s in row_slots]
@@ -73,6 +80,8 @@ class RowSlots:
 
 class UniformSlot:
     """Every token uses one slot: single-adapter mode. No per-token gather is ever needed."""
+
+    one_slot = -1  # (LoRAMapping's: the token count is known only per forward, so the general path)
 
     def __init__(self, slot: int, device: torch.device | str = "cpu"):
         self.slot = slot

@@ -3,6 +3,8 @@ quant_torch.quantized_linear. Decode (a few rows of x) reads each weight once, d
 prefill decodes panels of W and runs torch's GEMM."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loramux.ops import quant_torch
@@ -17,6 +19,12 @@ def available() -> bool:
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+@functools.cache
+def _has_lora() -> bool:
+    """Whether the build has qlinear_lora (AVX-512: the rest of the kernel needs AVX2 only)."""
+    return load_extension("quant_cpu").has_lora()
+
+
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     # ~120 calls a decode step: the common case (2-D x) first, with as few tensor-attribute reads as possible
     if x.dtype in _DTYPES and not weight.in_features % 32 and x.is_cpu:
@@ -26,6 +34,19 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
                                                   weight.in_features, bias)
         return out.view(*x.shape[:-1], weight.out_features)
     return quant_torch.quantized_linear(x, weight, bias)
+
+
+def quantized_linear_lora(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                          lora_b: torch.Tensor, slot_ranks: torch.Tensor, slot: int, output_slices) -> torch.Tensor:
+    """quant_torch.quantized_linear_lora's contract. One fp32 row of x (batch-1 decode on a GGUF's fp32
+    activations) runs the base matmul and the LoRA in one C++ call; anything else, this backend's matmul and
+    the reference LoRA."""
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == 1 and x.is_cpu and not weight.in_features % 32 \
+            and _has_lora():
+        return load_extension("quant_cpu").qlinear_lora(x, weight.data, weight.fmt, weight.in_features, bias, lora_a,
+                                                        lora_b, slot_ranks, slot, output_slices)
+    return quant_torch.add_slot_lora(quantized_linear(x, weight, bias), x, lora_a, lora_b, slot_ranks, slot,
+                                     output_slices)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

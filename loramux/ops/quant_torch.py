@@ -180,6 +180,25 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     return out.to(x.dtype)
 
 
+def add_slot_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                  slot_ranks: torch.Tensor, slot: int, output_slices) -> torch.Tensor:
+    """y += adapter slot `slot`'s LoRA of x for every row (LoRALinear's buffers; ops.lora_torch's math); returns y."""
+    from loramux.ops.lora_torch import add_lora_segmented  # (lora_torch is the LoRA ops' home; no cycle at import)
+    from loramux.ops.mapping import UniformSlot
+
+    add_lora_segmented(y, x, lora_a, lora_b, UniformSlot(slot).for_tokens(x.shape[0]), output_slices, slot_ranks)
+    return y
+
+
+def quantized_linear_lora(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, lora_a: torch.Tensor,
+                          lora_b: torch.Tensor, slot_ranks: torch.Tensor, slot: int, output_slices) -> torch.Tensor:
+    """quantized_linear plus the LoRA of one adapter slot for every row of x [M, K]: lora_a [L, S * RK, K],
+    lora_b [L, N, RK], slot_ranks [L] (LoRALinear's slot buffers), output_slices the S output sizes (see
+    ops.lora_torch). A LoRA layer over a quantized base calls it for a one-token batch on one adapter: the C++
+    backend runs both in one call (batch-1 decode)."""
+    return add_slot_lora(quantized_linear(x, weight, bias), x, lora_a, lora_b, slot_ranks, slot, output_slices)
+
+
 def embedding_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows `ids` [n] of W, decoded ([n, in_features] in dtype): a quantized embedding's lookup."""
     rows = weight.data.index_select(0, ids.reshape(-1))

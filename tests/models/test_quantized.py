@@ -17,7 +17,7 @@ from loramux import LoRAConfig, SamplingParams
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from loramux.llm import LLM
 from loramux.models.loader import load_model
-from loramux.ops import QUANT_BACKENDS, quant_cpu
+from loramux.ops import QUANT_BACKENDS, lora_cpu, quant_cpu
 from loramux.ops.quant_torch import dequantize, quantize
 from models.test_llama import prefill_logits
 
@@ -130,6 +130,27 @@ def test_lora_on_a_kept_quantized_base_equals_the_dequantized_run(mixed_setup):
         layer = llm.engine.core.runner.model.model.layers[0].self_attn.qkv_proj
         assert isinstance(layer.base, QuantizedLinear) == (quantization is None)  # LoRA wraps the quantized layer
         outputs[quantization] = [o.token_ids for o in llm.generate(prompts, params, adapters=rows)]
+    assert outputs[None] == outputs["none"]
+
+
+@pytest.mark.parametrize("lora_dtype", ["auto", "bfloat16"])
+def test_one_request_at_a_time_on_a_quantized_base_equals_the_dequantized_run(mixed_setup, lora_dtype):
+    """Batch-1 decode with an adapter over a quantized base (each projection of one format runs its matmul and
+    LoRA as one op, quantized_linear_lora): each adapter's greedy tokens, one request at a time, are the ones
+    of the same weights dequantized (plain Linear + the LoRA kernel)."""
+    path, adapters = mixed_setup
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    outputs = {}
+    for quantization in (None, "none"):
+        llm = LLM(model=path, lora=LoRAConfig(max_loras=3, max_lora_rank=16, lora_dtype=lora_dtype), dtype="float32",
+                  quantization=quantization, kv_cache_memory=2**24, max_model_len=64)
+        for name, adapter in adapters.items():
+            assert llm.load_adapter(name, adapter)
+        layer = llm.engine.core.runner.model.model.layers[0].self_attn.o_proj  # one format (q4_k)
+        fused = quantization is None and quant_cpu.available() and lora_cpu.available()
+        assert (layer.lora_op is quant_cpu.quantized_linear_lora) == fused
+        outputs[quantization] = [llm.generate([[5, 6, 7, 8 + i]], params, adapters=[name])[0].token_ids
+                                 for i, name in enumerate([*adapters, None])]
     assert outputs[None] == outputs["none"]
 
 

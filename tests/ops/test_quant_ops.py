@@ -97,6 +97,48 @@ def test_backends_equal_the_reference(backend, fmt, dtype):
         assert ((out.float() - expected).abs().max() / expected.abs().max()).item() < tol, rows
 
 
+def slot_buffers(slices, in_features, lora_dtype, ranks=(16, 5, 0), max_rank=16, seed=0):
+    """LoRALinear's buffers for three slots of the given real ranks: A [3, S * max_rank, in], B [3, out, max_rank]
+    rank-major, zero past each slot's rank (as write_slot leaves them)."""
+    g = torch.Generator().manual_seed(seed)
+    out, num = sum(slices), len(slices)
+    a = torch.zeros(3, num * max_rank, in_features)
+    b = torch.zeros(3, max_rank, out)
+    for slot, r in enumerate(ranks):
+        for k in range(num):
+            a[slot, k * max_rank:k * max_rank + r] = torch.randn(r, in_features, generator=g) * 0.1
+        b[slot, :r] = torch.randn(r, out, generator=g) * 0.1
+    return a.to(lora_dtype), b.to(lora_dtype).transpose(1, 2), torch.tensor(ranks)
+
+
+@pytest.mark.parametrize("backend", backend_params(QUANT_BACKENDS, quant_cpu.available))
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_lora_is_the_base_plus_each_slices_lora(backend, fmt, lora_dtype):
+    """quantized_linear_lora (a LoRA layer's one-token pass over a quantized base: one C++ call for fp32 x) equals
+    the quantized matmul plus B_k (A_k x) for each output slice k, written out here, for every slot (rank 16, a
+    rank below the buffers', none), with and without bias; more rows and bf16 x take the unfused path."""
+    op = QUANT_BACKENDS[backend].quantized_linear_lora
+    for slices in ((40, 24, 24), (40,), (1000,)):  # q|k|v-like slices off 16-output boundaries; a wide split
+        weight = any_weight(fmt, sum(slices), 512, seed=len(slices))
+        a, b, ranks = slot_buffers(slices, 512, lora_dtype)
+        bias = torch.randn(sum(slices))
+        for rows, dtype, slot in ((1, torch.float32, 0), (1, torch.float32, 1), (1, torch.float32, 2),
+                                  (3, torch.float32, 1), (1, torch.bfloat16, 0)):
+            x = torch.randn(rows, 512).to(dtype)
+            expected = quantized_linear(x, weight, bias if slot else None).float()
+            o = 0
+            for k, size in enumerate(slices):
+                r = int(ranks[slot])
+                h = x.float() @ a[slot, 16 * k:16 * k + r].float().t()
+                expected[:, o:o + size] += h @ b[slot, o:o + size, :r].float().t()
+                o += size
+            out = op(x, weight, bias if slot else None, a, b, ranks, slot, slices)
+            assert out.dtype == dtype and out.shape == (rows, sum(slices))
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert ((out.float() - expected).abs().max() / expected.abs().max()).item() < tol, (slices, rows, slot)
+
+
 @pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
 @pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
 def test_cpu_dequantize_equals_the_torch_decoders(fmt):

@@ -2,6 +2,8 @@
 // ops/quant_torch.py: GGUF q8_0, q4_0, q4_1, q4_k, q5_k, q6_k as gguf-py/llama.cpp lay them out; i8c; i4g<G>).
 //
 //   qlinear(x [M, K] f32|bf16, data [N, row_bytes] u8, fmt, K, bias [N] | None) -> y [M, N] (x's dtype)
+//   qlinear_lora(x [1, K] f32, data, fmt, K, bias, lora_a, lora_b, slot_ranks, slot, out_slices) -> y [1, N]:
+//     qlinear plus one adapter slot's LoRA (LoRALinear's buffers), one call for a batch-1 decode (fused_lora)
 //   dequantize(data, fmt, K, dtype) -> W [N, K] (f32 | bf16)
 //
 // Every block decodes in runs of 32 weights (w = a * q + b, fp32 a and b per group of 16 or 32: the same
@@ -21,7 +23,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -330,9 +334,14 @@ static inline void block_runs(const State& state, const uint8_t* block, const fl
   (fma_run<MT, kAcc, R % 2>(decode_v(Dec{}, state, block, R), x, M, K, k + 32 * R, acc), ...);
 }
 
-template <typename Dec, int64_t MT>
+struct NoHook {
+  inline void operator()() const {}
+};
+
+// on_row(): called once a row, after the row's prefetch (the LoRA path asks for its adapter's lines there)
+template <typename Dec, int64_t MT, typename OnRow = NoHook>
 static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
-                       int64_t n1, const Out& y) {
+                       int64_t n1, const Out& y, const OnRow& on_row = {}) {
   constexpr int64_t kAcc = MT <= 4 ? 4 : 2;  // 8 rows x 4 accumulators would not fit in 32 registers
   for (int64_t n = n0; n < n1; ++n) {
     __m512 acc[MT][kAcc];
@@ -340,6 +349,7 @@ static void fused_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, c
       for (int64_t a = 0; a < kAcc; ++a) acc[m][a] = _mm512_setzero_ps();
     const uint8_t* row = w + n * L.row_bytes;
     prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
+    on_row();
     for (int64_t b = 0, k = 0; k < K; ++b) {
       const uint8_t* block = row + b * L.bytes;
       const auto state = BlockState<Dec>::make(block);
@@ -539,6 +549,94 @@ static void fused(const float* x, int64_t M, const uint8_t* w, const Layout& L, 
     else fused_rows<Dec, kFusedRows>(x, M, K, w, L, n0, n1, y);
   });
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// ---- one row of fp32 x and one adapter's LoRA (batch-1 decode): y = W x (+ bias) + B_k (A_k x) per slice k ----
+// At batch 1 an adapter's arithmetic is tiny; what it cost was a second call per projection (pybind, the GIL, a
+// fork/join and two barriers, ~120 times a step). Here one call and one OpenMP region run both. Each thread: its
+// rows of h = A x (shared), a flag saying so; its rows of W (fused_rows), asking on the way for its outputs'
+// columns of B, into L2; then, once every thread's flag is up (long since, as a rule: the base's rows came in
+// between, so this is a read, not a barrier's wait), its outputs += B h. Sums in fp32, as add_lora's; A and B
+// fp32, or bf16 widened exactly.
+template <typename Wt>
+struct SlotLoRA {
+  const Wt* a;   // the slot's A [S * RK, K]: slice k's rank rows start at row k * RK
+  const Wt* bt;  // the slot's B, rank-major: rank row r of output o at bt[r * N + o]
+  int64_t RK, rank;
+  const std::vector<int64_t>* slices;  // output sizes, summing to N
+  int64_t rows() const { return static_cast<int64_t>(slices->size()) * rank; }  // of h: slice k's at k * rank
+  const Wt* a_row(int64_t j, int64_t K) const { return a + (j / rank * RK + j % rank) * K; }
+};
+
+// One thread's shrink is done (one cache line each: the flags are written by different cores)
+struct alignas(64) DoneFlag {
+  std::atomic<int> set{0};
+};
+
+template <typename Wt>
+static inline float dot_x(const Wt* a, const float* x, int64_t K) {  // K a multiple of 32
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    s0 = _mm512_fmadd_ps(load16(a + k, 0xFFFF), _mm512_loadu_ps(x + k), s0);
+    s1 = _mm512_fmadd_ps(load16(a + k + 16, 0xFFFF), _mm512_loadu_ps(x + k + 16), s1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+// y[o0, o1) += sum_r h[r] bt[r * ld + o]: four partial rank sums (independent FMA chains)
+template <typename Wt>
+static inline void expand_outputs(const Wt* bt, int64_t ld, int64_t rank, const float* h, float* y, int64_t o0,
+                                  int64_t o1) {
+  for (int64_t o = o0; o < o1; o += 16) {
+    const __mmask16 m = mask16(o1 - o);
+    __m512 acc[4] = {_mm512_maskz_loadu_ps(m, y + o), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t r = 0; r < rank; ++r)
+      acc[r % 4] = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), load16(bt + r * ld + o, m), acc[r % 4]);
+    _mm512_mask_storeu_ps(y + o, m, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  }
+}
+
+// One thread (t of nt): rows [j0, j1) of h (shared, [S * rank]), then rows [n0, n1) of W and of the LoRA's outputs
+template <typename Dec, typename Wt>
+static void lora_rows(const float* x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y,
+                      const SlotLoRA<Wt>& lo, float* h, DoneFlag* done, int t, int nt) {
+  const int64_t j0 = lo.rows() * t / nt, j1 = lo.rows() * (t + 1) / nt;
+  const int64_t n0 = N * t / nt / 16 * 16, n1 = t + 1 == nt ? N : N * (t + 1) / nt / 16 * 16;
+  for (int64_t j = j0; j < j1; ++j) h[j] = dot_x(lo.a_row(j, K), x, K);
+  done[t].set.store(1, std::memory_order_release);
+  // B's rank rows over [n0, n1): a line of them every `every` rows of W, all asked for by 3/4 of the rows
+  const int64_t span = (n1 - n0) * static_cast<int64_t>(sizeof(Wt)), lines = (span + 63) / 64;
+  const int64_t every = std::max<int64_t>(1, 3 * (n1 - n0) / (4 * std::max<int64_t>(1, lines * lo.rank)));
+  int64_t line = 0, row = 0;
+  const char* b0 = reinterpret_cast<const char*>(lo.bt + n0);
+  fused_rows<Dec, 1>(x, 1, K, w, L, n0, n1, y, [&] {
+    if (++row % every || line >= lines * lo.rank) return;
+    _mm_prefetch(b0 + line / lines * N * static_cast<int64_t>(sizeof(Wt)) + line % lines * 64, _MM_HINT_T1);
+    ++line;
+  });
+  for (int u = 0; u < nt; ++u)
+    while (!done[u].set.load(std::memory_order_acquire)) _mm_pause();
+  for (int64_t k = 0, sb = 0; k < static_cast<int64_t>(lo.slices->size()); sb += (*lo.slices)[k++]) {
+    const int64_t o0 = std::max(n0, sb), o1 = std::min(n1, sb + (*lo.slices)[k]);
+    if (o0 < o1) expand_outputs(lo.bt, N, lo.rank, h + k * lo.rank, y.f, o0, o1);
+  }
+}
+
+template <typename Dec, typename Wt>
+static void fused_lora(const float* x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y,
+                       const SlotLoRA<Wt>& lo) {
+  const int nth = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, N / 16)));
+  static thread_local std::vector<float> h;
+  static thread_local std::vector<DoneFlag> done;
+  h.resize(static_cast<size_t>(lo.rows()));
+  if (static_cast<int>(done.size()) < nth) done = std::vector<DoneFlag>(nth);
+  for (int t = 0; t < nth; ++t) done[t].set.store(0, std::memory_order_relaxed);
+  float* hp = h.data();
+  DoneFlag* dp = done.data();
+#pragma omp parallel num_threads(nth)
+  lora_rows<Dec, Wt>(x, w, L, N, K, y, lo, hp, dp, omp_get_thread_num(), omp_get_num_threads());
+}
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // ---- one row of bf16 x (decode at batch 1), K-quants: sums of x * q by vdpbf16ps -------------------------
@@ -1095,6 +1193,56 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
   return y;
 }
 
+// y [1, N] = x W^T (+ bias) + the LoRA of adapter slot `slot` (see fused_lora): x one fp32 row; lora_a [L, S * RK, K]
+// and lora_b [L, N, RK] rank-major (LoRALinear's slot buffers), both fp32 or both bf16; slot_ranks [L] int64 (the
+// slot's real rank: A rows k * RK + [0, rank), B rank rows [0, rank)); out_slices: S output sizes summing to N.
+at::Tensor qlinear_lora(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K,
+                        const c10::optional<at::Tensor>& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                        const at::Tensor& slot_ranks, int64_t slot, const std::vector<int64_t>& out_slices) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  check_args(data, fmt, K);
+  const int64_t N = data.size(0), S = static_cast<int64_t>(out_slices.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == K && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "qlinear_lora: x must be one fp32 row [1, ", K, "] on the CPU");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.is_contiguous() && lora_a.size(2) == K && S > 0 &&
+              lora_a.size(1) % S == 0 && lora_b.size(0) == lora_a.size(0) && lora_b.size(1) == N &&
+              lora_b.size(2) == lora_a.size(1) / S, "qlinear_lora: lora_a must be [L, S * RK, K], lora_b [L, N, RK]");
+  const int64_t L = lora_a.size(0), RK = lora_b.size(2);
+  TORCH_CHECK(lora_b.stride(0) == N * RK && lora_b.stride(1) == 1 && (RK == 1 || lora_b.stride(2) == N),
+              "qlinear_lora: lora_b must be rank-major (lora_b.transpose(1, 2) contiguous)");
+  TORCH_CHECK(lora_a.scalar_type() == lora_b.scalar_type() &&
+              (lora_a.scalar_type() == at::kFloat || lora_a.scalar_type() == at::kBFloat16),
+              "qlinear_lora: lora_a and lora_b both fp32 or both bf16");
+  TORCH_CHECK(slot_ranks.scalar_type() == at::kLong && slot_ranks.dim() == 1 && slot_ranks.size(0) == L &&
+              slot_ranks.is_contiguous() && slot >= 0 && slot < L, "qlinear_lora: slot_ranks [L] int64, slot in [0, L)");
+  const int64_t rank = slot_ranks.data_ptr<int64_t>()[slot];
+  TORCH_CHECK(rank >= 0 && rank <= RK, "qlinear_lora: the slot's rank ", rank, " is not in [0, ", RK, "]");
+  int64_t total = 0;
+  for (int64_t size : out_slices) total += size;
+  TORCH_CHECK(total == N, "qlinear_lora: out_slices must sum to ", N);
+  if (rank == 0) return qlinear(x, data, fmt, K, bias);
+  at::Tensor y = at::empty({1, N}, x.options());
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const Out out = out_for(y, bias_f);
+  const at::Tensor xc = x.contiguous();
+  with_format(fmt, K, [&](auto dec, const Layout& Lw) {
+    using Dec = decltype(dec);
+    const uint8_t* w = data.data_ptr<uint8_t>();
+    if (lora_a.scalar_type() == at::kFloat)
+      fused_lora<Dec, float>(xc.data_ptr<float>(), w, Lw, N, K, out,
+                             {lora_a.data_ptr<float>() + slot * lora_a.size(1) * K,
+                              lora_b.data_ptr<float>() + slot * N * RK, RK, rank, &out_slices});
+    else
+      fused_lora<Dec, bf16raw>(xc.data_ptr<float>(), w, Lw, N, K, out,
+                               {reinterpret_cast<const bf16raw*>(lora_a.data_ptr()) + slot * lora_a.size(1) * K,
+                                reinterpret_cast<const bf16raw*>(lora_b.data_ptr()) + slot * N * RK, RK, rank, &out_slices});
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "qlinear_lora needs AVX-512 (see has_lora)");
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1103,6 +1251,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_round_weights", [] { return bf16_on_amx() || bf16_dot_fast(); },
         "whether bf16 x of 9-512 rows (on AMD from 5) multiplies the weights rounded to bf16 (AMX, or vdpbf16ps outer "
         "products) rather than the exact weights (fp32 outer products)");
+  m.def("qlinear_lora", &qlinear_lora, "x @ W^T (+ bias) + one adapter slot's LoRA, for one fp32 row of x", py::arg("x"),
+        py::arg("data"), py::arg("fmt"), py::arg("in_features"), py::arg("bias"), py::arg("lora_a"), py::arg("lora_b"),
+        py::arg("slot_ranks"), py::arg("slot"), py::arg("out_slices"), py::call_guard<py::gil_scoped_release>());
+  m.def("has_lora", [] {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether qlinear_lora is built (AVX-512)");
   m.def("dequantize", &dequantize, "W [N, K] decoded", py::arg("data"), py::arg("fmt"), py::arg("in_features"),
         py::arg("dtype"), py::call_guard<py::gil_scoped_release>());
 }
