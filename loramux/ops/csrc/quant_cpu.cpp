@@ -557,7 +557,9 @@ static void fused(const float* x, int64_t M, const uint8_t* w, const Layout& L, 
 // rows of h = A x (shared), a flag saying so; its rows of W (fused_rows), asking on the way for its outputs'
 // columns of B, into L2; then, once every thread's flag is up (long since, as a rule: the base's rows came in
 // between, so this is a read, not a barrier's wait), its outputs += B h. Sums in fp32, as add_lora's; A and B
-// fp32, or bf16 widened exactly.
+// fp32, or bf16 widened exactly. (What is left of an adapter's cost is reading its bytes: SmolLM2's base matmuls
+// at batch 1 run near DRAM's rate, so the adapter's 9.75 MB (bf16) cost about what they take to stream; asking
+// for A during the rows too, and shrinking after them, was no faster.)
 template <typename Wt>
 struct SlotLoRA {
   const Wt* a;   // the slot's A [S * RK, K]: slice k's rank rows start at row k * RK
@@ -607,10 +609,11 @@ static void lora_rows(const float* x, const uint8_t* w, const Layout& L, int64_t
   // B's rank rows over [n0, n1): a line of them every `every` rows of W, all asked for by 3/4 of the rows
   const int64_t span = (n1 - n0) * static_cast<int64_t>(sizeof(Wt)), lines = (span + 63) / 64;
   const int64_t every = std::max<int64_t>(1, 3 * (n1 - n0) / (4 * std::max<int64_t>(1, lines * lo.rank)));
-  int64_t line = 0, row = 0;
   const char* b0 = reinterpret_cast<const char*>(lo.bt + n0);
+  int64_t line = 0, countdown = every;
   fused_rows<Dec, 1>(x, 1, K, w, L, n0, n1, y, [&] {
-    if (++row % every || line >= lines * lo.rank) return;
+    if (--countdown || line >= lines * lo.rank) return;
+    countdown = every;
     _mm_prefetch(b0 + line / lines * N * static_cast<int64_t>(sizeof(Wt)) + line % lines * 64, _MM_HINT_T1);
     ++line;
   });
