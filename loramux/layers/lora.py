@@ -67,12 +67,12 @@ class LoRALinear(nn.Module):
         # Real rank per slot (max over slices; 0 = free): ops may skip the zero padding beyond it.
         self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
                              persistent=False)
-        # A quantized base of one format under fp32 activations (a GGUF's default), beside the C++ LoRA kernel: a
-        # one-token pass on an adapter runs the base matmul and the LoRA as one op, `lora_op` (the quantized-matmul
-        # backend's quantized_linear_lora, set by the model runner as QuantizedLinear's op): at batch 1 a second
-        # call per projection was most of an adapter's cost. (bf16 activations and other LoRA backends: base + add_lora.)
+        # A quantized base of one format beside the C++ LoRA kernel: a one-token pass on an adapter runs the base
+        # matmul and the LoRA as one op, `lora_op` (the quantized-matmul backend's quantized_linear_lora, set by the
+        # model runner as QuantizedLinear's op): at batch 1 a second call per projection was most of an adapter's
+        # cost. (Other LoRA backends, and every pass of more tokens: base + add_lora.)
         self.lora_op = None
-        if len(getattr(base, "weights", ())) == 1 and ref.dtype == torch.float32 and fuses_with_quantized(add_lora):
+        if len(getattr(base, "weights", ())) == 1 and fuses_with_quantized(add_lora):
             self.quant_ops = {"lora_op": "quantized_linear_lora"}
             self.lora_op = quantized_linear_lora
             self.quantized = (base.weights[0], base.bias)  # (a plain tuple: no nn.Module lookup per call)

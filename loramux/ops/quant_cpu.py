@@ -38,11 +38,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 def quantized_linear_lora(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, lora_a: torch.Tensor,
                           lora_b: torch.Tensor, slot_ranks: torch.Tensor, slot: int, output_slices) -> torch.Tensor:
-    """quant_torch.quantized_linear_lora's contract. One fp32 row of x (batch-1 decode on a GGUF's fp32
-    activations) runs the base matmul and the LoRA in one C++ call; anything else, this backend's matmul and
-    the reference LoRA."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[0] == 1 and x.is_cpu and not weight.in_features % 32 \
-            and _has_lora():
+    """quant_torch.quantized_linear_lora's contract. One row of x (batch-1 decode) runs the base matmul and the
+    LoRA in one C++ call; anything else, this backend's matmul and the reference LoRA."""
+    if x.dtype in _DTYPES and x.dim() == 2 and x.shape[0] == 1 and x.is_cpu and not weight.in_features % 32 \
+            and (x.dtype is torch.float32 or lora_a.dtype is torch.bfloat16) and _has_lora():
         return load_extension("quant_cpu").qlinear_lora(x, weight.data, weight.fmt, weight.in_features, bias, lora_a,
                                                         lora_b, slot_ranks, slot, output_slices)
     return quant_torch.add_slot_lora(quantized_linear(x, weight, bias), x, lora_a, lora_b, slot_ranks, slot,

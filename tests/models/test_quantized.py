@@ -133,25 +133,37 @@ def test_lora_on_a_kept_quantized_base_equals_the_dequantized_run(mixed_setup):
     assert outputs[None] == outputs["none"]
 
 
-@pytest.mark.parametrize("lora_dtype", ["auto", "bfloat16"])
-def test_one_request_at_a_time_on_a_quantized_base_equals_the_dequantized_run(mixed_setup, lora_dtype):
-    """Batch-1 decode with an adapter over a quantized base (each projection of one format runs its matmul and
-    LoRA as one op, quantized_linear_lora): each adapter's greedy tokens, one request at a time, are the ones
-    of the same weights dequantized (plain Linear + the LoRA kernel)."""
+@pytest.mark.parametrize("dtype, lora_dtype", [("float32", "auto"), ("float32", "bfloat16"), ("bfloat16", "auto")])
+def test_one_request_at_a_time_on_a_quantized_base(mixed_setup, dtype, lora_dtype):
+    """Batch-1 decode with an adapter over a quantized base, where each projection of one format runs its matmul
+    and LoRA as one op (quantized_linear_lora): each adapter's greedy tokens, one request at a time, are those of
+    the same engine with the two ops called apart, and in fp32 those of the same weights dequantized."""
+    from loramux.layers.lora import LoRALinear
+
     path, adapters = mixed_setup
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+    def one_at_a_time(llm):
+        return [llm.generate([[5, 6, 7, 8 + i]], params, adapters=[name])[0].token_ids
+                for i, name in enumerate([*adapters, None])]
+
     outputs = {}
     for quantization in (None, "none"):
-        llm = LLM(model=path, lora=LoRAConfig(max_loras=3, max_lora_rank=16, lora_dtype=lora_dtype), dtype="float32",
+        llm = LLM(model=path, lora=LoRAConfig(max_loras=3, max_lora_rank=16, lora_dtype=lora_dtype), dtype=dtype,
                   quantization=quantization, kv_cache_memory=2**24, max_model_len=64)
         for name, adapter in adapters.items():
             assert llm.load_adapter(name, adapter)
-        layer = llm.engine.core.runner.model.model.layers[0].self_attn.o_proj  # one format (q4_k)
+        model = llm.engine.core.runner.model
         fused = quantization is None and quant_cpu.available() and lora_cpu.available()
-        assert (layer.lora_op is quant_cpu.quantized_linear_lora) == fused
-        outputs[quantization] = [llm.generate([[5, 6, 7, 8 + i]], params, adapters=[name])[0].token_ids
-                                 for i, name in enumerate([*adapters, None])]
-    assert outputs[None] == outputs["none"]
+        assert (model.model.layers[0].self_attn.o_proj.lora_op is quant_cpu.quantized_linear_lora) == fused  # (q4_k)
+        outputs[quantization] = one_at_a_time(llm)
+        if fused:
+            for layer in model.modules():
+                if isinstance(layer, LoRALinear):
+                    layer.lora_op = None
+            assert one_at_a_time(llm) == outputs[None]
+    if dtype == "float32":
+        assert outputs[None] == outputs["none"]
 
 
 def plain_checkpoint(tmp_path, **extra):

@@ -7,7 +7,7 @@ import torch
 
 from conftest import backend_params
 from gguf_files import random_blocks
-from loramux.ops import QUANT_BACKENDS, quant_cpu
+from loramux.ops import QUANT_BACKENDS, LoRAMapping, lora_cpu, quant_cpu
 from loramux.ops.cpu_extension import _cpu_flags, load_extension
 from loramux.ops.quant_torch import (GGUF_FORMATS, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
                                      quantized_linear, stack_rows)
@@ -124,7 +124,8 @@ def test_quantized_linear_lora_is_the_base_plus_each_slices_lora(backend, fmt, l
         a, b, ranks = slot_buffers(slices, 512, lora_dtype)
         bias = torch.randn(sum(slices))
         for rows, dtype, slot in ((1, torch.float32, 0), (1, torch.float32, 1), (1, torch.float32, 2),
-                                  (3, torch.float32, 1), (1, torch.bfloat16, 0)):
+                                  (3, torch.float32, 1), (1, torch.bfloat16, 0), (1, torch.bfloat16, 1),
+                                  (3, torch.bfloat16, 0)):
             x = torch.randn(rows, 512).to(dtype)
             expected = quantized_linear(x, weight, bias if slot else None).float()
             o = 0
@@ -137,6 +138,24 @@ def test_quantized_linear_lora_is_the_base_plus_each_slices_lora(backend, fmt, l
             assert out.dtype == dtype and out.shape == (rows, sum(slices))
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             assert ((out.float() - expected).abs().max() / expected.abs().max()).item() < tol, (slices, rows, slot)
+
+
+@pytest.mark.skipif(not (quant_cpu.available() and lora_cpu.available()), reason="needs the C++ kernels (AVX-512 BF16)")
+@pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
+def test_one_bf16_row_with_lora_rounds_where_the_two_calls_round(fmt):
+    """bf16 activations: the fused call gives what the base matmul and add_lora give as two calls (the same bf16
+    roundings: the base's output, A x, and y after adding), up to one bf16 step where the sums' order tips one."""
+    slices = (40, 24, 24)
+    weight = any_weight(fmt, sum(slices), 512, seed=5)
+    a, b, ranks = slot_buffers(slices, 512, torch.bfloat16)
+    x = torch.randn(1, 512).bfloat16()
+    for slot in (0, 1):
+        fused = quant_cpu.quantized_linear_lora(x, weight, None, a, b, ranks, slot, slices).float()
+        apart = quant_cpu.quantized_linear(x, weight)
+        lora_cpu.add_lora_cpu(apart, x, a, b, LoRAMapping.from_slots([slot]), slices, ranks)
+        apart = apart.float()
+        assert ((fused - apart).abs() <= apart.abs() * 2**-7 + 1e-3).all(), slot
+        assert (fused == apart).float().mean().item() > 0.9, slot
 
 
 @pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")

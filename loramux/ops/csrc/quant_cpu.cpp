@@ -2,7 +2,7 @@
 // ops/quant_torch.py: GGUF q8_0, q4_0, q4_1, q4_k, q5_k, q6_k as gguf-py/llama.cpp lay them out; i8c; i4g<G>).
 //
 //   qlinear(x [M, K] f32|bf16, data [N, row_bytes] u8, fmt, K, bias [N] | None) -> y [M, N] (x's dtype)
-//   qlinear_lora(x [1, K] f32, data, fmt, K, bias, lora_a, lora_b, slot_ranks, slot, out_slices) -> y [1, N]:
+//   qlinear_lora(x [1, K] f32|bf16, data, fmt, K, bias, lora_a, lora_b, slot_ranks, slot, out_slices) -> y [1, N]:
 //     qlinear plus one adapter slot's LoRA (LoRALinear's buffers), one call for a batch-1 decode (fused_lora)
 //   dequantize(data, fmt, K, dtype) -> W [N, K] (f32 | bf16)
 //
@@ -550,97 +550,6 @@ static void fused(const float* x, int64_t M, const uint8_t* w, const Layout& L, 
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// ---- one row of fp32 x and one adapter's LoRA (batch-1 decode): y = W x (+ bias) + B_k (A_k x) per slice k ----
-// At batch 1 an adapter's arithmetic is tiny; what it cost was a second call per projection (pybind, the GIL, a
-// fork/join and two barriers, ~120 times a step). Here one call and one OpenMP region run both. Each thread: its
-// rows of h = A x (shared), a flag saying so; its rows of W (fused_rows), asking on the way for its outputs'
-// columns of B, into L2; then, once every thread's flag is up (long since, as a rule: the base's rows came in
-// between, so this is a read, not a barrier's wait), its outputs += B h. Sums in fp32, as add_lora's; A and B
-// fp32, or bf16 widened exactly. (What is left of an adapter's cost is reading its bytes: SmolLM2's base matmuls
-// at batch 1 run near DRAM's rate, so the adapter's 9.75 MB (bf16) cost about what they take to stream; asking
-// for A during the rows too, and shrinking after them, was no faster.)
-template <typename Wt>
-struct SlotLoRA {
-  const Wt* a;   // the slot's A [S * RK, K]: slice k's rank rows start at row k * RK
-  const Wt* bt;  // the slot's B, rank-major: rank row r of output o at bt[r * N + o]
-  int64_t RK, rank;
-  const std::vector<int64_t>* slices;  // output sizes, summing to N
-  int64_t rows() const { return static_cast<int64_t>(slices->size()) * rank; }  // of h: slice k's at k * rank
-  const Wt* a_row(int64_t j, int64_t K) const { return a + (j / rank * RK + j % rank) * K; }
-};
-
-// One thread's shrink is done (one cache line each: the flags are written by different cores)
-struct alignas(64) DoneFlag {
-  std::atomic<int> set{0};
-};
-
-template <typename Wt>
-static inline float dot_x(const Wt* a, const float* x, int64_t K) {  // K a multiple of 32
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    s0 = _mm512_fmadd_ps(load16(a + k, 0xFFFF), _mm512_loadu_ps(x + k), s0);
-    s1 = _mm512_fmadd_ps(load16(a + k + 16, 0xFFFF), _mm512_loadu_ps(x + k + 16), s1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-}
-
-// y[o0, o1) += sum_r h[r] bt[r * ld + o]: four partial rank sums (independent FMA chains)
-template <typename Wt>
-static inline void expand_outputs(const Wt* bt, int64_t ld, int64_t rank, const float* h, float* y, int64_t o0,
-                                  int64_t o1) {
-  for (int64_t o = o0; o < o1; o += 16) {
-    const __mmask16 m = mask16(o1 - o);
-    __m512 acc[4] = {_mm512_maskz_loadu_ps(m, y + o), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t r = 0; r < rank; ++r)
-      acc[r % 4] = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), load16(bt + r * ld + o, m), acc[r % 4]);
-    _mm512_mask_storeu_ps(y + o, m, _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-  }
-}
-
-// One thread (t of nt): rows [j0, j1) of h (shared, [S * rank]), then rows [n0, n1) of W and of the LoRA's outputs
-template <typename Dec, typename Wt>
-static void lora_rows(const float* x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y,
-                      const SlotLoRA<Wt>& lo, float* h, DoneFlag* done, int t, int nt) {
-  const int64_t j0 = lo.rows() * t / nt, j1 = lo.rows() * (t + 1) / nt;
-  const int64_t n0 = N * t / nt / 16 * 16, n1 = t + 1 == nt ? N : N * (t + 1) / nt / 16 * 16;
-  for (int64_t j = j0; j < j1; ++j) h[j] = dot_x(lo.a_row(j, K), x, K);
-  done[t].set.store(1, std::memory_order_release);
-  // B's rank rows over [n0, n1): a line of them every `every` rows of W, all asked for by 3/4 of the rows
-  const int64_t span = (n1 - n0) * static_cast<int64_t>(sizeof(Wt)), lines = (span + 63) / 64;
-  const int64_t every = std::max<int64_t>(1, 3 * (n1 - n0) / (4 * std::max<int64_t>(1, lines * lo.rank)));
-  const char* b0 = reinterpret_cast<const char*>(lo.bt + n0);
-  int64_t line = 0, countdown = every;
-  fused_rows<Dec, 1>(x, 1, K, w, L, n0, n1, y, [&] {
-    if (--countdown || line >= lines * lo.rank) return;
-    countdown = every;
-    _mm_prefetch(b0 + line / lines * N * static_cast<int64_t>(sizeof(Wt)) + line % lines * 64, _MM_HINT_T1);
-    ++line;
-  });
-  for (int u = 0; u < nt; ++u)
-    while (!done[u].set.load(std::memory_order_acquire)) _mm_pause();
-  for (int64_t k = 0, sb = 0; k < static_cast<int64_t>(lo.slices->size()); sb += (*lo.slices)[k++]) {
-    const int64_t o0 = std::max(n0, sb), o1 = std::min(n1, sb + (*lo.slices)[k]);
-    if (o0 < o1) expand_outputs(lo.bt, N, lo.rank, h + k * lo.rank, y.f, o0, o1);
-  }
-}
-
-template <typename Dec, typename Wt>
-static void fused_lora(const float* x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y,
-                       const SlotLoRA<Wt>& lo) {
-  const int nth = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, N / 16)));
-  static thread_local std::vector<float> h;
-  static thread_local std::vector<DoneFlag> done;
-  h.resize(static_cast<size_t>(lo.rows()));
-  if (static_cast<int>(done.size()) < nth) done = std::vector<DoneFlag>(nth);
-  for (int t = 0; t < nth; ++t) done[t].set.store(0, std::memory_order_relaxed);
-  float* hp = h.data();
-  DoneFlag* dp = done.data();
-#pragma omp parallel num_threads(nth)
-  lora_rows<Dec, Wt>(x, w, L, N, K, y, lo, hp, dp, omp_get_thread_num(), omp_get_num_threads());
-}
-#endif
-
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // ---- one row of bf16 x (decode at batch 1), K-quants: sums of x * q by vdpbf16ps -------------------------
 // A K-quant weight is a * q + b: a per run of 32 (q4_k, with b) or per 16 (q6_k, b = 0), q a small integer
@@ -722,24 +631,134 @@ static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x) {
 template <typename Dec>
 constexpr bool kBf16Dot = std::is_same<Dec, Q4_K>::value || std::is_same<Dec, Q6_K>::value;
 
-// y [N] = W x for x [1, K] bf16 (contiguous), W in q4_k or q6_k
+// One row of bf16 x against rows of W in q4_k or q6_k: y.put(0, n, row n . x) for n in [n0, n1), calling on_row()
+// once a row (after its prefetch). xb: x [K]; xsum: sum(x) per run of 32 (q4_k's b term; bf16_xsum)
+template <typename Dec, typename OnRow = NoHook>
+static void bf16_rows(const uint16_t* xb, const float* xsum, const uint8_t* w, const Layout& L, int64_t K, int64_t n0,
+                      int64_t n1, const Out& y, const OnRow& on_row = {}) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * L.row_bytes;
+    prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
+    on_row();
+    y.put(0, n, std::is_same<Dec, Q4_K>::value ? q4_k_row(row, K / 256, xb, xsum) : q6_k_row(row, K / 256, xb));
+  }
+}
+
 template <typename Dec>
-static void bf16_single(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
-  constexpr bool kQ4 = std::is_same<Dec, Q4_K>::value;
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  std::vector<float> xsum(kQ4 ? K / 32 : 0);  // sum(x) per run of 32 (q4_k's b term)
+static std::vector<float> bf16_xsum(const uint16_t* xb, int64_t K) {
+  std::vector<float> xsum(std::is_same<Dec, Q4_K>::value ? K / 32 : 0);
   for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()); ++r) {
     float s = 0.f;
     for (int i = 0; i < 32; ++i) s += static_cast<float>(c10::BFloat16(xb[32 * r + i], c10::BFloat16::from_bits()));
     xsum[r] = s;
   }
-  at::parallel_for(0, N, grain_of(N), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * L.row_bytes;
-      prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
-      y.put(0, n, kQ4 ? q4_k_row(row, K / 256, xb, xsum.data()) : q6_k_row(row, K / 256, xb));
-    }
+  return xsum;
+}
+
+// y [N] = W x for x [1, K] bf16 (contiguous), W in q4_k or q6_k
+template <typename Dec>
+static void bf16_single(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
+  const std::vector<float> xsum = bf16_xsum<Dec>(xb, K);
+  at::parallel_for(0, N, grain_of(N), [&](int64_t n0, int64_t n1) { bf16_rows<Dec>(xb, xsum.data(), w, L, K, n0, n1, y); });
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// ---- one row of x and one adapter's LoRA (batch-1 decode): y = W x (+ bias) + B_k (A_k x) per slice k -----------
+// At batch 1 an adapter's arithmetic is tiny; what it cost was a second call per projection (pybind, the GIL, a
+// fork/join and two barriers, ~120 times a step). Here one call and one OpenMP region run both. Each thread: its
+// rows of h = A x (shared), a flag saying so; its rows of W (the base's own row loop: fused_rows, or bf16_rows for
+// bf16 x on K-quants), asking on the way for its outputs' columns of B, into L2; then, once every thread's flag is
+// up (long since, as a rule: the base's rows came in between, so this is a read, not a barrier's wait), its
+// outputs += B h. Sums in fp32 on exact widenings, rounded where add_lora rounds: bf16 activations round h to bf16
+// and y once, after adding. (What is left of an adapter's cost is reading its bytes: SmolLM2's base matmuls at
+// batch 1 run near DRAM's rate, so the adapter's 9.75 MB (bf16) cost about what they take to stream; asking for A
+// during the rows too, and shrinking after them, was no faster.)
+template <typename Wt>
+struct SlotLoRA {
+  const Wt* a;   // the slot's A [S * RK, K]: slice k's rank rows start at row k * RK
+  const Wt* bt;  // the slot's B, rank-major: rank row r of output o at bt[r * N + o]
+  int64_t RK, rank;
+  const std::vector<int64_t>* slices;  // output sizes, summing to N
+  int64_t rows() const { return static_cast<int64_t>(slices->size()) * rank; }  // of h: slice k's at k * rank
+  const Wt* a_row(int64_t j, int64_t K) const { return a + (j / rank * RK + j % rank) * K; }
+};
+
+// One thread's shrink is done (one cache line each: the flags are written by different cores)
+struct alignas(64) DoneFlag {
+  std::atomic<int> set{0};
+};
+
+template <typename Wt>
+static inline float dot_x(const Wt* a, const float* x, int64_t K) {  // K a multiple of 32
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    s0 = _mm512_fmadd_ps(load16(a + k, 0xFFFF), _mm512_loadu_ps(x + k), s0);
+    s1 = _mm512_fmadd_ps(load16(a + k + 16, 0xFFFF), _mm512_loadu_ps(x + k + 16), s1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+// y[o0, o1) += sum_r h[r] bt[r * ld + o] (Y: fp32, or bf16 rounded once): four partial rank sums (independent
+// FMA chains), added to y at the end as add_lora adds its sums
+template <typename Wt, typename Y>
+static inline void expand_outputs(const Wt* bt, int64_t ld, int64_t rank, const float* h, Y* y, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; o += 16) {
+    const __mmask16 m = mask16(o1 - o);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t r = 0; r < rank; ++r)
+      acc[r % 4] = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), load16(bt + r * ld + o, m), acc[r % 4]);
+    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    store16(y + o, _mm512_add_ps(load16(y + o, m), sum), m);
+  }
+}
+
+// One thread (t of nt): rows [j0, j1) of h (shared, [S * rank]), then rows [n0, n1) of W (rows(n0, n1, hook)
+// writes them into y) and of the LoRA's outputs. x: fp32 (bf16 activations widened)
+template <typename Wt, typename Rows>
+static void lora_rows(const float* x, int64_t N, int64_t K, const Out& y, const SlotLoRA<Wt>& lo, const Rows& rows,
+                      float* h, DoneFlag* done, int t, int nt) {
+  const int64_t j0 = lo.rows() * t / nt, j1 = lo.rows() * (t + 1) / nt;
+  const int64_t n0 = N * t / nt / 16 * 16, n1 = t + 1 == nt ? N : N * (t + 1) / nt / 16 * 16;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float v = dot_x(lo.a_row(j, K), x, K);
+    h[j] = y.f ? v : static_cast<float>(c10::BFloat16(v));  // bf16: rounded, as a bf16 reference rounds A's output
+  }
+  done[t].set.store(1, std::memory_order_release);
+  // B's rank rows over [n0, n1): a line of them every `every` rows of W, all asked for by 3/4 of the rows
+  const int64_t span = (n1 - n0) * static_cast<int64_t>(sizeof(Wt)), lines = (span + 63) / 64;
+  const int64_t every = std::max<int64_t>(1, 3 * (n1 - n0) / (4 * std::max<int64_t>(1, lines * lo.rank)));
+  const char* b0 = reinterpret_cast<const char*>(lo.bt + n0);
+  int64_t line = 0, countdown = every;
+  rows(n0, n1, [&] {
+    if (--countdown || line >= lines * lo.rank) return;
+    countdown = every;
+    _mm_prefetch(b0 + line / lines * N * static_cast<int64_t>(sizeof(Wt)) + line % lines * 64, _MM_HINT_T1);
+    ++line;
   });
+  for (int u = 0; u < nt; ++u)
+    while (!done[u].set.load(std::memory_order_acquire)) _mm_pause();
+  for (int64_t k = 0, sb = 0; k < static_cast<int64_t>(lo.slices->size()); sb += (*lo.slices)[k++]) {
+    const int64_t o0 = std::max(n0, sb), o1 = std::min(n1, sb + (*lo.slices)[k]);
+    if (o0 >= o1) continue;
+    if (y.f) expand_outputs(lo.bt, N, lo.rank, h + k * lo.rank, y.f, o0, o1);
+    else expand_outputs(lo.bt, N, lo.rank, h + k * lo.rank, reinterpret_cast<bf16raw*>(y.b), o0, o1);
+  }
+}
+
+template <typename Wt, typename Rows>
+static void fused_lora(const float* x, int64_t N, int64_t K, const Out& y, const SlotLoRA<Wt>& lo, const Rows& rows) {
+  const int nth = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, N / 16)));
+  static thread_local std::vector<float> h;
+  static thread_local std::vector<DoneFlag> done;
+  h.resize(static_cast<size_t>(lo.rows()));
+  if (static_cast<int>(done.size()) < nth) done = std::vector<DoneFlag>(nth);
+  for (int t = 0; t < nth; ++t) done[t].set.store(0, std::memory_order_relaxed);
+  float* hp = h.data();
+  DoneFlag* dp = done.data();
+#pragma omp parallel num_threads(nth)
+  lora_rows<Wt>(x, N, K, y, lo, rows, hp, dp, omp_get_thread_num(), omp_get_num_threads());
 }
 #endif
 
@@ -1196,26 +1215,23 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& data, const std::strin
   return y;
 }
 
-// y [1, N] = x W^T (+ bias) + the LoRA of adapter slot `slot` (see fused_lora): x one fp32 row; lora_a [L, S * RK, K]
-// and lora_b [L, N, RK] rank-major (LoRALinear's slot buffers), both fp32 or both bf16; slot_ranks [L] int64 (the
-// slot's real rank: A rows k * RK + [0, rank), B rank rows [0, rank)); out_slices: S output sizes summing to N.
-at::Tensor qlinear_lora(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K,
-                        const c10::optional<at::Tensor>& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
-                        const at::Tensor& slot_ranks, int64_t slot, const std::vector<int64_t>& out_slices) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  check_args(data, fmt, K);
-  const int64_t N = data.size(0), S = static_cast<int64_t>(out_slices.size());
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == K && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "qlinear_lora: x must be one fp32 row [1, ", K, "] on the CPU");
+// qlinear_lora's arguments checked (see there); returns the slot's rank
+static int64_t lora_rank_of(const at::Tensor& x, int64_t K, int64_t N, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                            const at::Tensor& slot_ranks, int64_t slot, const std::vector<int64_t>& out_slices) {
+  const int64_t S = static_cast<int64_t>(out_slices.size());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == K && x.device().is_cpu() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "qlinear_lora: x must be one fp32 or bf16 row [1, ", K, "] on the CPU");
   TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3 && lora_a.is_contiguous() && lora_a.size(2) == K && S > 0 &&
               lora_a.size(1) % S == 0 && lora_b.size(0) == lora_a.size(0) && lora_b.size(1) == N &&
               lora_b.size(2) == lora_a.size(1) / S, "qlinear_lora: lora_a must be [L, S * RK, K], lora_b [L, N, RK]");
   const int64_t L = lora_a.size(0), RK = lora_b.size(2);
   TORCH_CHECK(lora_b.stride(0) == N * RK && lora_b.stride(1) == 1 && (RK == 1 || lora_b.stride(2) == N),
               "qlinear_lora: lora_b must be rank-major (lora_b.transpose(1, 2) contiguous)");
-  TORCH_CHECK(lora_a.scalar_type() == lora_b.scalar_type() &&
-              (lora_a.scalar_type() == at::kFloat || lora_a.scalar_type() == at::kBFloat16),
-              "qlinear_lora: lora_a and lora_b both fp32 or both bf16");
+  const auto wt = lora_a.scalar_type();
+  TORCH_CHECK(wt == lora_b.scalar_type() && (wt == at::kBFloat16 || (wt == at::kFloat && x.scalar_type() == at::kFloat)),
+              "qlinear_lora: lora_a and lora_b both bf16, or both fp32 under fp32 x");
   TORCH_CHECK(slot_ranks.scalar_type() == at::kLong && slot_ranks.dim() == 1 && slot_ranks.size(0) == L &&
               slot_ranks.is_contiguous() && slot >= 0 && slot < L, "qlinear_lora: slot_ranks [L] int64, slot in [0, L)");
   const int64_t rank = slot_ranks.data_ptr<int64_t>()[slot];
@@ -1223,22 +1239,51 @@ at::Tensor qlinear_lora(const at::Tensor& x, const at::Tensor& data, const std::
   int64_t total = 0;
   for (int64_t size : out_slices) total += size;
   TORCH_CHECK(total == N, "qlinear_lora: out_slices must sum to ", N);
+  return rank;
+}
+
+template <typename Wt>
+static SlotLoRA<Wt> slot_lora(const at::Tensor& lora_a, const at::Tensor& lora_b, int64_t slot, int64_t rank,
+                              const std::vector<int64_t>& slices) {
+  const int64_t N = lora_b.size(1), RK = lora_b.size(2);
+  return {reinterpret_cast<const Wt*>(lora_a.data_ptr()) + slot * lora_a.size(1) * lora_a.size(2),
+          reinterpret_cast<const Wt*>(lora_b.data_ptr()) + slot * N * RK, RK, rank, &slices};
+}
+#endif
+
+// y [1, N] = x W^T (+ bias) + the LoRA of adapter slot `slot` (see fused_lora): x one fp32 or bf16 row; lora_a
+// [L, S * RK, K] and lora_b [L, N, RK] rank-major (LoRALinear's slot buffers), both bf16, or both fp32 under fp32 x;
+// slot_ranks [L] int64 (the slot's real rank: A rows k * RK + [0, rank), B rank rows [0, rank)); out_slices: S output
+// sizes summing to N. The base rows are qlinear's for one row (bf16 x on K-quants: bf16_rows; else fused_rows).
+at::Tensor qlinear_lora(const at::Tensor& x, const at::Tensor& data, const std::string& fmt, int64_t K,
+                        const c10::optional<at::Tensor>& bias, const at::Tensor& lora_a, const at::Tensor& lora_b,
+                        const at::Tensor& slot_ranks, int64_t slot, const std::vector<int64_t>& out_slices) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  check_args(data, fmt, K);
+  const int64_t N = data.size(0), rank = lora_rank_of(x, K, N, lora_a, lora_b, slot_ranks, slot, out_slices);
   if (rank == 0) return qlinear(x, data, fmt, K, bias);
   at::Tensor y = at::empty({1, N}, x.options());
-  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor(), xc = x.contiguous();
   const Out out = out_for(y, bias_f);
-  const at::Tensor xc = x.contiguous();
+  static thread_local std::vector<float> buf;
+  const float* xf = x_as_f32(xc, buf);
   with_format(fmt, K, [&](auto dec, const Layout& Lw) {
     using Dec = decltype(dec);
     const uint8_t* w = data.data_ptr<uint8_t>();
-    if (lora_a.scalar_type() == at::kFloat)
-      fused_lora<Dec, float>(xc.data_ptr<float>(), w, Lw, N, K, out,
-                             {lora_a.data_ptr<float>() + slot * lora_a.size(1) * K,
-                              lora_b.data_ptr<float>() + slot * N * RK, RK, rank, &out_slices});
-    else
-      fused_lora<Dec, bf16raw>(xc.data_ptr<float>(), w, Lw, N, K, out,
-                               {reinterpret_cast<const bf16raw*>(lora_a.data_ptr()) + slot * lora_a.size(1) * K,
-                                reinterpret_cast<const bf16raw*>(lora_b.data_ptr()) + slot * N * RK, RK, rank, &out_slices});
+    auto run = [&](const auto& rows) {
+      if (lora_a.scalar_type() == at::kFloat) fused_lora(xf, N, K, out, slot_lora<float>(lora_a, lora_b, slot, rank, out_slices), rows);
+      else fused_lora(xf, N, K, out, slot_lora<bf16raw>(lora_a, lora_b, slot, rank, out_slices), rows);
+    };
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot<Dec>) {
+      if (xc.scalar_type() == at::kBFloat16) {
+        const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+        const std::vector<float> xsum = bf16_xsum<Dec>(xb, K);
+        return run([&](int64_t n0, int64_t n1, const auto& hook) { bf16_rows<Dec>(xb, xsum.data(), w, Lw, K, n0, n1, out, hook); });
+      }
+    }
+#endif
+    run([&](int64_t n0, int64_t n1, const auto& hook) { fused_rows<Dec, 1>(xf, 1, K, w, Lw, n0, n1, out, hook); });
   });
   return y;
 #else
@@ -1254,7 +1299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_rows_round_weights", [] { return bf16_on_amx() || bf16_dot_fast(); },
         "whether bf16 x of 9-512 rows (on AMD from 5) multiplies the weights rounded to bf16 (AMX, or vdpbf16ps outer "
         "products) rather than the exact weights (fp32 outer products)");
-  m.def("qlinear_lora", &qlinear_lora, "x @ W^T (+ bias) + one adapter slot's LoRA, for one fp32 row of x", py::arg("x"),
+  m.def("qlinear_lora", &qlinear_lora, "x @ W^T (+ bias) + one adapter slot's LoRA, for one row of x", py::arg("x"),
         py::arg("data"), py::arg("fmt"), py::arg("in_features"), py::arg("bias"), py::arg("lora_a"), py::arg("lora_b"),
         py::arg("slot_ranks"), py::arg("slot"), py::arg("out_slices"), py::call_guard<py::gil_scoped_release>());
   m.def("has_lora", [] {
