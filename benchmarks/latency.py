@@ -59,6 +59,11 @@ def loramux_once(llm: LLM, prompt: list[int], adapter: str | None, new_tokens: i
     return first - start, (new_tokens - 1) / (last - first)
 
 
+def gguf_of(model: str | None) -> str:
+    """The GGUF llama.cpp runs by default: --model's where it is one, else the embedded default's."""
+    return model if model and model.endswith(".gguf") else default_gguf_path()
+
+
 def llama_cpp_phase(gguf: str, prompt: list[int], args):
     """llama.cpp on the GGUF file, loaded once: a function running one request (the model lives as long as it)."""
     from llama_cpp import Llama
@@ -118,7 +123,10 @@ def main(argv: list[str] | None = None) -> None:
                                                       "GGUF, as `loramux serve` serves it)")
     parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
                         help="loramux's --quantization (default: as the checkpoint is; the default model stays Q4_1)")
-    parser.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs (default: the embedded default's)")
+    parser.add_argument("--config-dir", default=None,
+                        help="HF directory with the config and tokenizer of a GGUF --model (default: the embedded "
+                             "SmolLM2's; e.g. quantized.py's 1.7B: ~/.cache/loramux/bench-quantized/hf)")
+    parser.add_argument("--gguf", default=None, help="the GGUF llama.cpp runs (default: --model where it is a GGUF, else the embedded default's)")
     parser.add_argument("--dtype", default="auto", help="loramux's dtype (auto: a GGUF's is float32)")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -130,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoConfig
 
-    hf_dir = default_model_path() if args.model is None or args.model.endswith(".gguf") else args.model
-    hf_config = AutoConfig.from_pretrained(hf_dir)  # (a GGUF's own: use --model with an HF directory then)
+    hf_dir = args.config_dir or (default_model_path() if args.model is None or args.model.endswith(".gguf") else args.model)
+    hf_config = AutoConfig.from_pretrained(hf_dir)  # the adapter's shapes and the served phase's tokenizer
     prompt = torch.randint(10, hf_config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     workdir = tempfile.mkdtemp(prefix="loramux-latency-")
     adapter_dir = write_adapter(os.path.join(workdir, "a0"), hf_config, 16, seed=0)
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         llm_bf16 = engine_with_adapter(args, adapter_dir, "bfloat16")
         phases["loramux_lora_bf16"] = lambda: loramux_once(llm_bf16, prompt, "a0", args.new_tokens)
     if not args.skip_llama_cpp:
-        phases["llama_cpp"] = llama_cpp_phase(args.gguf or default_gguf_path(), prompt, args)
+        phases["llama_cpp"] = llama_cpp_phase(args.gguf or gguf_of(args.model), prompt, args)
     report.update(interleaved(phases, args.repeats))
     del llm, phases  # the engines freed before the served phase
     if not args.skip_served:
