@@ -70,7 +70,8 @@ class LoRALinear(nn.Module):
         # A quantized base of one format beside the C++ LoRA kernel: a one-token pass on an adapter runs the base
         # matmul and the LoRA as one op, `lora_op` (the quantized-matmul backend's quantized_linear_lora, set by the
         # model runner as QuantizedLinear's op): at batch 1 a second call per projection was most of an adapter's
-        # cost. (Other LoRA backends, and every pass of more tokens: base + add_lora.)
+        # cost. (Other LoRA backends, and every pass of more tokens: base + add_lora.) That call stands in for the
+        # base's forward: hooks on the base do not run, and the weight is the one the base had when wrapped.
         self.lora_op = None
         if len(getattr(base, "weights", ())) == 1 and fuses_with_quantized(add_lora):
             self.quant_ops = {"lora_op": "quantized_linear_lora"}

@@ -7,8 +7,9 @@ import functools
 
 import torch
 
-from loramux.ops import quant_torch
+from loramux.ops import lora_cpu, quant_torch
 from loramux.ops.cpu_extension import load_extension
+from loramux.ops.mapping import UniformSlot
 from loramux.ops.quant_torch import QuantizedWeight
 
 
@@ -39,13 +40,19 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 def quantized_linear_lora(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, lora_a: torch.Tensor,
                           lora_b: torch.Tensor, slot_ranks: torch.Tensor, slot: int, output_slices) -> torch.Tensor:
     """quant_torch.quantized_linear_lora's contract. One row of x (batch-1 decode) runs the base matmul and the
-    LoRA in one C++ call; anything else, this backend's matmul and the reference LoRA."""
-    if x.dtype in _DTYPES and x.dim() == 2 and x.shape[0] == 1 and x.is_cpu and not weight.in_features % 32 \
-            and (x.dtype is torch.float32 or lora_a.dtype is torch.bfloat16) and _has_lora():
+    LoRA in one C++ call; anything else, this backend's matmul and then the C++ LoRA kernel (the op a LoRA layer
+    that calls this one has: ops.fuses_with_quantized), or the reference LoRA where that kernel cannot run."""
+    kernels_take = x.is_cpu and x.dtype in _DTYPES and (x.dtype is torch.float32 or lora_a.dtype is torch.bfloat16)
+    if kernels_take and x.dim() == 2 and x.shape[0] == 1 and not weight.in_features % 32 and _has_lora():
         return load_extension("quant_cpu").qlinear_lora(x, weight.data, weight.fmt, weight.in_features, bias, lora_a,
                                                         lora_b, slot_ranks, slot, output_slices)
-    return quant_torch.add_slot_lora(quantized_linear(x, weight, bias), x, lora_a, lora_b, slot_ranks, slot,
-                                     output_slices)
+    y = quantized_linear(x, weight, bias)
+    if not (kernels_take and lora_cpu.available()):
+        return quant_torch.add_slot_lora(y, x, lora_a, lora_b, slot_ranks, slot, output_slices)
+    flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+    lora_cpu.add_lora_cpu(flat_y, flat_x, lora_a, lora_b, UniformSlot(slot).for_tokens(flat_x.shape[0]), output_slices,
+                          slot_ranks)
+    return y
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

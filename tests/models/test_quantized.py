@@ -155,7 +155,9 @@ def test_one_request_at_a_time_on_a_quantized_base(mixed_setup, dtype, lora_dtyp
             assert llm.load_adapter(name, adapter)
         model = llm.engine.core.runner.model
         fused = quantization is None and quant_cpu.available() and lora_cpu.available()
-        assert (model.model.layers[0].self_attn.o_proj.lora_op is quant_cpu.quantized_linear_lora) == fused  # (q4_k)
+        layer = model.model.layers[0]
+        for projection in (layer.self_attn.o_proj, layer.mlp.gate_up_proj):  # q4_k (q|k|v mixes q4_k and q6_k)
+            assert (projection.lora_op is quant_cpu.quantized_linear_lora) == fused
         outputs[quantization] = one_at_a_time(llm)
         if fused:
             for layer in model.modules():
@@ -164,6 +166,17 @@ def test_one_request_at_a_time_on_a_quantized_base(mixed_setup, dtype, lora_dtyp
             assert one_at_a_time(llm) == outputs[None]
     if dtype == "float32":
         assert outputs[None] == outputs["none"]
+
+
+def test_batch_invariant_mode_keeps_the_two_calls(mixed_setup):
+    """batch_invariant's LoRA op (fixed-row GEMMs) is not the C++ kernel: no one-call LoRA, whatever the batch."""
+    from loramux.layers.lora import LoRALinear
+
+    path, _ = mixed_setup
+    llm = LLM(model=path, lora=LoRAConfig(max_loras=2, max_lora_rank=16), dtype="float32", batch_invariant=True,
+              kv_cache_memory=2**24, max_model_len=64)
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(layer.lora_op is None for layer in layers)
 
 
 def plain_checkpoint(tmp_path, **extra):

@@ -10,7 +10,7 @@ from gguf_files import random_blocks
 from loramux.ops import QUANT_BACKENDS, LoRAMapping, lora_cpu, quant_cpu
 from loramux.ops.cpu_extension import _cpu_flags, load_extension
 from loramux.ops.quant_torch import (GGUF_FORMATS, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
-                                     quantized_linear, stack_rows)
+                                     quantized_linear, quantized_linear_lora, stack_rows)
 
 OWN_FORMATS = ("i8c", "i4g32", "i4g64", "i4g128")
 
@@ -115,10 +115,11 @@ def slot_buffers(slices, in_features, lora_dtype, ranks=(16, 5, 0), max_rank=16,
 @pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
 def test_quantized_linear_lora_is_the_base_plus_each_slices_lora(backend, fmt, lora_dtype):
-    """quantized_linear_lora (a LoRA layer's one-token pass over a quantized base: one C++ call for fp32 x) equals
-    the quantized matmul plus B_k (A_k x) for each output slice k, written out here, for every slot (rank 16, a
-    rank below the buffers', none), with and without bias; more rows and bf16 x take the unfused path."""
+    """quantized_linear_lora (a LoRA layer's one-token pass over a quantized base: one C++ call for one row of fp32
+    or bf16 x) equals the quantized matmul plus B_k (A_k x) for each output slice k, written out here, for every
+    slot (rank 16, a rank below the buffers', none), with and without bias; more rows take the two calls."""
     op = QUANT_BACKENDS[backend].quantized_linear_lora
+    assert backend != "cpu" or quant_cpu._has_lora() or not lora_cpu.available()  # (the one call runs where it can)
     for slices in ((40, 24, 24), (40,), (1000,)):  # q|k|v-like slices off 16-output boundaries; a wide split
         weight = any_weight(fmt, sum(slices), 512, seed=len(slices))
         a, b, ranks = slot_buffers(slices, 512, lora_dtype)
@@ -138,6 +139,30 @@ def test_quantized_linear_lora_is_the_base_plus_each_slices_lora(backend, fmt, l
             assert out.dtype == dtype and out.shape == (rows, sum(slices))
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             assert ((out.float() - expected).abs().max() / expected.abs().max()).item() < tol, (slices, rows, slot)
+
+
+@pytest.mark.skipif(not (quant_cpu.available() and lora_cpu.available()), reason="needs the C++ kernels (AVX-512 BF16)")
+@pytest.mark.parametrize("threads", [1, 3, 7])
+def test_quantized_linear_lora_splits_over_any_thread_count(threads):
+    """The one call's threads split W's rows on 16-output boundaries and h's rows evenly, and wait on each
+    other's flags: any thread count (more than cores too), outputs fewer than 16, odd slices, rank-1 buffers."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for slices, max_rank, ranks in (((8,), 16, (16, 5, 0)), ((17,), 1, (1, 1, 0)), ((7, 9, 1), 8, (3, 2, 0)),
+                                        ((64, 1, 63), 16, (16, 1, 0)), ((300, 100, 100), 16, (16, 5, 0))):
+            weight = any_weight("q4_k", sum(slices), 256, seed=3)
+            for lora_dtype, dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                      (torch.bfloat16, torch.bfloat16)):
+                a, b, ranks_t = slot_buffers(slices, 256, lora_dtype, ranks, max_rank)
+                x = torch.randn(1, 256).to(dtype)
+                for slot in range(3):
+                    out = quant_cpu.quantized_linear_lora(x, weight, None, a, b, ranks_t, slot, slices).float()
+                    expected = quantized_linear_lora(x.float(), weight, None, a.float(), b.float(), ranks_t, slot, slices)
+                    tol = 1e-5 if dtype == torch.float32 else 2e-2
+                    assert ((out - expected).abs().max() / expected.abs().max()).item() < tol, (slices, slot, dtype)
+    finally:
+        torch.set_num_threads(old)
 
 
 @pytest.mark.skipif(not (quant_cpu.available() and lora_cpu.available()), reason="needs the C++ kernels (AVX-512 BF16)")

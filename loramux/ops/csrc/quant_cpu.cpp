@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -738,7 +739,9 @@ static void lora_rows(const float* x, int64_t N, int64_t K, const Out& y, const 
     ++line;
   });
   for (int u = 0; u < nt; ++u)
-    while (!done[u].set.load(std::memory_order_acquire)) _mm_pause();
+    for (int spin = 0; !done[u].set.load(std::memory_order_acquire); ++spin)
+      if (spin < 4096) _mm_pause();
+      else std::this_thread::yield();  // (more threads than cores: let the one it waits for run)
   for (int64_t k = 0, sb = 0; k < static_cast<int64_t>(lo.slices->size()); sb += (*lo.slices)[k++]) {
     const int64_t o0 = std::max(n0, sb), o1 = std::min(n1, sb + (*lo.slices)[k]);
     if (o0 >= o1) continue;
