@@ -184,6 +184,19 @@ def test_one_bf16_row_with_lora_rounds_where_the_two_calls_round(fmt):
 
 
 @pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_one_fp32_row_keeps_every_bit_of_x(fmt):
+    """One fp32 row on a K-quant (on AMD's cores q6_k takes x as three bf16 parts, by vdpbf16ps): x's low bits
+    count, as in the fp32 reference. 1 + 2^-9 + 2^-18 + 2^-23 needs all three parts: two would lose 2^-18 of it
+    (checked: 4e-6 off then)."""
+    weight = any_weight(fmt, 64, 512, seed=4)
+    x = torch.full((1, 512), 1 + 2**-9 + 2**-18 + 2**-23) * torch.tensor([1.0, -1.0]).repeat(256)
+    expected = x.double() @ dequantize(weight).double().t()  # (exact: the fp32 weights times x in float64)
+    out = quant_cpu.quantized_linear(x, weight).double()
+    assert ((out - expected).abs().max() / expected.abs().max()).item() < 1e-6
+
+
+@pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
 @pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
 def test_cpu_dequantize_equals_the_torch_decoders(fmt):
     weight = any_weight(fmt, 17, 768 if fmt.endswith("_k") or fmt.startswith("i4g") else 224, seed=2)

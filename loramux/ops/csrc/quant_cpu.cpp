@@ -565,23 +565,32 @@ static inline __m512i bf16_ints(float first) {  // 32 bf16: first, first + 1, ..
 static inline float sum4(const __m512 (&acc)[4]) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
-static inline __m512 dot_pairs(__m512i q_bf16, const uint16_t* x) {  // 16 lanes of x[2l] q[2l] + x[2l+1] q[2l+1]
-  return _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q_bf16, (__m512bh)_mm512_loadu_si512(x));
+// 16 lanes of x[2l] q[2l] + x[2l+1] q[2l+1], x as P bf16 parts P * K apart (fp32 x: three parts whose sum is x
+// exactly, split_f32; each product exact in fp32)
+template <int P>
+static inline __m512 dot_pairs(__m512i q_bf16, const uint16_t* x, int64_t K) {
+  __m512 s[P];
+  for (int p = 0; p < P; ++p)  // independent sums: no chain of P dependent dot products
+    s[p] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)q_bf16, (__m512bh)_mm512_loadu_si512(x + p * K));
+  if constexpr (P == 3) return _mm512_add_ps(s[0], _mm512_add_ps(s[1], s[2]));
+  return s[0];
 }
 
 // q4_k: 32 bytes hold runs 2i (low nibbles) and 2i+1 (high); vpermw reads an index's low 5 bits, so a table of
 // j % 16 looks the low nibble up straight from the byte
-template <int... I>
-static inline void q4_k_runs(const BlockScales& s, const uint8_t* p, const uint16_t* x, __m512i table, __m512 (&acc)[4],
-                             std::integer_sequence<int, I...>) {
+template <int P, int... I>
+static inline void q4_k_runs(const BlockScales& s, const uint8_t* p, const uint16_t* x, int64_t K, __m512i table,
+                             __m512 (&acc)[4], std::integer_sequence<int, I...>) {
   auto pair = [&](int i) {
     const __m512i v = u8x32w(p + 16 + 32 * i);
     const __m512i lo = _mm512_permutexvar_epi16(v, table), hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-    acc[2 * i % 4] = _mm512_fmadd_ps(dot_pairs(lo, x + 64 * i), _mm512_set1_ps(s.d[2 * i]), acc[2 * i % 4]);
-    acc[2 * i % 4 + 1] = _mm512_fmadd_ps(dot_pairs(hi, x + 64 * i + 32), _mm512_set1_ps(s.d[2 * i + 1]), acc[2 * i % 4 + 1]);
+    acc[2 * i % 4] = _mm512_fmadd_ps(dot_pairs<P>(lo, x + 64 * i, K), _mm512_set1_ps(s.d[2 * i]), acc[2 * i % 4]);
+    acc[2 * i % 4 + 1] =
+        _mm512_fmadd_ps(dot_pairs<P>(hi, x + 64 * i + 32, K), _mm512_set1_ps(s.d[2 * i + 1]), acc[2 * i % 4 + 1]);
   };
   (pair(I), ...);
 }
+template <int P>
 static float q4_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x, const float* xsum) {
   const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(iota16(), iota16());  // bf16(j % 16), j < 32
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -590,7 +599,7 @@ static float q4_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x, con
     const uint8_t* p = row + b * Q4_K::kBytes;
     const BlockScales s = k4_scales(p);
     mins = _mm256_fmadd_ps(_mm256_loadu_ps(s.m), _mm256_loadu_ps(xsum + 8 * b), mins);
-    q4_k_runs(s, p, x + 256 * b, table, acc, std::make_integer_sequence<int, 4>{});
+    q4_k_runs<P>(s, p, x + 256 * b, 256 * blocks, table, acc, std::make_integer_sequence<int, 4>{});
   }
   const __m256 m2 = _mm256_add_ps(mins, _mm256_permute2f128_ps(mins, mins, 1));
   alignas(32) float m[8];
@@ -600,8 +609,8 @@ static float q4_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x, con
 
 // q6_k: run r = 4h + j has 4 low bits from ql (nibble j / 2 of 32 bytes) and 2 high bits from qh (bits 2j);
 // a 64-entry table (vpermt2w) maps q to bf16(q - 32). Its 16 sums are pairs of groups g, g + 1 (lanes 0-7, 8-15).
-template <int... R>
-static inline void q6_k_runs(const uint8_t* p, __m512 d, const uint16_t* x, __m512i t_lo, __m512i t_hi,
+template <int P, int... R>
+static inline void q6_k_runs(const uint8_t* p, __m512 d, const uint16_t* x, int64_t K, __m512i t_lo, __m512i t_hi,
                              __m512 (&acc)[4], std::integer_sequence<int, R...>) {
   auto run = [&](auto rc) {
     constexpr int r = decltype(rc)::value, h = r / 4, j = r % 4, g = h * 8 + 2 * j;
@@ -612,18 +621,19 @@ static inline void q6_k_runs(const uint8_t* p, __m512 d, const uint16_t* x, __m5
     const __m512i q = _mm512_ternarylogic_epi32(low, _mm512_set1_epi16(0xF), high, 0xEA);  // (low & 0xF) | high
     const __m512 scale = _mm512_permutexvar_ps(
         _mm512_setr_epi32(g, g, g, g, g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1, g + 1), d);
-    const __m512 sum = dot_pairs(_mm512_permutex2var_epi16(t_lo, q, t_hi), x + 32 * r);
+    const __m512 sum = dot_pairs<P>(_mm512_permutex2var_epi16(t_lo, q, t_hi), x + 32 * r, K);
     acc[r % 4] = _mm512_fmadd_ps(sum, scale, acc[r % 4]);
   };
   (run(std::integral_constant<int, R>{}), ...);
 }
+template <int P>
 static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x) {
   const __m512i t_lo = bf16_ints(-32.0f), t_hi = bf16_ints(0.0f);  // q = 0..31 -> -32..-1, 32..63 -> 0..31
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = row + b * Q6_K::kBytes;
     const __m512 d = _mm512_loadu_ps(q6_scales(p).d);
-    q6_k_runs(p, d, x + 256 * b, t_lo, t_hi, acc, std::make_integer_sequence<int, 8>{});
+    q6_k_runs<P>(p, d, x + 256 * b, 256 * blocks, t_lo, t_hi, acc, std::make_integer_sequence<int, 8>{});
   }
   return sum4(acc);
 }
@@ -632,36 +642,65 @@ static float q6_k_row(const uint8_t* row, int64_t blocks, const uint16_t* x) {
 template <typename Dec>
 constexpr bool kBf16Dot = std::is_same<Dec, Q4_K>::value || std::is_same<Dec, Q6_K>::value;
 
-// One row of bf16 x against rows of W in q4_k or q6_k: y.put(0, n, row n . x) for n in [n0, n1), calling on_row()
-// once a row (after its prefetch). xb: x [K]; xsum: sum(x) per run of 32 (q4_k's b term; bf16_xsum)
-template <typename Dec, typename OnRow = NoHook>
-static void bf16_rows(const uint16_t* xb, const float* xsum, const uint8_t* w, const Layout& L, int64_t K, int64_t n0,
-                      int64_t n1, const Out& y, const OnRow& on_row = {}) {
+// x [1, K] for the dot products: P bf16 parts, P * K apart (bf16 x: itself, P = 1; fp32 x: hi, mid, lo, each the
+// bf16 rounding of what the parts before it leave, P = 3: their sum is x exactly, 8 + 8 + 8 significant bits),
+// and sum(x) per run of 32 (q4_k's b term)
+struct DotX {
+  const uint16_t* x;
+  int parts;
+  std::vector<float> xsum;
+};
+
+template <typename Dec>
+static DotX dot_x_of(const at::Tensor& xc, int64_t K, std::vector<uint16_t>& buf) {
+  std::vector<float> xsum(std::is_same<Dec, Q4_K>::value ? K / 32 : 0);
+  if (xc.scalar_type() == at::kBFloat16) {
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+    for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()); ++r)
+      for (int i = 0; i < 32; ++i) xsum[r] += static_cast<float>(c10::BFloat16(xb[32 * r + i], c10::BFloat16::from_bits()));
+    return {xb, 1, std::move(xsum)};
+  }
+  const float* xf = xc.data_ptr<float>();
+  buf.resize(static_cast<size_t>(3 * K));
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 rest = _mm512_loadu_ps(xf + k);
+    for (int p = 0; p < 3; ++p) {
+      const __m256i part = (__m256i)_mm512_cvtneps_pbh(rest);
+      _mm256_storeu_si256((__m256i*)(buf.data() + p * K + k), part);
+      rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(part), 16)));
+    }
+  }
+  for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()); ++r)
+    for (int i = 0; i < 32; ++i) xsum[r] += xf[32 * r + i];
+  return {buf.data(), 3, std::move(xsum)};
+}
+
+// One row of x against rows of W in q4_k or q6_k: y.put(0, n, row n . x) for n in [n0, n1), calling on_row() once
+// a row (after its prefetch)
+template <typename Dec, int P, typename OnRow = NoHook>
+static void dot_rows(const DotX& x, const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, const Out& y,
+                     const OnRow& on_row = {}) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * L.row_bytes;
     prefetch_ahead(row, L.row_bytes, w + n1 * L.row_bytes);
     on_row();
-    y.put(0, n, std::is_same<Dec, Q4_K>::value ? q4_k_row(row, K / 256, xb, xsum) : q6_k_row(row, K / 256, xb));
+    y.put(0, n, std::is_same<Dec, Q4_K>::value ? q4_k_row<P>(row, K / 256, x.x, x.xsum.data())
+                                               : q6_k_row<P>(row, K / 256, x.x));
   }
 }
-
-template <typename Dec>
-static std::vector<float> bf16_xsum(const uint16_t* xb, int64_t K) {
-  std::vector<float> xsum(std::is_same<Dec, Q4_K>::value ? K / 32 : 0);
-  for (int64_t r = 0; r < static_cast<int64_t>(xsum.size()); ++r) {
-    float s = 0.f;
-    for (int i = 0; i < 32; ++i) s += static_cast<float>(c10::BFloat16(xb[32 * r + i], c10::BFloat16::from_bits()));
-    xsum[r] = s;
-  }
-  return xsum;
+template <typename Dec, typename OnRow = NoHook>
+static void bf16_rows(const DotX& x, const uint8_t* w, const Layout& L, int64_t K, int64_t n0, int64_t n1, const Out& y,
+                      const OnRow& on_row = {}) {
+  if (x.parts == 1) dot_rows<Dec, 1>(x, w, L, K, n0, n1, y, on_row);
+  else dot_rows<Dec, 3>(x, w, L, K, n0, n1, y, on_row);
 }
 
-// y [N] = W x for x [1, K] bf16 (contiguous), W in q4_k or q6_k
+// y [N] = W x for x [1, K] (contiguous; bf16, or fp32 as three bf16 parts), W in q4_k or q6_k
 template <typename Dec>
 static void bf16_single(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>());
-  const std::vector<float> xsum = bf16_xsum<Dec>(xb, K);
-  at::parallel_for(0, N, grain_of(N), [&](int64_t n0, int64_t n1) { bf16_rows<Dec>(xb, xsum.data(), w, L, K, n0, n1, y); });
+  static thread_local std::vector<uint16_t> buf;
+  const DotX xd = dot_x_of<Dec>(x, K, buf);
+  at::parallel_for(0, N, grain_of(N), [&](int64_t n0, int64_t n1) { bf16_rows<Dec>(xd, w, L, K, n0, n1, y); });
 }
 #endif
 
@@ -1146,6 +1185,14 @@ static bool bf16_dot_fast() {
 #endif
 }
 
+// Whether one fp32 row of x against Dec (a kBf16Dot format) runs as three exact bf16 parts (dot_x_of) by
+// vdpbf16ps rather than decoding the weights to fp32: q6_k on AMD's cores (Zen 5, 12 cold [8192 x 2048] matrices,
+// 2 threads: 29 -> 34-41 GB/s); q4_k's fp32 decode is cheaper than three dot products per run there (28 vs 24 GB/s)
+template <typename Dec>
+static bool f32_by_parts() {
+  return std::is_same<Dec, Q6_K>::value && bf16_dot_fast();
+}
+
 // The kernels that decode W once per call, into y: decode sizes (M <= kFusedRows), AMX for bf16 x up to
 // kAmxWideRows, outer products up to kOuterRows where AMX does not take x; false where none applies (then the
 // GEMM path: bf16 prefill past kAmxWideRows on AMX, and past kOuterRows).
@@ -1173,7 +1220,7 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
     using Dec = decltype(dec);
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
     if constexpr (kBf16Dot<Dec>) {
-      if (bf16 && M == 1) return bf16_single<Dec>(x.contiguous(), w, L, N, K, y);
+      if (M == 1 && (bf16 || f32_by_parts<Dec>())) return bf16_single<Dec>(x.contiguous(), w, L, N, K, y);
     }
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -1279,10 +1326,10 @@ at::Tensor qlinear_lora(const at::Tensor& x, const at::Tensor& data, const std::
     };
 #if defined(__AVX512BF16__)
     if constexpr (kBf16Dot<Dec>) {
-      if (xc.scalar_type() == at::kBFloat16) {
-        const uint16_t* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-        const std::vector<float> xsum = bf16_xsum<Dec>(xb, K);
-        return run([&](int64_t n0, int64_t n1, const auto& hook) { bf16_rows<Dec>(xb, xsum.data(), w, Lw, K, n0, n1, out, hook); });
+      if (xc.scalar_type() == at::kBFloat16 || f32_by_parts<Dec>()) {
+        static thread_local std::vector<uint16_t> parts;
+        const DotX xd = dot_x_of<Dec>(xc, K, parts);
+        return run([&](int64_t n0, int64_t n1, const auto& hook) { bf16_rows<Dec>(xd, w, Lw, K, n0, n1, out, hook); });
       }
     }
 #endif
