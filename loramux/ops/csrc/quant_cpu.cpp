@@ -566,7 +566,7 @@ static inline float sum4(const __m512 (&acc)[4]) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 // 16 lanes of x[2l] q[2l] + x[2l+1] q[2l+1], x as P bf16 parts P * K apart (fp32 x: three parts whose sum is x
-// exactly, split_f32; each product exact in fp32)
+// exactly, dot_x_of; each product exact in fp32)
 template <int P>
 static inline __m512 dot_pairs(__m512i q_bf16, const uint16_t* x, int64_t K) {
   __m512 s[P];
