@@ -9,7 +9,6 @@ import torch
 
 from loramux.ops import lora_cpu, quant_torch
 from loramux.ops.cpu_extension import load_extension
-from loramux.ops.mapping import UniformSlot
 from loramux.ops.quant_torch import QuantizedWeight
 
 
@@ -46,13 +45,9 @@ def quantized_linear_lora(x: torch.Tensor, weight: QuantizedWeight, bias: torch.
     if kernels_take and x.dim() == 2 and x.shape[0] == 1 and not weight.in_features % 32 and _has_lora():
         return load_extension("quant_cpu").qlinear_lora(x, weight.data, weight.fmt, weight.in_features, bias, lora_a,
                                                         lora_b, slot_ranks, slot, output_slices)
-    y = quantized_linear(x, weight, bias)
-    if not (kernels_take and lora_cpu.available()):
-        return quant_torch.add_slot_lora(y, x, lora_a, lora_b, slot_ranks, slot, output_slices)
-    flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-    lora_cpu.add_lora_cpu(flat_y, flat_x, lora_a, lora_b, UniformSlot(slot).for_tokens(flat_x.shape[0]), output_slices,
-                          slot_ranks)
-    return y
+    add_lora = lora_cpu.add_lora_cpu if kernels_take and lora_cpu.available() else None
+    return quant_torch.add_slot_lora(quantized_linear(x, weight, bias), x, lora_a, lora_b, slot_ranks, slot,
+                                     output_slices, add_lora)
 
 
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -181,12 +181,14 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
 
 
 def add_slot_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  slot_ranks: torch.Tensor, slot: int, output_slices) -> torch.Tensor:
-    """y += adapter slot `slot`'s LoRA of x for every row (LoRALinear's buffers; ops.lora_torch's math); returns y."""
+                  slot_ranks: torch.Tensor, slot: int, output_slices, add_lora=None) -> torch.Tensor:
+    """y [M, N] += adapter slot `slot`'s LoRA of x [M, K] for every row (LoRALinear's buffers), by `add_lora` (an
+    ops add_lora backend; None: ops.lora_torch's reference); returns y."""
     from loramux.ops.lora_torch import add_lora_segmented  # (lora_torch is the LoRA ops' home; no cycle at import)
     from loramux.ops.mapping import UniformSlot
 
-    add_lora_segmented(y, x, lora_a, lora_b, UniformSlot(slot).for_tokens(x.shape[0]), output_slices, slot_ranks)
+    (add_lora or add_lora_segmented)(y, x, lora_a, lora_b, UniformSlot(slot).for_tokens(x.shape[0]), output_slices,
+                                     slot_ranks)
     return y
 
 
