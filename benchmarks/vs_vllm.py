@@ -47,7 +47,7 @@ def make_files(args, adapters: int = 32) -> tuple[str, dict[str, str]]:
 
     root = os.path.join(args.workdir, args.shape or os.path.basename((args.model or "smollm2-135m").rstrip("/")))
     model = args.model or (default_model_path() if args.shape is None else
-                           _make_model(os.path.join(root, "model"), SHAPES[args.shape]))
+                           _make_model(os.path.join(root, "model"), SHAPES[args.shape], args.tokenizer))
     config = AutoConfig.from_pretrained(model)
     dirs = {f"a{i}": os.path.join(root, "adapters", f"a{i}") for i in range(adapters)}
     for i, (name, path) in enumerate(dirs.items()):
@@ -56,7 +56,7 @@ def make_files(args, adapters: int = 32) -> tuple[str, dict[str, str]]:
     return model, dirs
 
 
-def _make_model(path: str, shape: dict) -> str:
+def _make_model(path: str, shape: dict, tokenizer: str | None) -> str:
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import shutil
@@ -69,8 +69,10 @@ def _make_model(path: str, shape: dict) -> str:
     print(f"making a random checkpoint under {path} ...", flush=True)
     torch.manual_seed(0)
     config = LlamaConfig(**shape, vocab_size=49152, bos_token_id=1, eos_token_id=2, max_position_embeddings=8192)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
-    source = default_model_path()  # SmolLM2's tokenizer
+    # Initialised where it is fastest: an 8B model's random init takes minutes on a CPU, seconds on a GPU.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    source = tokenizer or default_model_path()  # SmolLM2's tokenizer
     for name in os.listdir(source):
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(os.path.join(source, name), path)
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: the embedded SmolLM2-135M")
     parser.add_argument("--model", default=None, help="an HF directory instead (both sides must load it)")
     parser.add_argument("--workdir", default=CACHE, help="where the random checkpoint and adapters are kept")
+    parser.add_argument("--tokenizer", default=None,
+                        help="a directory with SmolLM2's tokenizer files for --shape (default: the embedded model's)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--requests", type=int, default=32)
