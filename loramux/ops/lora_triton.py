@@ -3,11 +3,14 @@
 The method is Punica's SGMV (Chen et al., "Punica: Multi-Tenant LoRA Serving", 2023) as S-LoRA and vLLM
 run it: the tokens of a batch are ordered by slot (on the device, no host sync), and one launch covers every
 slot's tokens for a layer, decode and prefill alike:
-  shrink  h[t, k*R:(k+1)*R] = x[t] @ A[s, k*R:(k+1)*R]^T      programs (slot, token block, slice k)
-  expand  y[t, o] += h[t, k(o)*R:(k(o)+1)*R] @ B[s, o, :]^T    programs (slot, token block, output block)
-where k(o) is the packed slice (q|k|v, gate|up) output column o belongs to. Rows of A and columns of B beyond
-a slot's real rank (slot_ranks) are never read; tokens of slot -1 are never touched; a program past its
-slot's token count returns at once. h is kept in x's dtype, as the reference's shrink result is.
+  shrink  h[t, k*R:(k+1)*R] = x[t] @ A[s, k*R:(k+1)*R]^T      programs (work item, slice k)
+  expand  y[t, o] += h[t, k(o)*R:(k(o)+1)*R] @ B[s, o, :]^T    programs (work item, output block)
+where k(o) is the packed slice (q|k|v, gate|up) output column o belongs to. A work item is a (slot, token
+block) pair that has tokens, from a table built on the device once per forward pass (work_items): axis 0 spans
+at most cdiv(tokens, BLOCK_M) + slots - 1 of them, where a grid of slots x token blocks would be all but ~1/slots
+empty programs. An expand block reads h and B only for the slices its columns meet. Rows of A and columns of B
+beyond a slot's real rank (slot_ranks) are never read; tokens of slot -1 get no programs. h is kept in x's
+dtype, as the reference's shrink result is.
 
 Under Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) the kernels run on CPU
 tensors: that is how CI checks them against the reference on a machine without a GPU.
@@ -46,22 +49,22 @@ def add_lora_triton(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()
     slices = slices_of(output_slices, lora_a, lora_b)
     if len(slices) > MAX_SLICES:
         raise ValueError(f"the Triton LoRA op takes at most {MAX_SLICES} output slices, got {len(slices)}")
-    if n_tokens == 0:
+    if n_tokens == 0 or num_slots == 0:
         return
+    block_m, block_n, block_r = 16, 64, max(16, triton.next_power_of_2(rank))
     order, counts, starts = by_slot(mapping, num_slots)
+    work = work_items(mapping, num_slots, block_m)  # [programs, 2]
     bounds = _bounds(tuple(o1 for _, o1, _, _ in slices), y.device)
     ranks = slot_ranks if slot_ranks is not None else torch.full((num_slots,), rank, device=y.device)
-    block_m, block_r = 16, max(16, triton.next_power_of_2(rank))
     h = torch.empty(n_tokens, a_rows, dtype=x.dtype, device=x.device)
     # the interpreter's bf16 dot is wrong (triton 3.9: garbage sums), so it runs every dot in fp32
     fp32 = x.dtype == torch.float32 or INTERPRET
-    _shrink[(num_slots, triton.cdiv(n_tokens, block_m), len(slices))](
-        x, lora_a, h, order, counts, starts, ranks, n_in, rank,
+    _shrink[(work.shape[0], len(slices))](
+        x, lora_a, h, work, order, counts, starts, ranks, n_in, rank,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), h.stride(0),
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, IEEE=fp32, EMULATE=INTERPRET)
-    block_n = 64
-    _expand[(num_slots, triton.cdiv(n_tokens, block_m), triton.cdiv(n_out, block_n))](
-        h, lora_b, y, order, counts, starts, ranks, bounds, rank,
+    _expand[(work.shape[0], triton.cdiv(n_out, block_n))](
+        h, lora_b, y, work, order, counts, starts, ranks, bounds, rank,
         h.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
         NUM_SLICES=len(slices), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=fp32, EMULATE=INTERPRET)
 
@@ -77,6 +80,27 @@ def by_slot(mapping: LoRAMapping, num_slots: int) -> tuple[torch.Tensor, torch.T
         counts = counts_of(slots + 1, num_slots + 1)  # base first
         cache[num_slots] = order, counts, torch.cumsum(counts, 0) - counts
     return cache[num_slots]
+
+
+def work_items(mapping: LoRAMapping, num_slots: int, block_m: int) -> torch.Tensor:
+    """[programs, 2] int32 (slot, token block within the slot): a row per (slot >= 0, block of block_m of its
+    tokens) pair that has tokens, in slot order, then (-1, 0) rows up to programs = cdiv(tokens, block_m) +
+    min(slots, tokens) - 1, which the pairs never exceed (only a slot's last block is partial). On the device,
+    no host sync (the grid size is the bound, not the count), once per forward pass and block size."""
+    cache = mapping.__dict__.setdefault("_work_items", {})
+    if (num_slots, block_m) not in cache:
+        n = mapping.num_tokens
+        counts = by_slot(mapping, num_slots)[1][1:]  # [num_slots], base left out
+        blocks = (counts + block_m - 1) // block_m  # [num_slots] token blocks per slot
+        ends = torch.cumsum(blocks, 0)  # [num_slots] where each slot's work items end
+        programs = max(0, (n + block_m - 1) // block_m + min(num_slots, n) - 1)
+        p = torch.arange(programs, device=counts.device)
+        slot = torch.searchsorted(ends, p, right=True)  # [programs] the slot whose items cover p; num_slots past them
+        real = slot < num_slots
+        first = (ends - blocks)[slot.clamp(max=num_slots - 1)]  # [programs] the slot's first work item
+        cache[num_slots, block_m] = torch.stack(
+            [torch.where(real, slot, -1), torch.where(real, p - first, 0)], 1).to(torch.int32)
+    return cache[num_slots, block_m]
 
 
 def counts_of(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -116,15 +140,16 @@ if triton is not None:
         return v.to(dtype)
 
     @triton.jit
-    def _shrink(x, a, h, order, counts, starts, ranks, n_in, rank,
+    def _shrink(x, a, h, work, order, counts, starts, ranks, n_in, rank,
                 sx_t, sx_i, sa_s, sa_r, sa_i, sh_t,
                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                 EMULATE: tl.constexpr):
         """h[t, k*rank + r] = sum_i x[t, i] * a[s, k*rank + r, i] for this program's tokens t of slot s."""
-        s, mb, k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        count = tl.load(counts + s + 1)
-        if mb * BLOCK_M >= count:
+        p, k = tl.program_id(0), tl.program_id(1)
+        s, mb = tl.load(work + 2 * p), tl.load(work + 2 * p + 1)  # slot, token block within it
+        if s < 0:  # past the real work items
             return
+        count = tl.load(counts + s + 1)
         m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         tokens = tl.load(order + tl.load(starts + s + 1) + m, mask=m < count, other=0)  # [BLOCK_M]
         r = tl.arange(0, BLOCK_R)
@@ -142,15 +167,16 @@ if triton is not None:
         tl.store(out, _rounded(acc, h.dtype.element_ty, EMULATE), mask=(m[:, None] < count) & (r[None, :] < rank))
 
     @triton.jit
-    def _expand(h, b, y, order, counts, starts, ranks, bounds, rank,
+    def _expand(h, b, y, work, order, counts, starts, ranks, bounds, rank,
                 sh_t, sb_s, sb_o, sb_r, sy_t, sy_o,
                 NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                 IEEE: tl.constexpr, EMULATE: tl.constexpr):
         """y[t, o] += sum_r h[t, k(o)*rank + r] * b[s, o, r] for this program's tokens t of slot s."""
-        s, mb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        count = tl.load(counts + s + 1)
-        if mb * BLOCK_M >= count:
+        p, nb = tl.program_id(0), tl.program_id(1)
+        s, mb = tl.load(work + 2 * p), tl.load(work + 2 * p + 1)  # slot, token block within it
+        if s < 0:  # past the real work items
             return
+        count = tl.load(counts + s + 1)
         m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         tokens = tl.load(order + tl.load(starts + s + 1) + m, mask=m < count, other=0)
         o = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,12 +186,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in tl.static_range(NUM_SLICES):
             lo, hi = tl.load(bounds + k), tl.load(bounds + k + 1)
-            cols = (o >= lo) & (o < hi)  # this block's columns in slice k (none, some or all)
-            ht = tl.load(h + tokens[:, None] * sh_t + k * rank + r[None, :],
-                         mask=(m[:, None] < count) & (r[None, :] < real), other=0.0)  # [BLOCK_M, BLOCK_R]
-            bt = tl.load(b + s * sb_s + o[None, :] * sb_o + r[:, None] * sb_r,
-                         mask=cols[None, :] & (r[:, None] < real), other=0.0)  # [BLOCK_R, BLOCK_N]
-            acc = _dot(ht, bt.to(ht.dtype), acc, IEEE)
+            if (lo < nb * BLOCK_N + BLOCK_N) & (hi > nb * BLOCK_N):  # slice k meets this block: read its h and B
+                cols = (o >= lo) & (o < hi)  # this block's columns in slice k (some or all)
+                ht = tl.load(h + tokens[:, None] * sh_t + k * rank + r[None, :],
+                             mask=(m[:, None] < count) & (r[None, :] < real), other=0.0)  # [BLOCK_M, BLOCK_R]
+                bt = tl.load(b + s * sb_s + o[None, :] * sb_o + r[:, None] * sb_r,
+                             mask=cols[None, :] & (r[:, None] < real), other=0.0)  # [BLOCK_R, BLOCK_N]
+                acc = _dot(ht, bt.to(ht.dtype), acc, IEEE)
         out = y + tokens[:, None] * sy_t + o[None, :] * sy_o
         keep = (m[:, None] < count) & (o[None, :] < n_out)
         total = tl.load(out, mask=keep, other=0.0).to(tl.float32) + acc

@@ -76,3 +76,72 @@ def test_more_slices_than_the_kernel_unrolls_are_refused():
 def test_backend_selection():
     assert select_backend("triton", "cpu") is lora_triton.add_lora_triton  # the interpreter runs it here
     assert select_backend("auto", "cpu") is not lora_triton.add_lora_triton  # CPUs keep the C++ kernel / torch
+
+
+BLOCK_M = 16  # the wrapper's token block
+UNEVEN = {  # tokens per slot around the token block (0, 1, BLOCK_M - 1, BLOCK_M, BLOCK_M + 1), base tokens
+    "edges": ([0, 1, 15, 16, 17, 0, 33], 5),  # empty slots first and between busy ones
+    "one_busy_slot": ([0, 0, 0, 40, 0], 3),
+    "all_base": ([0, 0, 0], 21),
+    "more_slots_than_tokens": ([1, 0] * 20, 2),
+}
+
+
+def _uneven_slots(counts, base, seed):
+    """Token slots with counts[s] tokens of slot s and `base` of -1, shuffled (the kernels order them)."""
+    slots = torch.tensor([s for s, c in enumerate(counts) for _ in range(c)] + [-1] * base)
+    return slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(seed))].tolist()
+
+
+@pytest.mark.parametrize("case", list(UNEVEN))
+def test_work_items_cover_every_token_block_once(case):
+    counts, base = UNEVEN[case]
+    mapping = LoRAMapping.from_slots(_uneven_slots(counts, base, 0))
+    work = lora_triton.work_items(mapping, len(counts), BLOCK_M)
+    n = mapping.num_tokens
+    assert work.shape[0] == -(-n // BLOCK_M) + min(len(counts), n) - 1 <= -(-n // BLOCK_M) + len(counts)
+    pairs = [tuple(w) for w in work.tolist()]
+    expected = [(s, b) for s, c in enumerate(counts) for b in range(-(-c // BLOCK_M))]
+    assert pairs[: len(expected)] == expected  # each non-empty (slot, token block) once, base blocks none
+    assert all(p == (-1, 0) for p in pairs[len(expected):])  # the rest: programs that return at once
+    assert lora_triton.work_items(mapping, len(counts), BLOCK_M) is work  # once per forward pass
+
+
+@pytest.mark.parametrize("case", list(UNEVEN))
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_uneven_slot_counts_match_reference(case, dtype, tol):
+    """A token block skipped or done twice (in h or in y) shows in some row."""
+    counts, base = UNEVEN[case]
+    torch.manual_seed(len(counts))
+    num_slots, n_in, slices = len(counts), 24, (40, 30)
+    lora_a, lora_b = _weights(num_slots, 8, n_in, slices, dtype, [8] * num_slots)
+    slots = _uneven_slots(counts, base, 1)
+    mapping = LoRAMapping.from_slots(slots)
+    x, y0 = torch.randn(len(slots), n_in, dtype=dtype), torch.randn(len(slots), sum(slices), dtype=dtype)
+    expected = y0.clone().float()
+    add_lora_gathered(expected, x.float(), lora_a.float(), lora_b.float(), mapping, slices)
+    y = y0.clone()
+    lora_triton.add_lora_triton(y, x, lora_a, lora_b, mapping, slices)
+    torch.testing.assert_close(y.float(), expected, atol=tol * 10, rtol=tol)
+    base_rows = torch.tensor(slots) < 0
+    assert torch.equal(y[base_rows], y0[base_rows])
+    work = mapping._work_items[num_slots, BLOCK_M]  # the table the launch used: its axis 0
+    assert work.shape[0] <= -(-len(slots) // BLOCK_M) + num_slots
+
+
+@pytest.mark.parametrize("slices", [(50, 30, 45), (70, 3), (130, 5, 60), (10, 100, 20), (64, 1)],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_slices_bounded_inside_column_blocks(slices):
+    """Output widths off the 64-column block, slice bounds inside a block: a block touching one, two or three
+    slices adds each slice's columns from its own h and B, and only those."""
+    torch.manual_seed(sum(slices))
+    rank, n_in, num_slots = 8, 16, 3
+    lora_a, lora_b = _weights(num_slots, rank, n_in, slices, torch.float32, [8, 3, 8])
+    slots = [0, 1, 2, -1, 2, 0] * 3 + [1] * 17  # slot 1: two token blocks
+    mapping = LoRAMapping.from_slots(slots)
+    x, y0 = torch.randn(len(slots), n_in), torch.randn(len(slots), sum(slices))
+    expected = y0.clone()
+    add_lora_gathered(expected, x, lora_a, lora_b, mapping, slices)
+    y = y0.clone()
+    lora_triton.add_lora_triton(y, x, lora_a, lora_b, mapping, slices, torch.tensor([8, 3, 8]))
+    torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
