@@ -161,7 +161,7 @@ def _loramux(name: str, paths: dict, args) -> dict:
     llm = LLM(model=model, lora=LoRAConfig(max_loras=8, max_lora_rank=16), dtype="bfloat16", max_num_seqs=32,
               quantization="int8" if name == "int8" else None, max_model_len=args.prefill_len + 16,
               kv_cache_memory=kv_bytes)
-    slots = llm.engine.core.runner.manager.slot_bytes
+    slots = llm.engine.adapters.slot_bytes
     out = {"weight_mb": llm.engine.core.runner.weight_bytes / 2**20, "kv_mb": kv_bytes / 2**20,
            "lora_slots_mb": slots / 2**20, "rss_mb": rss_mb(), "file_mb": _size_mb(model)}
     out["prefill_tok_s"] = _prefill(llm, args)

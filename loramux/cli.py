@@ -16,7 +16,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapters to load at start-up")
     parser.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
-    parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept in host memory")
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters kept in host memory (default: 16, or --max-loras if that is more)")
     parser.add_argument("--max-cpu-lora-bytes", type=int, default=None,
                         help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
                              "least recently used leave until a new one fits")
@@ -53,7 +54,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _engine_config(args) -> EngineConfig:
     targets = tuple(args.lora_target_modules) if args.lora_target_modules else None
-    lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=max(args.max_cpu_loras, args.max_loras),
+    lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                       max_lora_rank=args.max_lora_rank, target_modules=targets,
                       max_module_copies_bytes=args.max_module_copies_bytes,
                       max_cpu_lora_bytes=args.max_cpu_lora_bytes, lora_dtype=args.lora_dtype)

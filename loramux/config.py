@@ -19,8 +19,9 @@ class LoRAConfig:
 
     max_loras: int = 4
     """Device slots: the most distinct adapters one forward pass (one engine step) can use."""
-    max_cpu_loras: int = 16
-    """Host tier: adapters kept in host memory (LRU). Evicted ones are reloaded from disk on use."""
+    max_cpu_loras: int | None = None
+    """Host tier: adapters kept in host memory (LRU). Evicted ones are reloaded from disk on use. None: 16, or
+    max_loras if that is more (as vLLM, which defaults it to max_loras)."""
     max_cpu_lora_bytes: int | None = None
     """Host tier in bytes too (None: by count only): the least recently used adapters leave until the new one
     fits. Sizes differ by orders of magnitude (q/v LoRA against every MoE expert and a saved head)."""
@@ -42,6 +43,8 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         _check_positive("max_loras", self.max_loras)
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", max(16, self.max_loras))
         _check_positive("max_cpu_loras", self.max_cpu_loras)
         _check_positive("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_lora_bytes is not None:
@@ -160,10 +163,6 @@ class EngineConfig:
             _check_positive("kv_cache_memory", self.kv_cache_memory)
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction!r}")
-
-    @property
-    def max_loras(self) -> int:
-        return self.lora.max_loras if self.lora else 0
 
 
 @dataclass(frozen=True)

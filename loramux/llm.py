@@ -70,6 +70,9 @@ class LLM:
     def pin_adapter(self, name: str) -> LoRAResult:
         return self.engine.pin_adapter(name)
 
+    def unpin_adapter(self, name: str) -> LoRAResult:
+        return self.engine.unpin_adapter(name)
+
     def activate_adapter(self, name: str) -> int:
         return self.engine.lora_manager.activate_adapter(name)
 
@@ -77,8 +80,8 @@ class LLM:
         return self.engine.is_lora(name)
 
     def is_active_lora(self, name: str) -> bool:
-        return self.engine.manager is not None and self.engine.manager.is_active_lora(name)
+        return self.engine.adapters is not None and self.engine.adapters.is_active_lora(name)
 
     @property
     def loras(self) -> list[str]:
-        return self.engine.manager.loras if self.engine.manager else []
+        return self.engine.adapters.loras if self.engine.adapters else []

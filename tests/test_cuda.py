@@ -35,7 +35,7 @@ def test_triton_op_on_cuda(dtype, tol, n_tokens):
 
 def test_mixed_batch_on_cuda_equals_hf_peft_alone(tmp_path):
     llm = mixed_batch_equals_hf_peft_alone(tmp_path, "cuda")
-    weights = llm.engine.core.manager._weights.values()  # the host tier: page-locked, for DMA slot writes
+    weights = llm.engine.adapters.store._weights.values()  # the host tier: page-locked, for DMA slot writes
     assert all(t.is_pinned() for w in weights for m in w.modules.values() for t in (m.a, m.b))
     assert all(t.is_pinned() for w in weights for t in w.copies.values())
 

@@ -15,7 +15,8 @@ from torch import nn
 
 from loramux.adapters.cache import CacheFullError
 from loramux.adapters.manager import LoRAManager
-from loramux.adapters.status import LoRAResult, LoRAStatus
+from loramux.adapters.names import AdapterRef
+from loramux.adapters.status import LoRAResult
 from loramux.config import LoRAConfig
 from loramux.ops import RowSlots, UniformSlot
 
@@ -24,7 +25,7 @@ class LoRAModel:
     def __init__(self, model: nn.Module, config: LoRAConfig | None = None, backend: str = "auto"):
         self.model = model
         self.manager = LoRAManager(model, config, backend)
-        self.active_adapter_name: str | None = None  # the adapter version switch() selected (a cache key)
+        self._selected: AdapterRef | None = None  # the identity switch() selected; held until reset()
         self._uniform: dict[int, UniformSlot] = {}
 
     def __getattr__(self, name: str):
@@ -40,11 +41,11 @@ class LoRAModel:
         distinct = [a for a in dict.fromkeys(adapters) if a is not None]
         if len(distinct) > manager.config.max_loras:
             raise CacheFullError(f"a batch names {len(distinct)} adapters, above max_loras={manager.config.max_loras}")
-        keys = {name: manager.key_of(name) for name in distinct}
-        with manager.using(list(keys.values())):
-            slots = {name: manager.activate_key(key) for name, key in keys.items()}
-            rows = RowSlots([slots[a] if a is not None else -1 for a in adapters], manager._device)
-            with manager.mapping(rows, head=True):
+        refs = {name: manager.resolve(name) for name in distinct}
+        with manager.using(list(refs.values())):
+            slots = {name: manager.activate(ref) for name, ref in refs.items()}
+            rows = RowSlots([slots[a] if a is not None else -1 for a in adapters], manager.slots.device)
+            with manager.slots.mapping(rows, head=True):
                 yield
 
     def switch(self, name: str | None) -> None:
@@ -52,38 +53,41 @@ class LoRAModel:
         if name is None:
             return self.reset()
         manager = self.manager
-        key = manager.key_of(name)
-        if key != self.active_adapter_name:
-            manager.cache.acquire(key)  # held while selected, so its slot is never reused under it
+        ref = manager.resolve(name)
+        if ref != self._selected:
+            manager.cache.acquire(ref)  # held while selected, so its slot is never reused under it
             self.reset()
-            self.active_adapter_name = key
+            self._selected = ref
         try:
-            slot = manager.activate_key(key)
+            slot = manager.activate(ref)
         except Exception:
             self.reset()
             raise
-        manager.context.mapping = manager.head_context.mapping = self._uniform.setdefault(slot, UniformSlot(slot, manager._device))
+        manager.slots.set_mapping(self._uniform.setdefault(slot, UniformSlot(slot, manager.slots.device)))
 
     def reset(self) -> None:
         """Back to the base model for every row."""
-        if self.active_adapter_name is not None:
-            self.manager.cache.release(self.active_adapter_name)
-            self.active_adapter_name = None
-        self.manager.context.mapping = self.manager.head_context.mapping = None
+        if self._selected is not None:
+            self.manager.cache.release(self._selected)
+            self._selected = None
+            self.manager.retire()  # an unloaded or replaced adapter's memory goes once it is deselected
+        self.manager.slots.set_mapping(None)
 
     def unload_adapter(self, name: str) -> LoRAResult:
-        """As LoRAManager.unload_adapter; the adapter switch() selected is deselected first (only when
-        nothing else uses it: a refused unload changes nothing)."""
-        key = self.manager.cache.current(name)
-        if key is not None and key == self.active_adapter_name:
-            others = self.manager.cache.refs(key) - 1
-            if others:
-                return LoRAResult(LoRAStatus.UNLOAD_IN_USE, f"adapter {name!r} is used by {others} running request(s)")
+        """As LoRAManager.unload_adapter; the adapter switch() selected is deselected first (the model is
+        back on the base model). Inside a batch() block its rows keep it until the block ends."""
+        if self._selected is not None and self._selected.name == name:
             self.reset()
         return self.manager.unload_adapter(name)
 
+    @property
+    def active_adapter_name(self) -> str | None:
+        """The name of the adapter switch() selected (TensorRT Edge-LLM's getActiveAdapterName), or None."""
+        return None if self._selected is None else self._selected.name
+
     def has_weight_for(self, binding: str) -> bool:
-        """Whether the adapter selected with switch() has weights for `binding` (a PEFT module name)."""
-        if self.active_adapter_name is None:
+        """Whether the adapter switch() selected has weights for `binding` (a PEFT module name). No side
+        effects: it reads what was recorded when the adapter was loaded."""
+        if self._selected is None:
             return False
-        return binding in self.manager.modules_of(self.active_adapter_name)
+        return binding in self.manager.store.modules_of(self._selected)

@@ -1,5 +1,5 @@
-"""Adapter names: what a user may call an adapter, and the "name=path" argument form. Stdlib only (the HTTP
-front end checks names too).
+"""Adapter names: what a user may call an adapter, the "name=path" argument form, and AdapterRef, the
+identity of one load of an adapter. Stdlib only (the HTTP front end checks names too).
 
 A name is what clients send as `model` and what /metrics lists, so it is never read as a path and never
 holds a character that other formats give a meaning to: "=" (the name=path form), "," (the adapter
@@ -9,7 +9,9 @@ path (start with "/", ".", "~" or hold a ".." segment).
 """
 from __future__ import annotations
 
+import itertools
 import re
+from dataclasses import dataclass, field
 
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+/-]*")
@@ -45,3 +47,20 @@ def parse_adapter_arg(arg: str) -> tuple[str, str]:
     if not name or not path:
         raise ValueError(f"expected 'name=path' or a path, got {arg!r}")
     return check_adapter_name(name), path
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One load of an adapter: the name a user gave it and an id no other load in this process ever gets
+    (SGLang's LoRARef). A name can be unloaded and loaded again, or reloaded in place; each load is a new
+    AdapterRef, so whatever is keyed by it (host copies, slots, a request's adapter) never mixes versions.
+    It prints as its name (what users see); repr shows the id."""
+
+    name: str
+    id: int = field(default_factory=lambda: next(_load_ids))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+_load_ids = itertools.count(1)

@@ -14,7 +14,6 @@ class LoRAStatus(enum.Enum):
     LOAD_INVALID_ADAPTER = "load_invalid_adapter"
     LOAD_ERROR = "load_error"
     UNLOAD_NAME_NONEXISTENT = "unload_name_nonexistent"
-    UNLOAD_IN_USE = "unload_in_use"
     PIN_NAME_NONEXISTENT = "pin_name_nonexistent"
     PIN_ERROR = "pin_error"
 

@@ -6,9 +6,10 @@ It never tokenizes or formats text: the offline LLMEngine and the HTTP front end
 they validate requests before they get here (InputProcessor). Adapter control (load/unload/pin) happens
 between steps, on the same thread, so no step ever sees an adapter change under it.
 
-Ownership: the core builds the AdapterCache (policy) and hands the same object to the Scheduler (which
-admits requests whose adapters fit max_loras and takes in-flight references) and, through the ModelRunner,
-to the LoRAManager (which writes slot buffers when the cache says so).
+Ownership: the core owns the adapter system (a LoRAManager: cache, store and slots, built side by side
+over the model) and hands its parts down: the AdapterCache to the Scheduler (which admits requests whose
+adapters fit max_loras, resolves their names to identities and holds them) and the AdapterSlots to the
+ModelRunner (which sets each step's mapping). Everything else reaches adapters through the core's API.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from dataclasses import replace
 
 import torch
 
-from loramux.adapters.cache import AdapterCache, name_of
-from loramux.adapters.status import LoRAResult, LoRAStatus
+from loramux.adapters.manager import LoRAManager
+from loramux.adapters.status import LoRAResult
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.grammar import GrammarCompiler
@@ -54,17 +55,15 @@ class EngineCore:
                             config.quantization_group_size)
         self.config = replace(config, max_model_len=loaded.max_model_len)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
-        lora = self.config.lora
-        self.cache = AdapterCache(lora.max_loras, lora.max_cpu_loras, lora.max_cpu_lora_bytes) if lora else None
+        self.adapters = self._adapter_system(loaded.model)
         self.eos_token_ids = self._eos_token_ids()
-        self.runner = ModelRunner(loaded, self.config, self.device, self.cache, frozenset(self.eos_token_ids))
-        self.manager = self.runner.manager
+        slots = self.adapters.slots if self.adapters else None
+        self.runner = ModelRunner(loaded, self.config, self.device, slots, frozenset(self.eos_token_ids))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager, self.cache)
-        if self.manager is not None:
-            self.manager.waiting_keys = self.scheduler.waiting_keys  # replaced versions preempted requests resume on
-            logger.info("LoRA slot buffers: %.1f MB (%d slots x rank %d)", self.manager.slot_bytes / 2**20,
-                        lora.max_loras, lora.max_lora_rank)
+        if self.adapters is None:
+            self.scheduler = Scheduler(self.config, self.block_manager)
+        else:
+            self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.identity)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
         self._seqs: dict[str, Sequence] = {}
@@ -74,6 +73,18 @@ class EngineCore:
         self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
         self._warm_up()
 
+    def _adapter_system(self, model) -> LoRAManager | None:
+        """The model's LoRA layers wrapped (before the runner prepacks the base weights), with their cache
+        and store; None with LoRA off."""
+        lora = self.config.lora
+        if lora is None:
+            return None
+        backend = "torch-fixed-rows" if self.config.batch_invariant else self.config.lora_backend
+        adapters = LoRAManager(model, lora, backend)
+        logger.info("LoRA slot buffers: %.1f MB (%d slots x rank %d)", adapters.slot_bytes / 2**20,
+                    lora.max_loras, lora.max_lora_rank)
+        return adapters
+
     def _warm_up(self) -> None:
         """A prefill and a decode of two throwaway sequences before the first request (as vLLM warms up with a
         dummy LoRA): the ops' kernels load or compile (Triton's on a GPU take seconds), allocators and thread
@@ -82,7 +93,7 @@ class EngineCore:
         greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         length = max(1, min(8, self.config.max_model_len - 1))  # the prompt and one decoded token fit the model
         seqs = [Sequence([1] * length, greedy) for _ in range(2)]
-        slots = [-1, -1 if self.manager is None else 0]
+        slots = [-1, -1 if self.adapters is None else 0]
         chunked = self.config.enable_chunked_prefill
         try:
             for seq in seqs:
@@ -112,10 +123,13 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     adapter: str | None = None) -> None:
-        """Queue a validated request (InputProcessor). LookupError: its adapter is not loaded (unloaded after
-        the caller looked); ValueError: the id is in use, or the request could never run."""
-        if adapter is not None and (self.manager is None or not self.manager.is_lora(adapter)):
-            raise LookupError(f"The model `{adapter}` does not exist.")
+        """Queue a validated request (InputProcessor). LookupError: no adapter has that name (now: it may have
+        been unloaded after the caller looked); ValueError: the id is in use, or the request could never run.
+        The name is resolved to an identity when the request is admitted (Scheduler)."""
+        if adapter is not None:
+            if self.adapters is None:
+                raise LookupError(f"The model `{adapter}` does not exist (this engine serves the base model only).")
+            self.adapters.resolve(adapter)
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, adapter, request_id)
@@ -154,8 +168,8 @@ class EngineCore:
         """One scheduler step: an output for every request that progressed or finished."""
         outputs = self._queue_compiled()
         batch = self.scheduler.schedule()
-        outputs += [self._ended(s, "abort", f"adapter {s.adapter!r} was unloaded before the request started")
-                    for s in batch.failed]
+        outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",
+                                404) for s in batch.failed]
         spans = dict(zip(map(id, batch.seqs), batch.spans)) if batch.spans is not None else None
         seqs, slots = self._activate(batch.seqs, outputs)
         if seqs:
@@ -167,8 +181,6 @@ class EngineCore:
                 seq.num_computed_tokens = spans[id(seq)][1] if spans is not None else len(seq)
                 if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
                     outputs.append(self._append(seq, result))
-        if self.manager is not None:
-            self.manager.retire()  # replaced adapter versions nothing uses now
         return outputs
 
     def _queue_compiled(self) -> list[CoreOutput]:
@@ -185,29 +197,26 @@ class EngineCore:
             del self._compiling[request_id]
             try:
                 seq.grammar = future.result()
-                self.scheduler.add(seq)  # ValueError: its adapter was unloaded while the grammar compiled
+                self.scheduler.add(seq)
             except Exception as e:
-                gone = isinstance(e, ValueError) and seq.grammar is not None
-                seq.finish_reason = "abort" if gone else "error"
-                error = f"adapter {seq.adapter!r} was unloaded before the request started" if gone else str(e)
-                outputs.append(CoreOutput(request_id, [], seq.finish_reason, error, status=0 if gone else 400))
+                seq.finish_reason = "error"
+                outputs.append(CoreOutput(request_id, [], "error", str(e), status=400))
                 self._forget(seq)
         return outputs
 
     def _activate(self, seqs: list[Sequence], outputs: list[CoreOutput]) -> tuple[list[Sequence], list[int]]:
         """Give the step's adapters device slots; requests whose adapter cannot get one fail alone.
         Returns the runnable sequences and each one's slot (-1 = base model)."""
-        slots: dict[str | None, int] = {None: -1}
-        for key in dict.fromkeys(s.adapter_key for s in seqs if s.adapter_key is not None):
+        slots = {None: -1}
+        for ref in dict.fromkeys(s.adapter_ref for s in seqs if s.adapter_ref is not None):
             try:
-                slots[key] = self.manager.activate_key(key)
+                slots[ref] = self.adapters.activate(ref)
             except Exception as e:  # a broken adapter (e.g. its file changed on disk) fails its own requests
-                name = name_of(key)
-                logger.warning("adapter %r could not be activated: %s", name, e)
-                for seq in [s for s in seqs if s.adapter_key == key]:
-                    outputs.append(self._fail(seq, f"adapter {name!r} could not be activated: {e}"))
-        runnable = [s for s in seqs if s.adapter_key in slots]
-        return runnable, [slots[s.adapter_key] for s in runnable]
+                logger.warning("adapter %r could not be activated: %s", ref.name, e)
+                for seq in [s for s in seqs if s.adapter_ref == ref]:
+                    outputs.append(self._fail(seq, f"adapter {ref.name!r} could not be activated: {e}"))
+        runnable = [s for s in seqs if s.adapter_ref in slots]
+        return runnable, [slots[s.adapter_ref] for s in runnable]
 
     def _run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
              spans: list[tuple[int, int]] | None) -> list[Sampled | None | str]:
@@ -241,10 +250,10 @@ class EngineCore:
         return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
                           prompt_logprobs=result.prompt_logprobs)
 
-    def _ended(self, seq: Sequence, reason: str, error: str) -> CoreOutput:
+    def _ended(self, seq: Sequence, reason: str, error: str, status: int = 0) -> CoreOutput:
         """The output of a request the scheduler has already finished."""
         self._forget(seq)
-        return CoreOutput(seq.request_id, [], reason, error)
+        return CoreOutput(seq.request_id, [], reason, error, status=status)
 
     def _fail(self, seq: Sequence, error: str) -> CoreOutput:
         self.scheduler.finish(seq, "error")
@@ -254,6 +263,8 @@ class EngineCore:
         self._seqs.pop(seq.request_id, None)
         self.runner.release(seq)
         self.num_finished[seq.finish_reason] += 1
+        if seq.adapter_ref is not None:
+            self.adapters.retire()  # an unloaded or replaced identity goes with its last request
 
     # ---- adapters (between steps) ----------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
@@ -261,18 +272,18 @@ class EngineCore:
         return self.lora_manager.load_adapter(spec, path, **kwargs)
 
     def unload_adapter(self, name: str) -> LoRAResult:
-        """Refused while running requests use it, and while preempted ones wait to resume on it."""
-        key = self.cache.current(name) if self.cache else None
-        if key is not None and key in self.scheduler.waiting_keys():
-            waiting = sum(s.adapter_key == key for s in self.scheduler.waiting)
-            return LoRAResult(LoRAStatus.UNLOAD_IN_USE, f"adapter {name!r} is used by {waiting} preempted request(s)")
+        """The name goes now: its requests that have not started end with an error at the next step; the
+        started ones finish on the adapter, whose memory goes after the last of them."""
         return self.lora_manager.unload_adapter(name)
 
     def pin_adapter(self, name: str) -> LoRAResult:
         return self.lora_manager.pin_adapter(name)
 
+    def unpin_adapter(self, name: str) -> LoRAResult:
+        return self.lora_manager.unpin_adapter(name)
+
     @property
-    def lora_manager(self):
-        if self.manager is None:
+    def lora_manager(self) -> LoRAManager:
+        if self.adapters is None:
             raise RuntimeError("this engine was built with lora=None; adapters are off")
-        return self.manager
+        return self.adapters

@@ -15,7 +15,8 @@ from loramux.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.engine_core import EngineCore, resolve_device
 from loramux.engine.input_processor import InputProcessor
-from loramux.engine.output import CoreOutput, Logprobs, RequestOutput
+from loramux.engine.output import CoreOutput, RequestOutput
+from loramux.logprobs import Logprobs
 from loramux.sampling_params import SamplingParams
 from loramux.tokenizer import Tokenizer
 
@@ -48,8 +49,9 @@ class LLMEngine:
 
     # the core's parts, for callers that look inside (tests, benchmarks)
     @property
-    def manager(self):
-        return self.core.manager
+    def adapters(self):
+        """The adapter system (a LoRAManager), or None with LoRA off."""
+        return self.core.adapters
 
     @property
     def runner(self):
@@ -64,16 +66,17 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue one request; returns its id. Bad input is refused here (ValueError naming the cause)."""
         params = params or SamplingParams()
-        if adapter is not None and not self.is_lora(adapter):
-            loaded = ", ".join(self.manager.loras) if self.manager else "none (LoRA is off)"
-            raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {loaded or 'none'}")
         token_ids = self.inputs.prompt_ids(prompt)
         self.inputs.check_length(len(token_ids), params, strict=False)
         self.inputs.check_params(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.core.add_request(request_id, token_ids, params, adapter)
+        try:
+            self.core.add_request(request_id, token_ids, params, adapter)
+        except LookupError as e:
+            loaded = ", ".join(self.adapters.loras) if self.adapters else "none (LoRA is off)"
+            raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {loaded or 'none'}") from e
         detokenizer = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         self._requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, token_ids, adapter,
                                               detokenizer)
@@ -90,7 +93,7 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def is_lora(self, name: str) -> bool:
-        return self.manager is not None and self.manager.is_lora(name)
+        return self.adapters is not None and self.adapters.is_lora(name)
 
     # ---- the step loop ---------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -143,6 +146,9 @@ class LLMEngine:
 
     def pin_adapter(self, name: str) -> LoRAResult:
         return self.core.pin_adapter(name)
+
+    def unpin_adapter(self, name: str) -> LoRAResult:
+        return self.core.unpin_adapter(name)
 
     @property
     def lora_manager(self):

@@ -1,7 +1,8 @@
 """ModelRunner: one scheduled batch -> tensors -> forward pass -> one sampled token per sequence.
 
-It owns the model, the paged KV cache and the LoRAManager (built over the engine's AdapterCache). Each step
-comes with every sequence's adapter slot; the runner never looks adapters up itself.
+It owns the paged KV cache and runs the model, whose LoRA layers it reaches through the engine's
+AdapterSlots (the per-step mapping). Each step comes with every sequence's adapter slot; the runner never
+looks adapters up itself.
 """
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from typing import NamedTuple
 
 import torch
 
-from loramux.adapters.cache import AdapterCache
-from loramux.adapters.manager import LoRAManager
+from loramux.adapters.slots import AdapterSlots
 from loramux.config import EngineConfig
 from loramux.engine.sequence import Sequence
 from loramux.layers.attention import AttentionMetadata
 from loramux.layers.linear import can_prepack, fix_linear_rows, prepack_linears
-from loramux.engine.output import Logprobs
+from loramux.logprobs import Logprobs
 from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_logprobs
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
@@ -60,14 +60,14 @@ def batch_order(row_slots: list[int], grouped: bool) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, cache: AdapterCache | None,
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, slots: AdapterSlots | None,
                  eos_token_ids: frozenset[int] = frozenset()):
+        """slots: the model's LoRA layers, already wrapped (None: LoRA is off)."""
         self.model, self.config, self.device = loaded.model, config, device
         self.eos_token_ids = eos_token_ids  # blocked before a request's min_tokens
         self.max_model_len = loaded.max_model_len
         self.block_size = config.block_size
-        lora_backend = "torch-fixed-rows" if config.batch_invariant else config.lora_backend
-        self.manager = LoRAManager(self.model, config.lora, lora_backend, cache) if cache else None
+        self.slots = slots
         self.dtype = loaded.dtype
         self.weight_bytes = loaded.weight_bytes
         if can_prepack(device, self.dtype):  # after wrapping: the LoRA layers' base Linears are packed too
@@ -118,7 +118,7 @@ class ModelRunner:
         """Run one step over `seqs`, slots[i] being seqs[i]'s adapter slot (-1 = base; activated by the
         engine); returns their results in order. spans (chunked prefill): the positions [start, end) each
         sequence computes; one whose span ends before its last token samples nothing (None)."""
-        grouped = self.manager is not None and self.manager.wants_grouped_tokens
+        grouped = self.slots is not None and self.slots.wants_grouped_tokens
         order = batch_order(slots, grouped)
         if spans is not None:  # decode rows first: the paged decode op takes them as one block
             order = sorted(order, key=lambda i: spans[i][1] - spans[i][0] > 1)
@@ -147,9 +147,9 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:
         """hidden: [rows, hidden] -> float32 logits [rows, vocab]; row_slots: each row's adapter slot (a LoRA
         output head reads them)."""
-        if self.manager is None:
+        if self.slots is None:
             return self.model.compute_logits(hidden)
-        with self.manager.head_mapping(row_slots):
+        with self.slots.head_mapping(row_slots):
             return self.model.compute_logits(hidden)
 
     def _sample(self, seqs: list[Sequence], hidden: torch.Tensor, slots: list[int]) -> list[Sampled]:
@@ -200,10 +200,10 @@ class ModelRunner:
         return out
 
     def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
-        if self.manager is None or all(s < 0 for s in slots):
+        if self.slots is None or all(s < 0 for s in slots):
             return self.model(input_ids, positions, meta)
         token_slots = [slot for slot, n in zip(slots, token_counts) for _ in range(n)]
-        with self.manager.mapping(LoRAMapping.from_slots(token_slots, self.device)):
+        with self.slots.mapping(LoRAMapping.from_slots(token_slots, self.device)):
             return self.model(input_ids, positions, meta)
 
     def _tensor(self, values) -> torch.Tensor:

@@ -7,31 +7,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from loramux.logprobs import Logprobs
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 """stop: an EOS or stop token (or, outside the engine, a stop string); length: max_tokens or max_model_len;
 abort: cancelled (client gone, adapter unloaded, shutdown); error: the request failed (its message says why)."""
-
-
-class Logprobs(msgspec.Struct, array_like=True, gc=False):
-    """Log-probabilities at a run of positions, one column per field (position i = index i of each list):
-    the token at that position, its logprob and rank (1 = the most likely), and the top alternatives
-    (ids and logprobs, most likely first; as many as the request asked for)."""
-
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    ranks: list[int] = []
-    top_ids: list[list[int]] = []
-    top_logprobs: list[list[float]] = []
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def extend(self, other: Logprobs) -> None:
-        for name in self.__struct_fields__:
-            getattr(self, name).extend(getattr(other, name))
-
-    def slice(self, start: int, stop: int | None = None) -> Logprobs:
-        return Logprobs(*(getattr(self, name)[start:stop] for name in self.__struct_fields__))
 
 
 class CoreOutput(msgspec.Struct, array_like=True, gc=False):

@@ -7,11 +7,19 @@ admitted ones, up to max_num_batched_tokens; each sequence's `span` says which o
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
 each adapter there needs its own device slot. A request whose adapter has no slot is skipped, not
 blocking, until it has been passed over max_wait_steps times; then it goes first (age bound).
+
+Adapters: a request names one; when it is admitted the name is resolved to the adapter's current identity
+(an AdapterRef, one per load) and the request runs on that identity to the end, through preemptions. While
+it runs it holds an in-flight reference (its identity is never evicted); from admission to its end it
+holds the identity (never removed, kept in host memory), so a reload in place or an unload of the name
+never changes the weights of a request that has started. A request whose name is unloaded before it
+starts ends with an error.
 """
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from loramux.adapters.cache import AdapterCache
@@ -32,7 +40,7 @@ class ScheduledBatch:
     preempted: list[Sequence]
     """Moved back to the waiting queue during this schedule() call; their K/V is recomputed later."""
     failed: list[Sequence]
-    """Finished with finish_reason "abort": their adapter was unloaded while they waited."""
+    """Finished with finish_reason "error": their adapter was unloaded before they started."""
     spans: list[tuple[int, int]] | None = None
     """Chunked prefill: per sequence, the token positions [start, end) this step computes (a decode row:
     (len - 1, len)); it samples a token only where end == len(seq). None: whole prefills or decodes."""
@@ -48,7 +56,7 @@ class _Verdict(enum.Enum):
 class _Pass:
     """What one admission pass has committed to so far."""
 
-    needed: set[str]  # adapters that must hold a slot: running (incl. admitted this pass) and pinned
+    needed: set[Hashable]  # adapter identities that must hold a slot: running (incl. admitted this pass), pinned
     num_tokens: int = 0
     budget: int | None = None  # chunked prefill: the step's tokens left when the pass began
     admitted: list[Sequence] = field(default_factory=list)
@@ -58,24 +66,25 @@ class _Pass:
 class Scheduler:
     """Decides which sequences run each step; owns the waiting queue and the running list.
 
-    Invariants: a RUNNING sequence holds its KV blocks and one reference on its adapter (taken at
-    admission, dropped at finish, abort or preemption); a WAITING one holds neither. `running` is in
-    admission order, so its last element is the preemption victim.
+    Invariants: a RUNNING sequence holds its KV blocks and an in-flight reference on its adapter identity
+    (taken at admission, dropped at finish, abort or preemption); a WAITING one holds neither. A sequence
+    with an adapter_ref holds that identity until it finishes. `running` is in admission order, so its last
+    element is the preemption victim.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None):
-        if adapters is not None and adapters.max_loras != config.max_loras:
-            raise ValueError(f"AdapterCache has max_loras={adapters.max_loras} but the engine config has "
-                             f"max_loras={config.max_loras}; build the cache from config.lora")
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None = None,
+                 current: Callable[[str], Hashable | None] | None = None):
+        """adapters: the engine's AdapterCache (None: base model only); current(name): the identity requests
+        for `name` start on now, None once it is unloaded (the adapter store's)."""
         self.block_manager = block_manager
-        self.adapters = adapters
+        self.adapters, self.current = adapters, current
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.enable_chunked_prefill
         # Unchunked, a prompt of max_model_len tokens must fit one prefill step, or it could never run.
         self.max_num_batched_tokens = (config.max_num_batched_tokens if self.chunked else
                                        max(config.max_num_batched_tokens, config.max_model_len or 0))
         self.max_model_len = config.max_model_len
-        self.max_loras = config.max_loras
+        self.max_loras = adapters.max_loras if adapters is not None else 0
         self.max_wait_steps = config.max_wait_steps
         self.waiting: deque[Sequence] = deque()  # FIFO by arrival; preempted ones go to the front
         self.running: list[Sequence] = []
@@ -97,20 +106,18 @@ class Scheduler:
         """Adapter names waiting requests ask for."""
         return {s.adapter for s in self.waiting if s.adapter is not None}
 
-    def running_adapters(self) -> set[str]:
-        """Adapter keys (versions) of the running requests: each needs a device slot in a decode step."""
-        return {s.adapter_key for s in self.running if s.adapter_key is not None}
-
-    def waiting_keys(self) -> set[str]:
-        """Adapter versions that waiting (preempted) requests will resume on."""
-        return {s.adapter_key for s in self.waiting if s.adapter_key is not None}
+    def running_adapters(self) -> set[Hashable]:
+        """Adapter identities of the running requests: each needs a device slot in a decode step."""
+        return {s.adapter_ref for s in self.running if s.adapter_ref is not None}
 
     # ---- requests in and out -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a new request. Refuses one that could never run, rather than letting it wait forever."""
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"request {seq.request_id!r} is {seq.status.value}; only new requests can be added")
-        self._check_adapter(seq)
+        if seq.adapter is not None and self.adapters is None:
+            raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
+                             "serves the base model only (EngineConfig.lora is None)")
         self._check_fits(seq)
         self.waiting.append(seq)
 
@@ -133,6 +140,8 @@ class Scheduler:
         queue.remove(seq)
         if seq.status is SequenceStatus.RUNNING:
             self._free(seq)
+        if seq.adapter_ref is not None:
+            self.adapters.unhold(seq.adapter_ref)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -190,15 +199,17 @@ class Scheduler:
         # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).
         if not self._has_room(seq, step):
             return _Verdict.NO_ROOM
-        key = self._key(seq)
-        if key is not None and not self._slot_fits(key, step.needed):
+        ref = self._ref(seq)
+        if ref is not None and not self._slot_fits(ref, step.needed):
             return _Verdict.NO_SLOT
         self.waiting.remove(seq)
         self.block_manager.allocate(seq)
-        if key is not None:
-            seq.adapter_key = key  # from now on, through any preemption, it runs on this version
-            self.adapters.acquire(key)
-            step.needed.add(key)
+        if ref is not None:
+            if seq.adapter_ref is None:  # from now on, through any preemption, it runs on this identity
+                seq.adapter_ref = ref
+                self.adapters.hold(ref)
+            self.adapters.acquire(ref)
+            step.needed.add(ref)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         step.num_tokens += len(seq) if step.budget is None else min(len(seq), step.budget - step.num_tokens)
@@ -212,7 +223,7 @@ class Scheduler:
             tokens_fit = step.num_tokens + len(seq) <= self.max_num_batched_tokens
         return len(self.running) < self.max_num_seqs and tokens_fit and self.block_manager.can_allocate(seq)
 
-    def _slot_fits(self, adapter: str, needed: set[str]) -> bool:
+    def _slot_fits(self, adapter: Hashable, needed: set[Hashable]) -> bool:
         return adapter in needed or len(needed) + 1 <= self.max_loras
 
     def _head_of_line(self) -> Sequence | None:
@@ -223,7 +234,7 @@ class Scheduler:
         pinned = self._pinned()
         return next((s for s in self.waiting
                      if s.waited_steps >= self.max_wait_steps
-                     and (s.adapter is None or self._slot_fits(self._key(s), pinned))), None)
+                     and (s.adapter is None or self._slot_fits(self._ref(s), pinned))), None)
 
     def _schedule_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """Every running request, in admission order; a decoding one gets a block for its next token, and
@@ -258,39 +269,28 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _fail_unloaded(self) -> list[Sequence]:
-        """Finish waiting requests whose adapter was unloaded (running ones hold a ref, so cannot lose it)."""
+        """Finish waiting requests whose adapter was unloaded before they started (started ones hold theirs)."""
         if self.adapters is None:
             return []
-        failed = [s for s in self.waiting if s.adapter is not None and self._key(s) not in self.adapters]
+        failed = [s for s in self.waiting if s.adapter is not None and self._ref(s) is None]
         for seq in failed:
-            self.finish(seq, "abort")
+            self.finish(seq, "error")
         return failed
 
     # ---- helpers -------------------------------------------------------------------------
     def _free(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
-        if seq.adapter_key is not None:
-            self.adapters.release(seq.adapter_key)
+        if seq.adapter_ref is not None:
+            self.adapters.release(seq.adapter_ref)
 
-    def _key(self, seq: Sequence) -> str | None:
-        """The adapter version `seq` runs on: fixed once admitted, else the one its name resolves to now."""
+    def _ref(self, seq: Sequence) -> Hashable | None:
+        """The adapter identity `seq` runs on: fixed once admitted, else the one its name resolves to now."""
         if seq.adapter is None:
             return None
-        return seq.adapter_key or self.adapters.current(seq.adapter)
+        return seq.adapter_ref or self.current(seq.adapter)
 
     def _pinned(self) -> set[str]:
         return self.adapters.pinned if self.adapters is not None else set()
-
-    def _check_adapter(self, seq: Sequence) -> None:
-        if seq.adapter is None:
-            return
-        if self.adapters is None:
-            raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
-                             "serves the base model only (EngineConfig.lora is None)")
-        if self.adapters.current(seq.adapter) is None:
-            known = ", ".join(self.adapters.names) or "none"
-            raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r}, which is not "
-                             f"loaded (loaded: {known})")
 
     def _check_fits(self, seq: Sequence) -> None:
         """A request's longest prefill (a preempted one re-prefills its output too) and its K/V must fit

@@ -26,8 +26,8 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.adapter = adapter
-        self.adapter_key: str | None = None  # the adapter version it runs on, fixed when it is first admitted
+        self.adapter = adapter  # the name the request asked for
+        self.adapter_ref = None  # the identity (AdapterRef) it runs on, fixed when it is first admitted
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache (0 again after a preemption)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loramux.engine.output import Logprobs
+from loramux.logprobs import Logprobs
 from loramux.ops import pointwise_torch
 from loramux.sampling_params import SamplingParams
 

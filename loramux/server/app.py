@@ -11,22 +11,21 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.config import EngineConfig, ServerConfig
+from loramux.server import adapter_admin as admin
 from loramux.server import protocol as p
 from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.frontend import Frontend, HTTPError, ShuttingDown
-from loramux.engine.output import Logprobs
+from loramux.logprobs import Logprobs
 from loramux.server.generation import Choice, new_choices, run_choices
 from loramux.server.logprobs import merge_completion
 
@@ -394,28 +393,28 @@ def _add_model_routes(app: FastAPI, server: Frontend) -> None:
 def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: p.LoadLoRAAdapterRequest):
-        name = _checked_name(request.lora_name)
-        replace = request.load_inplace and name in server.registry
-        if name == server.model_name or (name in server.registry and not replace):
-            raise HTTPError(409, f"The lora adapter '{name}' has already been loaded.", code="adapter_exists")
-        path = _allowed_adapter_path(server.config, request.lora_path)
-        await server.load_adapter(name, path, request.pinned, replace)
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'reloaded' if replace else 'added'} successfully.")
+        name = admin.checked_name(request.lora_name)
+        path = admin.allowed_adapter_path(server.config, request.lora_path)
+        source = server.registry.get(name)
+        kind = admin.load_kind(request, path, server.model_name, source.path if source else None)
+        await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE)
+        return admin.loaded(name, kind)
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(request: p.UnloadLoRAAdapterRequest):
-        await server.unload_adapter(request.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+        name = admin.unload_name(request)
+        await server.unload_adapter(name)
+        return admin.removed(name)
 
     @app.post("/v1/pin_lora_adapter")
     async def pin(request: p.PinLoRAAdapterRequest):
         await server.pin_adapter(request.lora_name, True)
-        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' pinned.")
+        return admin.pinned(request.lora_name, True)
 
     @app.post("/v1/unpin_lora_adapter")
     async def unpin(request: p.PinLoRAAdapterRequest):
         await server.pin_adapter(request.lora_name, False)
-        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' unpinned.")
+        return admin.pinned(request.lora_name, False)
 
     @app.get("/health")
     async def health():
@@ -431,28 +430,3 @@ def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
     @app.get("/metrics")
     async def metrics():
         return Response(await server.render_metrics(), media_type="text/plain; version=0.0.4")
-
-
-def _checked_name(name: str) -> str:
-    try:
-        return check_adapter_name(name)
-    except InvalidAdapterNameError as e:
-        raise HTTPError(400, str(e), code="invalid_adapter_name") from e
-
-
-def _allowed_adapter_path(config: ServerConfig, path: str) -> str:
-    """The real path of a runtime-loaded adapter: under an allowed directory, safetensors only. (The engine
-    resolves each file it reads again: a file inside may be a symlink to one outside.)"""
-    if not config.allowed_adapter_dirs:
-        raise HTTPError(400, "runtime adapter loading is off; start the server with --allowed-adapter-dir DIR")
-    if "\x00" in path:
-        raise HTTPError(400, "lora_path must not contain a NUL byte")
-    real = os.path.realpath(path)  # symlinks and `..` resolved before the check
-    allowed = [os.path.realpath(d) for d in config.allowed_adapter_dirs]
-    if not any(os.path.commonpath([real, d]) == d for d in allowed):
-        raise HTTPError(400, f"adapter path {path!r} is outside the allowed adapter directories ({', '.join(allowed)})")
-    st, pickle = (os.path.join(real, f"adapter_model.{ext}") for ext in ("safetensors", "bin"))
-    if not os.path.lexists(st) and os.path.lexists(pickle):
-        raise HTTPError(400, f"adapter path {path!r} has adapter_model.bin but no adapter_model.safetensors (only "
-                             "safetensors adapters are loaded at run time)")
-    return real  # everything else about its files is checked by the engine, file by file

@@ -20,14 +20,16 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from loramux.config import EngineConfig
 from loramux.engine.output import CoreOutput
 from loramux.server.engine_process import run_engine
-from loramux.server.wire import (Abort, AddRequest, AdapterSource, Control, ControlResult, Outputs, Ready,
-                                 StartupFailed, decode_from_engine, encode)
+from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
+                                 ControlFailed, EngineStats, GetStats, Outputs, Ready, StartupFailed,
+                                 decode_from_engine, encode)
 
 logger = logging.getLogger("loramux.server")
 WATCH_INTERVAL_S = 0.1
@@ -35,6 +37,10 @@ WATCH_INTERVAL_S = 0.1
 
 class EngineDeadError(RuntimeError):
     """The engine is not available (it died and is restarting, or it is stopping); nothing can be generated."""
+
+
+class ControlError(RuntimeError):
+    """A control request failed inside the engine (a bug: the engine reported it and carries on)."""
 
 
 @dataclass(frozen=True)
@@ -242,10 +248,10 @@ class EngineClient:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
-        elif isinstance(msg, ControlResult):
+        elif isinstance(msg, (AdapterResult, EngineStats, ControlFailed)):
             future = self._controls.pop(msg.control_id, None)
             if future is not None and not future.done():
-                future.set_result(msg.result)
+                future.set_result(msg)
 
     # ---- requests ---------------------------------------------------------------------------------
     def _check_alive(self) -> None:
@@ -268,14 +274,21 @@ class EngineClient:
         if request_ids and self.alive:
             await self.engine.send_sock.send(encode(Abort(request_ids)))
 
-    async def control(self, op: str, timeout: float | None = None, **args) -> dict:
-        """Run a control request between engine steps; returns its result dict. TimeoutError after `timeout`."""
+    async def control(self, msg: Control, timeout: float | None = None) -> ControlAnswer:
+        """Run a control request between engine steps (its control_id is set here); its answer. TimeoutError
+        after `timeout`; ControlError if the engine failed on it."""
         self._check_alive()
-        control_id = next(self._ids)
+        msg = msgspec.structs.replace(msg, control_id=next(self._ids))
         future = asyncio.get_running_loop().create_future()
-        self._controls[control_id] = future
-        await self.engine.send_sock.send(encode(Control(control_id, op, args)))
+        self._controls[msg.control_id] = future
+        await self.engine.send_sock.send(encode(msg))
         try:
-            return await asyncio.wait_for(future, timeout)
+            answer = await asyncio.wait_for(future, timeout)
         finally:
-            self._controls.pop(control_id, None)
+            self._controls.pop(msg.control_id, None)
+        if isinstance(answer, ControlFailed):
+            raise ControlError(answer.message)
+        return answer
+
+    async def stats(self, timeout: float | None = None) -> EngineStats:
+        return await self.control(GetStats(0), timeout)

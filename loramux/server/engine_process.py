@@ -20,10 +20,10 @@ import traceback
 
 import zmq
 
-from loramux.adapters.cache import name_of
 from loramux.config import EngineConfig
-from loramux.server.wire import (Abort, AddRequest, AdapterSource, Control, ControlResult, Outputs, Ready,
-                                 StartupFailed, decode_to_engine, encode)
+from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
+                                 LoadAdapter, Outputs, PinAdapter, Ready, StartupFailed, UnloadAdapter,
+                                 decode_to_engine, encode)
 
 logger = logging.getLogger("loramux.engine")
 IDLE_POLL_MS = 50  # an idle engine blocks this long on its inbox at most (a message wakes it at once)
@@ -90,12 +90,12 @@ def _build_engine(config: EngineConfig):
 
 
 class EngineLoop:
-    """Dispatches messages and steps the core. Unloads of adapters in use wait here for their running
-    requests; meanwhile the adapter takes no new requests."""
+    """Dispatches messages and steps the core. An unload is answered once the adapter's memory is free
+    (after the requests that started on it); meanwhile the name takes no new requests."""
 
     def __init__(self, core, outbox):
         self.core, self.outbox = core, outbox
-        self.unloading: dict[str, list[int]] = {}  # adapter -> control ids waiting for its unload
+        self.unloading: dict = {}  # adapter identity (AdapterRef) -> the UnloadAdapter messages waiting for it
         self._pending: list = []  # outputs of refused requests, sent with the next step's
 
     @property
@@ -108,13 +108,11 @@ class EngineLoop:
         self.core.hf_tokenizer.save_pretrained(tokenizer_dir)
         loaded, failed = [], {}
         for source in adapters:
-            result = self._load(source)
+            result = self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs,
+                                            pinned=source.pinned)
             (loaded.append(source) if result else failed.__setitem__(source.name, result.message))
         limits = self.core.limits
         return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed)
-
-    def _load(self, source: AdapterSource):
-        return self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs, pinned=source.pinned)
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -122,11 +120,11 @@ class EngineLoop:
         elif isinstance(msg, Abort):
             for request_id in msg.request_ids:
                 self.core.abort_request(request_id)
-        elif isinstance(msg, Control):
+        else:
             self._control(msg)
 
     def step(self) -> None:
-        self._retry_unloads()
+        self._answer_unloads()
         outputs, self._pending = self._pending, []
         if self.core.has_unfinished_requests():
             outputs += self.core.step()
@@ -138,8 +136,6 @@ class EngineLoop:
         from loramux.engine.output import CoreOutput
 
         try:
-            if msg.adapter in self.unloading:
-                raise LookupError(f"The model `{msg.adapter}` does not exist.")
             self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.adapter)
         except LookupError as e:
             self._pending.append(CoreOutput(msg.request_id, [], "error", str(e).strip("'\""), 404))
@@ -150,77 +146,64 @@ class EngineLoop:
             self._pending.append(CoreOutput(msg.request_id, [], "error", f"{type(e).__name__}: {e}", 500))
 
     # ---- control ------------------------------------------------------------------------------
-    def _control(self, msg: Control) -> None:
+    def _control(self, msg) -> None:
         try:
-            handler = getattr(self, f"_op_{msg.op}")
-            result = handler(msg, **msg.args)
+            answer = self._answer(msg)
         except Exception as e:
-            logger.error("control %s failed: %s", msg.op, traceback.format_exc())
-            result = {"status": "ERROR", "message": f"{type(e).__name__}: {e}"}
-        if result is not None:  # None: answered later (an unload waiting for running requests)
-            self.outbox.send(encode(ControlResult(msg.control_id, result)))
+            logger.error("control %s failed: %s", type(msg).__name__, traceback.format_exc())
+            answer = ControlFailed(msg.control_id, f"{type(e).__name__}: {e}")
+        if answer is not None:  # None: answered later (an unload waiting for running requests)
+            self.outbox.send(encode(answer))
 
-    @staticmethod
-    def _status(result) -> dict:
-        return {"status": result.status.name, "message": result.message}
+    def _answer(self, msg):
+        core = self.core
+        if isinstance(msg, GetStats):
+            return self._stats(msg.control_id)
+        if isinstance(msg, LoadAdapter):
+            # runtime loads: safetensors only, every file inside the allowed directories
+            result = core.load_adapter(msg.name, msg.path, allow_pickle=False, allowed_dirs=msg.allowed_dirs,
+                                       replace=msg.replace, pinned=msg.pinned)
+        elif isinstance(msg, PinAdapter):
+            result = core.pin_adapter(msg.name) if msg.pinned else core.unpin_adapter(msg.name)
+        else:
+            return self._unload(msg)
+        return self._result(msg.control_id, msg.name, result)
 
-    def _op_load(self, msg, name: str, path: str, allowed_dirs: list[str] = (), pinned: bool = False,
-                 replace: bool = False) -> dict:
-        if name in self.unloading:
-            return {"status": "LOAD_NAME_EXISTS", "message": f"adapter {name!r} is still being unloaded"}
-        # name and path stay apart (a name is never parsed as "name=path"); runtime loads: safetensors only,
-        # every file inside the allowed directories
-        return self._status(self.core.load_adapter(name, path, allow_pickle=False, allowed_dirs=tuple(allowed_dirs),
-                                                   replace=replace, pinned=pinned))
+    def _result(self, control_id: int, name: str, result) -> AdapterResult:
+        adapters = self.core.adapters
+        pinned = adapters is not None and name in adapters.pinned
+        return AdapterResult(control_id, result.status, result.message, pinned)
 
-    def _op_pin(self, msg, name: str) -> dict:
-        return self._status(self.core.pin_adapter(name))
-
-    def _op_unpin(self, msg, name: str) -> dict:
-        return self._status(self.core.lora_manager.unpin_adapter(name))
-
-    def _op_unload(self, msg, name: str) -> dict | None:
-        if self.core.manager is None or not self.core.manager.is_lora(name):
-            return {"status": "UNLOAD_NAME_NONEXISTENT", "message": f"no adapter named {name!r} is loaded"}
-        self._fail_waiting(name)
-        self.unloading.setdefault(name, []).append(msg.control_id)
-        self._retry_unloads()
+    def _unload(self, msg: UnloadAdapter) -> AdapterResult | None:
+        ref = self.core.adapters.identity(msg.name) if self.core.adapters is not None else None
+        if ref is None:
+            return self._result(msg.control_id, msg.name, self._no_adapter(msg.name))
+        self.unloading.setdefault(ref, []).append((msg, self.core.unload_adapter(msg.name)))
+        self._answer_unloads()
         return None
 
-    def _op_list(self, msg) -> dict:
-        manager = self.core.manager
-        return {"status": "SUCCESS", "adapters": manager.paths if manager else {}}
+    @staticmethod
+    def _no_adapter(name: str):
+        from loramux.adapters.status import LoRAResult, LoRAStatus
 
-    def _op_stats(self, msg) -> dict:
-        core, scheduler = self.core, self.core.scheduler
-        manager = core.manager
-        return {
-            "status": "SUCCESS", "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
-            "running_adapters": sorted({name_of(k) for k in scheduler.running_adapters()}),
-            "waiting_adapters": sorted(scheduler.waiting_adapters()),
-            "max_loras": core.config.max_loras, "lora": dict(manager.stats) if manager else {},
-            "num_adapters": len(manager.loras) if manager else 0,
-            "pinned": sorted(name_of(k) for k in manager.cache.pinned) if manager else [],
-            "kv_blocks_total": core.block_manager.num_blocks, "kv_blocks_free": core.block_manager.num_free_blocks,
-            "weight_bytes": core.runner.weight_bytes,
-            "lora_slot_bytes": manager.slot_bytes if manager else 0,
-            "lora_host_bytes": manager.cache.host_bytes if manager else 0,
-            "finished": dict(core.num_finished),
-        }
+        return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
 
-    def _fail_waiting(self, adapter: str) -> None:
-        """Requests for `adapter` that have not started yet fail now; started ones (running, or preempted
-        and waiting to resume) finish first."""
-        from loramux.engine.output import CoreOutput
+    def _answer_unloads(self) -> None:
+        adapters = self.core.adapters if self.core.adapters is not None else ()
+        for ref in [r for r in self.unloading if r not in adapters]:
+            for msg, result in self.unloading.pop(ref):
+                self.outbox.send(encode(self._result(msg.control_id, msg.name, result)))
 
-        for seq in [s for s in self.core.scheduler.waiting if s.adapter == adapter and s.num_output_tokens == 0]:
-            self.core.abort_request(seq.request_id)
-            self._pending.append(CoreOutput(seq.request_id, [], "error", f"The model `{adapter}` was unloaded.", 404))
-
-    def _retry_unloads(self) -> None:
-        for name in list(self.unloading):
-            result = self.core.unload_adapter(name)
-            if result.status.name == "UNLOAD_IN_USE":
-                continue
-            for control_id in self.unloading.pop(name):
-                self.outbox.send(encode(ControlResult(control_id, self._status(result))))
+    def _stats(self, control_id: int) -> EngineStats:
+        core, scheduler, adapters = self.core, self.core.scheduler, self.core.adapters
+        counters = adapters.stats if adapters else {}
+        return EngineStats(
+            control_id, scheduler.num_running, scheduler.num_waiting,
+            running_adapters=sorted({ref.name for ref in scheduler.running_adapters()}),
+            waiting_adapters=sorted(scheduler.waiting_adapters()), max_loras=scheduler.max_loras,
+            num_adapters=len(adapters.loras) if adapters else 0, pinned=adapters.pinned if adapters else [],
+            lora_loads=counters.get("loads", 0), lora_host_evictions=counters.get("host_evictions", 0),
+            lora_slot_evictions=counters.get("slot_evictions", 0), kv_blocks_total=core.block_manager.num_blocks,
+            kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
+            lora_slot_bytes=adapters.slot_bytes if adapters else 0,
+            lora_host_bytes=adapters.host_bytes if adapters else 0, finished=dict(core.num_finished))

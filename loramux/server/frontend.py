@@ -15,15 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import Request
 
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
+from loramux.adapters.status import LoRAStatus
 from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.server import protocol as p
 from loramux.server.admission import Admission, Ticket
-from loramux.server.engine_client import EngineClient, EngineDeadError, Supervision
+from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.generation import Choice, new_choices, run_choices
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
-from loramux.server.wire import AddRequest, AdapterSource, Ready
+from loramux.server.wire import AddRequest, AdapterSource, LoadAdapter, PinAdapter, Ready, UnloadAdapter
 from loramux.tokenizer import Tokenizer
 
 logger = logging.getLogger("loramux.server")
@@ -244,44 +245,50 @@ class Frontend:
     async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False,
                            allowed_dirs: tuple[str, ...] | None = None) -> None:
         """allowed_dirs: the directories its files must resolve into (None: --allowed-adapter-dir; (): any, as
-        for --lora-modules at start)."""
+        for --lora-modules at start). The registry records what the engine answers (a reload in place keeps
+        the pin of the adapter it replaces)."""
         dirs = self.config.allowed_adapter_dirs if allowed_dirs is None else tuple(allowed_dirs)
-        source = AdapterSource(name, path, dirs, pinned)
-        result = await self.client.control("load", name=name, path=path, allowed_dirs=list(source.allowed_dirs),
-                                           pinned=pinned, replace=replace)
-        if result["status"] != "SUCCESS":
-            raise HTTPError(409 if result["status"] == "LOAD_NAME_EXISTS" else 400, result["message"])
-        self.registry[name] = source
+        result = await self._control(LoadAdapter(0, name, path, dirs, pinned, replace))
+        if result.status is not LoRAStatus.SUCCESS:
+            raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
+                            else "invalid_adapter")
+        self.registry[name] = AdapterSource(name, path, dirs, result.pinned)
 
     async def unload_adapter(self, name: str) -> None:
-        """Waits while running requests finish with it; meanwhile it takes no new ones (the engine refuses
-        them). It leaves the registry only when the engine has let it go."""
-        if name not in self.registry:
+        """Answered once the engine has freed the adapter, after the requests running on it; the engine drops
+        the name at once (requests for it that have not started get 404). It leaves the registry when the
+        engine answers, unless a new load of the name came meanwhile (a new identity: it stays)."""
+        source = self.registry.get(name)
+        if source is None:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
-        result = await self.client.control("unload", name=name)
-        if result["status"] in ("SUCCESS", "UNLOAD_NAME_NONEXISTENT"):
-            self.registry.pop(name, None)
-        if result["status"] == "UNLOAD_NAME_NONEXISTENT":
-            raise HTTPError(404, result["message"], "not_found_error")
-        if result["status"] != "SUCCESS":
-            raise HTTPError(400, result["message"])
+        result = await self._control(UnloadAdapter(0, name))
+        if self.registry.get(name) is source:
+            del self.registry[name]
+        if result.status is LoRAStatus.UNLOAD_NAME_NONEXISTENT:
+            raise HTTPError(404, result.message, "not_found_error")
 
     async def pin_adapter(self, name: str, pinned: bool) -> None:
         if name not in self.registry:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
-        result = await self.client.control("pin" if pinned else "unpin", name=name)
-        if result["status"] != "SUCCESS":
-            raise HTTPError(400, result["message"])
+        result = await self._control(PinAdapter(0, name, pinned))
+        if result.status is not LoRAStatus.SUCCESS:
+            raise HTTPError(400, result.message)
         source = self.registry[name]
-        self.registry[name] = AdapterSource(source.name, source.path, source.allowed_dirs, pinned)
+        self.registry[name] = AdapterSource(source.name, source.path, source.allowed_dirs, result.pinned)
+
+    async def _control(self, msg):
+        try:
+            return await self.client.control(msg)
+        except ControlError as e:
+            raise HTTPError(500, f"the engine failed on this request: {e}", "server_error") from e
 
     # ---- metrics ------------------------------------------------------------------------------------
     async def render_metrics(self) -> bytes:
         stats = None
         if self.client.health() is None:
             try:
-                stats = await self.client.control("stats", timeout=2.0)
-            except (EngineDeadError, asyncio.TimeoutError):
+                stats = await self.client.stats(timeout=2.0)
+            except (EngineDeadError, ControlError, asyncio.TimeoutError):
                 stats = None
         self.metrics.engine_healthy.set(self.health() is None)
         self.metrics.engine_restarts.set(self.client.restarts)

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from loramux.engine.detokenizer import Detokenizer
-from loramux.engine.output import CoreOutput, Logprobs
+from loramux.engine.output import CoreOutput
+from loramux.logprobs import Logprobs
 from loramux.server.engine_client import EngineStream
 from loramux.server.wire import AddRequest
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from loramux.engine.output import Logprobs
+from loramux.logprobs import Logprobs
 
 FLOOR = -9999.0
 

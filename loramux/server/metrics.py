@@ -18,19 +18,18 @@ class _EngineCounters:
     """Counters kept by the engine process, exposed as Prometheus counters."""
 
     def __init__(self):
-        self.lora: dict = {}
-        self.finished: dict = {}
+        self.stats = None  # the engine's latest EngineStats
 
     def collect(self):
-        for key, help_text in (("loads", "Adapter reads from disk (first loads and reloads)"),
-                               ("host_evictions", "Adapters evicted from host memory"),
-                               ("slot_evictions", "Adapters evicted from device slots")):
-            family = CounterMetricFamily(f"loramux:lora_{key}", help_text)
-            family.add_metric([], self.lora.get(key, 0))
+        for key, help_text in (("lora_loads", "Adapter reads from disk (first loads and reloads)"),
+                               ("lora_host_evictions", "Adapters evicted from host memory"),
+                               ("lora_slot_evictions", "Adapters evicted from device slots")):
+            family = CounterMetricFamily(f"loramux:{key}", help_text)
+            family.add_metric([], getattr(self.stats, key, 0))
             yield family
         finished = CounterMetricFamily("loramux:engine_finished_requests", "Requests the engine ended, by reason "
                                        "(abort: cancelled by a client, a stop string or an unload)", labels=["reason"])
-        for reason, count in sorted(self.finished.items()):
+        for reason, count in sorted(getattr(self.stats, "finished", {}).items()):
             finished.add_metric([reason], count)
         yield finished
 
@@ -72,25 +71,24 @@ class Metrics:
     def track(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)
 
-    def render(self, stats: dict | None, admission=None) -> bytes:
-        """The exposition text; `stats` is the engine's latest state (None when it is down)."""
+    def render(self, stats=None, admission=None) -> bytes:
+        """The exposition text; `stats` is the engine's latest EngineStats (None when it is down)."""
         if admission is not None:
             self.pending_requests.set(admission.requests)
             self.pending_tokens.set(admission.tokens)
-        if stats:
-            self.running.set(stats["num_running"])
-            self.waiting.set(stats["num_waiting"])
-            self.adapters.set(stats["num_adapters"])
-            self.pinned.set(len(stats["pinned"]))
-            self.weight_bytes.set(stats["weight_bytes"])
-            self.slot_bytes.set(stats["lora_slot_bytes"])
-            self.host_bytes.set(stats["lora_host_bytes"])
-            self.kv_usage.set(1 - stats["kv_blocks_free"] / max(1, stats["kv_blocks_total"]))
+        if stats is not None:
+            self.running.set(stats.num_running)
+            self.waiting.set(stats.num_waiting)
+            self.adapters.set(stats.num_adapters)
+            self.pinned.set(len(stats.pinned))
+            self.weight_bytes.set(stats.weight_bytes)
+            self.slot_bytes.set(stats.lora_slot_bytes)
+            self.host_bytes.set(stats.lora_host_bytes)
+            self.kv_usage.set(1 - stats.kv_blocks_free / max(1, stats.kv_blocks_total))
             self.lora_info.clear()
-            self.lora_info.labels(str(stats["max_loras"]), ",".join(stats["running_adapters"]),
-                                  ",".join(stats["waiting_adapters"])).set(time.time())
-            self._engine.lora = stats["lora"]
-            self._engine.finished = stats.get("finished", {})
+            self.lora_info.labels(str(stats.max_loras), ",".join(stats.running_adapters),
+                                  ",".join(stats.waiting_adapters)).set(time.time())
+            self._engine.stats = stats
         return generate_latest(self.registry)
 
 

@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from ray import serve
 from ray.exceptions import RayError
@@ -37,7 +37,8 @@ from ray.exceptions import RayError
 from loramux.adapters.names import parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
-from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge, _allowed_adapter_path, _checked_name
+from loramux.server import adapter_admin as admin
+from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge
 from loramux.server.frontend import HTTPError
 from loramux.server.ray_replica import AdapterEntry, EngineReplica
 
@@ -184,12 +185,16 @@ class Ingress:
     # ---- admin ----------------------------------------------------------------------------------
     async def load(self, request: p.LoadLoRAAdapterRequest) -> Response:
         """Registered cluster-wide, and loaded on one replica now: the engine's refusal, if any, is the answer."""
-        name = _checked_name(request.lora_name)
+        name = admin.checked_name(request.lora_name)
+        path = admin.allowed_adapter_path(self.config, request.lora_path)
         existing = await self.registry.get.remote(name)
-        if name == (await self._base())["model_name"] or (existing is not None and not request.load_inplace):
-            raise HTTPError(409, f"The lora adapter '{name}' has already been loaded.", code="adapter_exists")
-        path = _allowed_adapter_path(self.config, request.lora_path)
-        entry, old = await self.registry.register.remote(name, path, request.pinned)
+        kind = admin.load_kind(request, path, (await self._base())["model_name"], existing.path if existing else None)
+        if kind == admin.AGAIN:  # as on one server: nothing to read again; `pinned` pins it
+            if request.pinned and not existing.pinned:
+                await self._pin(name, True)
+            return admin.loaded(name, kind)
+        keep_pin = kind == admin.REPLACE and existing.pinned  # a reload in place keeps the pin
+        entry, old = await self.registry.register.remote(name, path, request.pinned or keep_pin)
         self._changed(name)
         try:
             await self.replica.options(multiplexed_model_id=name).warm.remote(entry)
@@ -197,18 +202,18 @@ class Ingress:
             await self.registry.restore.remote(name, old)
             self._changed(name)
             raise _from_replica(e) from None
-        verb = "reloaded" if existing is not None else "added"
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' {verb} successfully.")
+        return admin.loaded(name, kind)
 
     async def unload(self, request: p.UnloadLoRAAdapterRequest) -> Response:
         """Removed from the registry; answered once every replica has applied that (each unloads it when its
         running requests on it finish)."""
-        generation = await self.registry.remove.remote(request.lora_name)
-        self._changed(request.lora_name)
+        name = admin.unload_name(request)
+        generation = await self.registry.remove.remote(name)
+        self._changed(name)
         if generation is None:
-            raise HTTPError(404, f"The lora adapter '{request.lora_name}' cannot be found.", "not_found_error")
-        await self._applied(generation, f"adapter '{request.lora_name}' was removed from the registry")
-        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+            raise admin.not_found(name)
+        await self._applied(generation, f"adapter '{name}' was removed from the registry")
+        return admin.removed(name)
 
     async def pin(self, request: p.PinLoRAAdapterRequest) -> Response:
         return await self._pin(request.lora_name, True)
@@ -220,9 +225,9 @@ class Ingress:
         generation = await self.registry.set_pinned.remote(name, pinned)
         self._changed(name)
         if generation is None:
-            raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
+            raise admin.not_found(name)
         await self._applied(generation, f"adapter '{name}' was {'pinned' if pinned else 'unpinned'} in the registry")
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' {'pinned' if pinned else 'unpinned'}.")
+        return admin.pinned(name, pinned)
 
     async def _applied(self, generation: int, what: str) -> None:
         """Wait until every reporting replica has applied registry `generation` (504 after shutdown_timeout)."""

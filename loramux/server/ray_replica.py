@@ -20,6 +20,7 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from ray import serve
 
 from loramux.config import EngineConfig, ServerConfig
@@ -184,7 +185,7 @@ class EngineReplica:
                  "engine_pid": engine.process.pid if engine is not None else None}
         if stats["healthy"]:
             try:
-                stats["engine"] = await self.server.client.control("stats", timeout=2.0)
+                stats["engine"] = msgspec.structs.asdict(await self.server.client.stats(timeout=2.0))
             except Exception:
                 stats["healthy"] = False
         return stats

@@ -1,19 +1,20 @@
 """The messages between the HTTP front end and the engine process: typed msgspec structs, sent as
 MessagePack over ZMQ. No torch, and no pickle (a message is data, never code).
 
-front end -> engine: AddRequest, Abort, Control
-engine -> front end: Ready, StartupFailed, Outputs, ControlResult
+front end -> engine: AddRequest, Abort; control: LoadAdapter, UnloadAdapter, PinAdapter, GetStats
+engine -> front end: Ready, StartupFailed, Outputs; control answers: AdapterResult, EngineStats, ControlFailed
 
 The engine sends each request's new tokens per step (CoreOutput deltas), never cumulative state; the
-front end, which tokenized the prompt, keeps the totals. Control requests (load, unload, pin, unpin, list,
-stats) are handled between engine steps, as vLLM's engine core and MAX's process_lora_requests do.
+front end, which tokenized the prompt, keeps the totals. Control requests are handled between engine steps,
+as vLLM's engine core and MAX's process_lora_requests do; each carries a control_id that its answer repeats.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
+from loramux.adapters.status import LoRAStatus
 from loramux.engine.output import CoreOutput
 from loramux.sampling_params import SamplingParams
 
@@ -29,10 +30,32 @@ class Abort(msgspec.Struct, tag="abort"):
     request_ids: list[str]
 
 
-class Control(msgspec.Struct, tag="control"):
+class LoadAdapter(msgspec.Struct, tag="load_adapter"):
+    """Runtime loads read safetensors only; the name is never parsed as "name=path"."""
+
     control_id: int
-    op: str  # "load" | "unload" | "pin" | "unpin" | "list" | "stats"
-    args: dict[str, Any] = {}
+    name: str
+    path: str
+    allowed_dirs: tuple[str, ...] = ()  # every file read, now and on a reload from disk, resolves inside one
+    pinned: bool = False
+    replace: bool = False  # vLLM's load_inplace
+
+
+class UnloadAdapter(msgspec.Struct, tag="unload_adapter"):
+    """Answered once the adapter's memory is free: after the requests that started on it finish."""
+
+    control_id: int
+    name: str
+
+
+class PinAdapter(msgspec.Struct, tag="pin_adapter"):
+    control_id: int
+    name: str
+    pinned: bool  # False: unpin
+
+
+class GetStats(msgspec.Struct, tag="get_stats"):
+    control_id: int
 
 
 class AdapterSource(msgspec.Struct, array_like=True):
@@ -61,13 +84,49 @@ class Outputs(msgspec.Struct, tag="outputs"):
     outputs: list[CoreOutput]
 
 
-class ControlResult(msgspec.Struct, tag="control_result"):
+class AdapterResult(msgspec.Struct, tag="adapter_result"):
+    """The answer to LoadAdapter / UnloadAdapter / PinAdapter: the adapter API's LoRAResult, and whether the
+    adapter is pinned now (a reload in place keeps the pin of the adapter it replaces)."""
+
     control_id: int
-    result: dict[str, Any]
+    status: LoRAStatus
+    message: str = ""
+    pinned: bool = False
 
 
-ToEngine = Union[AddRequest, Abort, Control]
-FromEngine = Union[Ready, StartupFailed, Outputs, ControlResult]
+class EngineStats(msgspec.Struct, tag="engine_stats"):
+    """The engine's state for /metrics."""
+
+    control_id: int
+    num_running: int
+    num_waiting: int
+    running_adapters: list[str]  # names, as vLLM's lora_requests_info lists them
+    waiting_adapters: list[str]
+    max_loras: int
+    num_adapters: int
+    pinned: list[str]
+    lora_loads: int  # adapter reads from disk (first loads and reloads after host eviction)
+    lora_host_evictions: int
+    lora_slot_evictions: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    weight_bytes: int
+    lora_slot_bytes: int
+    lora_host_bytes: int
+    finished: dict[str, int]  # finish reason -> requests
+
+
+class ControlFailed(msgspec.Struct, tag="control_failed"):
+    """A control request raised in the engine (a bug, reported rather than fatal)."""
+
+    control_id: int
+    message: str
+
+
+Control = Union[LoadAdapter, UnloadAdapter, PinAdapter, GetStats]
+ControlAnswer = Union[AdapterResult, EngineStats, ControlFailed]
+ToEngine = Union[AddRequest, Abort, LoadAdapter, UnloadAdapter, PinAdapter, GetStats]
+FromEngine = Union[Ready, StartupFailed, Outputs, AdapterResult, EngineStats, ControlFailed]
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode

@@ -1,4 +1,5 @@
-"""AdapterCache semantics as tables: steps in, the tiers' contents out. No torch here."""
+"""AdapterCache semantics as tables: steps in, the tiers' contents out. No torch here. (The cache keys on
+adapter identities; any hashable stands in for one here.)"""
 import pytest
 
 from loramux.adapters.cache import AdapterCache, AdapterInUseError, CacheFullError, SlotUpdate
@@ -14,7 +15,7 @@ def run(cache: AdapterCache, steps: str):
 
 
 def host(cache):
-    return [n for n in cache.names if cache.in_host(n)]
+    return cache.host
 
 
 @pytest.mark.parametrize(
@@ -31,9 +32,13 @@ def host(cache):
         (1, 2, "add a, add b, add a, add c", set(), "ac"),
         (1, 2, "add a, add b, pin a, add c", {"a"}, "ac"),
         (1, 2, "add a, add b, acquire a, add c", set(), "ac"),
-        # host eviction prefers adapters without a slot; slot ⊆ host always
+        # host eviction is plain LRU (activation touches); leaving host memory takes the slot: slot ⊆ host
         (1, 2, "add a, add b, activate a, add c", {"a"}, "ac"),
         (2, 2, "add a, add b, activate a, activate b, add c", {"b"}, "bc"),
+        (2, 2, "add a, add b, activate b, add a, add c", set(), "ac"),
+        # a held identity (a started request's) stays in host memory; its slot may go
+        (1, 2, "add a, add b, hold a, add c", set(), "ac"),
+        (1, 2, "add a, activate a, hold a, add b, activate b", {"b"}, "ab"),
         # the disk tier: a dropped adapter stays known and can come back
         (1, 2, "add a, add b, add c, add a", set(), "ca"),
         (2, 4, "add a, add b, remove a", set(), "b"),
@@ -55,7 +60,10 @@ def test_tiers(max_loras, max_cpu, steps, active, in_host):
         (2, 4, "pin ghost", KeyError, ["ghost", "not loaded"]),
         (2, 4, "activate ghost", KeyError, ["ghost"]),
         (1, 1, "add a, pin a, add b", CacheFullError, ["'b'", "max_cpu_loras=1"]),
-        (2, 4, "add a, acquire a, remove a", AdapterInUseError, ["'a'", "1 running"]),
+        (2, 4, "add a, acquire a, remove a", AdapterInUseError, ["'a'", "1 request"]),
+        (2, 4, "add a, hold a, remove a", AdapterInUseError, ["'a'", "1 request"]),
+        (1, 1, "add a, hold a, add b", CacheFullError, ["'b'", "in use by requests"]),
+        (2, 4, "add a, unhold a", RuntimeError, ["'a'", "unheld"]),
         (2, 4, "add a, acquire a, deactivate a", AdapterInUseError, ["'a'"]),
         (1, 2, "add a, add b, add c, activate a", KeyError, ["'a'", "not in host memory"]),
         (1, 4, "add a, add b, pin a, pin b", CacheFullError, ["'b'", "pinned"]),
@@ -134,15 +142,16 @@ def test_an_add_that_cannot_fit_evicts_nothing():
     assert host(cache) == ["a", "b"] and cache.active == {"a": 0, "b": 1} and cache.host_bytes == 9
 
 
-def test_a_new_version_never_evicts_the_version_it_replaces():
-    """Until it is published, requests resume on the old version; read again from disk, it could be the new files."""
-    cache = AdapterCache(max_loras=1, max_cpu_loras=8, max_cpu_bytes=10)
-    cache.add("x", nbytes=6)
-    new = cache.new_version("x")
-    with pytest.raises(CacheFullError, match="replaced by a new version"):
-        cache.add(new, nbytes=6)
-    assert host(cache) == ["x"]
-    cache.add("other", nbytes=2)
-    cache.add(new, nbytes=4)  # room made by others: "other" goes, "x" stays
-    cache.publish(new)
-    assert cache.in_host("x") and cache.in_host(new) and not cache.in_host("other") and cache.current("x") == new
+def test_identities_of_one_name_are_separate_entries():
+    """Two loads under one name are two keys: one's slot or host copy is never the other's."""
+    from loramux.adapters.names import AdapterRef
+
+    first, second = AdapterRef("x"), AdapterRef("x")
+    assert first != second and str(first) == str(second) == "x"
+    cache = AdapterCache(max_loras=2, max_cpu_loras=4)
+    cache.add(first)
+    cache.add(second)
+    assert cache.activate(first)[0] != cache.activate(second)[0]
+    cache.hold(first)
+    cache.remove(second)
+    assert first in cache and second not in cache and cache.active == {first: 0}

@@ -89,7 +89,8 @@ def test_the_copies_budget_counts_adapters_evicted_to_disk_and_never_refuses_the
     plain = save_adapter(base, tmp_path / "plain", 9, r=2, target_modules=["q_proj"])
     assert llm.load_adapter("save_head", adapters["save_head"])
     assert llm.load_adapter("plain", plain)  # save_head leaves host memory (max_cpu_loras=1)
-    assert not llm.engine.core.cache.in_host("save_head")
+    adapters_ = llm.engine.adapters
+    assert not adapters_.cache.in_host(adapters_.resolve("save_head"))
     over = llm.load_adapter("save_embed", adapters["save_embed"])  # still over: save_head's copy is still loaded
     assert over == LoRAStatus.LOAD_INVALID_ADAPTER and "over max_module_copies_bytes" in over.message
     prompt = [7, 8, 9, 10]

@@ -239,7 +239,7 @@ def test_a_request_whose_logits_go_non_finite_fails_alone(checkpoints):
     inputs = prompts(4)
     alone = [llm.generate(inputs[i], GREEDY, adapters=a)[0].token_ids for i, a in ((0, "r4"), (2, None))]
     slot = llm.activate_adapter("bad")
-    for layer, _ in llm.engine.manager._layers.values():
+    for layer, _ in llm.engine.adapters.slots._layers.values():
         layer.lora_b[slot].fill_(float("inf"))
     rows = ["r4", "bad", None, "bad"]
     params = [GREEDY, GREEDY, GREEDY, SamplingParams(max_tokens=8, temperature=0.9, seed=3)]
@@ -282,7 +282,8 @@ def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new
     finished = {}
     for _ in range(3):  # some requests are running now, the rest wait for KV blocks
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    started = {i for i in ids if engine.core.sequence(i) and engine.core.sequence(i).adapter_key is not None}
+    started = {i for i in ids if engine.core.sequence(i) and engine.core.sequence(i).adapter_ref is not None}
+    first = engine.adapters.resolve("swap")
     assert 0 < len(started) < len(ids)
     assert llm.load_adapter("swap", new, replace=True) == LoRAStatus.SUCCESS
     late = [engine.add_request(p, params, "swap") for p in batch[:2]]
@@ -293,9 +294,9 @@ def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new
     for request_id, prompt in zip(ids + late, batch + batch[:2]):
         weights = old if request_id in started else new
         assert finished[request_id].token_ids == hf_greedy(base, weights, prompt, 20), request_id
-    cache = engine.manager.cache
-    assert cache.retiring == set() and cache.names == ["swap"] and "swap" not in cache  # the first version is gone
-    assert cache.current("swap") != "swap"
+    adapters_ = engine.adapters
+    assert adapters_.store.retiring == set() and adapters_.loras == ["swap"] and len(adapters_.cache) == 1
+    assert first not in adapters_.store and adapters_.resolve("swap") != first  # the first identity is gone
 
 
 def test_num_threads_sets_the_engines_cpu_threads(checkpoints):

@@ -17,7 +17,8 @@ from loramux.sampling_params import SamplingParams
 
 
 def make(max_loras=2, adapters="abc", pinned="", num_blocks=64, block_size=4, lora=True, **engine):
-    """A scheduler over a fresh block manager and AdapterCache holding one adapter per letter."""
+    """A scheduler over a fresh block manager and AdapterCache holding one adapter per letter. Each letter is
+    its own identity here; an adapter removed from the cache no longer resolves (an unload)."""
     engine.setdefault("max_wait_steps", 4)
     config = EngineConfig(lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=8) if lora else None,
                           block_size=block_size, **engine)
@@ -26,7 +27,9 @@ def make(max_loras=2, adapters="abc", pinned="", num_blocks=64, block_size=4, lo
         cache.add(name)
     for name in pinned:
         cache.pin(name)
-    return Scheduler(config, BlockManager(num_blocks, block_size), cache), cache
+    if not lora:
+        return Scheduler(config, BlockManager(num_blocks, block_size)), cache
+    return Scheduler(config, BlockManager(num_blocks, block_size), cache, lambda n: n if n in cache else None), cache
 
 
 def req(adapter=None, prompt_len=4, max_tokens=4, request_id=None) -> Sequence:
@@ -164,13 +167,14 @@ def test_refs_follow_admission_finish_and_abort():
     assert cache.refs("a") == 0
     sched.schedule()
     assert (cache.refs("a"), cache.refs("b")) == (2, 1)
+    assert (cache.holds("a"), cache.holds("b")) == (2, 1)
     sched.finish(a1, "stop")
-    assert cache.refs("a") == 1
+    assert cache.refs("a") == cache.holds("a") == 1
     assert sched.abort(a2.request_id) is a2
     assert a2.finish_reason == "abort" and a2.status is SequenceStatus.FINISHED and not a2.block_table
-    assert (cache.refs("a"), cache.refs("b")) == (0, 1)
+    assert (cache.refs("a"), cache.refs("b"), cache.holds("a")) == (0, 1, 0)
     sched.finish(b1, "length")
-    assert cache.refs("b") == 0
+    assert cache.refs("b") == cache.holds("b") == 0
     assert sched.block_manager.num_free_blocks == 64 and not sched.has_unfinished
 
 
@@ -191,7 +195,7 @@ def test_unloaded_adapter_fails_the_waiting_request():
     cache.remove("b")
     batch = sched.schedule()
     assert batch.failed == [b]
-    assert b.status is SequenceStatus.FINISHED and b.finish_reason == "abort"
+    assert b.status is SequenceStatus.FINISHED and b.finish_reason == "error"
     assert not batch.is_prefill and batch.seqs == [a, base]
     assert sched.num_waiting == 0 and sched.schedule().failed == []
 
@@ -296,7 +300,6 @@ def test_engine_without_lora_refuses_adapters():
 @pytest.mark.parametrize(
     "seq, words",
     [
-        (req("zzz"), "'zzz', which is not loaded"),
         (req(prompt_len=60, max_tokens=8), "needs room for 67 tokens"),
         (req(prompt_len=8, max_tokens=300), "KV-cache"),
     ],
@@ -339,17 +342,29 @@ def test_finish_errors():
         sched.finish(req(), "stop")
 
 
-def test_cache_and_config_must_agree_on_slots():
-    config = EngineConfig(lora=LoRAConfig(max_loras=4, max_cpu_loras=8))
-    with pytest.raises(ValueError, match="max_loras=2.*max_loras=4"):
-        Scheduler(config, BlockManager(8, 16), AdapterCache(2, 8))
+def test_a_started_request_keeps_its_identity_through_preemption():
+    """Admission fixes the identity and holds it: a preempted request resumes on it even once the name
+    points elsewhere (a reload in place), and its identity stays in host memory while it waits."""
+    sched, cache = make(max_loras=2, adapters="a", num_blocks=3, block_size=4)
+    first, second = add_all(sched, "aa", prompt_len=4, max_tokens=6)
+    step(sched)
+    assert first.adapter_ref == second.adapter_ref == "a" and cache.holds("a") == 2
+    cache.add("a2")
+    sched.current = lambda n: "a2" if n == "a" else None  # the name now resolves to a new identity
+    batch = step(sched)  # no block for both to grow: the newest is preempted
+    assert batch.preempted == [second] and second.adapter_ref == "a" and cache.refs("a") == 1 and cache.holds("a") == 2
+    late = add_all(sched, "a")[0]
+    while sched.has_unfinished:
+        step(sched)
+    assert second.adapter_ref == "a" and late.adapter_ref == "a2" and cache.holds("a") == cache.refs("a") == 0
 
 
 # ---- invariants under a random workload ------------------------------------------------------
 def check_invariants(sched, cache, max_loras):
-    running = Counter(s.adapter for s in sched.running if s.adapter)
+    running = Counter(s.adapter_ref for s in sched.running if s.adapter)
+    held = Counter(s.adapter_ref for s in (*sched.running, *sched.waiting) if s.adapter_ref)
     assert len(set(running) | cache.pinned) <= max_loras
-    assert all(cache.refs(name) == running[name] for name in cache.names)
+    assert all(cache.refs(name) == running[name] and cache.holds(name) == held[name] for name in "abcde")
     used = sum(len(s.block_table) for s in sched.running)
     assert used + sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     assert all(not s.block_table for s in sched.waiting)

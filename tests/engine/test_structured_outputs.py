@@ -163,5 +163,5 @@ def test_an_adapter_unloaded_while_the_grammar_compiles_ends_the_request_not_the
     outs = []
     while core.has_unfinished_requests():
         outs += core.step()
-    assert [(o.finish_reason, "unloaded" in o.error) for o in outs] == [("abort", True)]
+    assert [(o.finish_reason, "unloaded" in o.error, o.status) for o in outs] == [("error", True, 404)]
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # still serving

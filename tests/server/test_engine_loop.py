@@ -6,8 +6,9 @@ from loramux import LoRAConfig, SamplingParams
 from loramux.config import EngineConfig
 from loramux.engine.engine_core import EngineCore
 from loramux.server.engine_process import EngineLoop
-from loramux.server.wire import (AddRequest, AdapterSource, Control, ControlResult, Outputs, decode_from_engine,
-                                 decode_to_engine, encode)
+from loramux.adapters.status import LoRAStatus
+from loramux.server.wire import (AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
+                                 Outputs, PinAdapter, UnloadAdapter, decode_from_engine, decode_to_engine, encode)
 
 
 class Outbox:
@@ -23,7 +24,7 @@ class Outbox:
         return [o for m in self.sent if isinstance(m, Outputs) for o in m.outputs]
 
     def results(self):
-        return [m for m in self.sent if isinstance(m, ControlResult)]
+        return [m for m in self.sent if isinstance(m, (AdapterResult, EngineStats))]
 
 
 @pytest.fixture()
@@ -47,13 +48,17 @@ def add(request_id, adapter="a", max_tokens=12, prompt=(5, 6, 7)):
     return decode_to_engine(encode(msg))
 
 
+def control(loop, msg):
+    loop.handle(decode_to_engine(encode(msg)))  # through the wire format
+
+
 def test_unload_waits_for_running_requests_and_fails_waiting_ones(loop):
     loop.handle(add("running"))
     loop.step()  # prefill: "running" holds the adapter now
     loop.handle(add("not-started"))
-    loop.handle(Control(1, "unload", {"name": "a"}))
+    control(loop, UnloadAdapter(1, "a"))
     assert not loop.outbox.results()  # still waiting
-    loop.handle(add("late"))  # new requests for an adapter being unloaded are refused
+    loop.handle(add("late"))  # the name is gone at once: new requests for it are refused
     loop.step()
     failed = {o.request_id: o.status for o in loop.outbox.outputs() if o.finish_reason == "error"}
     assert failed == {"not-started": 404, "late": 404}
@@ -63,10 +68,27 @@ def test_unload_waits_for_running_requests_and_fails_waiting_ones(loop):
         for i, m in enumerate(loop.outbox.sent):
             if isinstance(m, Outputs) and any(o.request_id == "running" and o.finished for o in m.outputs):
                 finished_at = finished_at if finished_at is not None else i
-    results = [i for i, m in enumerate(loop.outbox.sent) if isinstance(m, ControlResult)]
+    results = [i for i, m in enumerate(loop.outbox.sent) if isinstance(m, AdapterResult)]
     assert finished_at is not None and results and results[0] > finished_at  # answered after the finish
-    assert loop.outbox.sent[results[0]].result["status"] == "SUCCESS"
-    assert not loop.core.manager.is_lora("a")
+    assert loop.outbox.sent[results[0]].status is LoRAStatus.SUCCESS
+    assert not loop.core.adapters.is_lora("a") and len(loop.core.adapters.cache) == 0
+
+
+def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(loop, tmp_path):
+    """The unload waits for the running request, but the name is free: a new load of it is a new identity,
+    and the waiting unload is answered for the identity it unloaded, not the new one."""
+    path = loop.core.adapters.paths["a"]
+    loop.handle(add("running", max_tokens=30))
+    loop.step()
+    control(loop, UnloadAdapter(1, "a"))
+    control(loop, LoadAdapter(2, "a", path))
+    loop.handle(add("new"))
+    for _ in range(40):
+        loop.step()
+    answers = {m.control_id: m.status for m in loop.outbox.results()}
+    assert answers == {1: LoRAStatus.SUCCESS, 2: LoRAStatus.SUCCESS} and loop.core.adapters.loras == ["a"]
+    finished = {o.request_id for o in loop.outbox.outputs() if o.finish_reason == "length"}
+    assert finished == {"running", "new"}
 
 
 def test_bad_requests_fail_alone_and_outputs_are_deltas(loop):
@@ -82,12 +104,22 @@ def test_bad_requests_fail_alone_and_outputs_are_deltas(loop):
     assert all(len(o.new_token_ids) == 1 for o in ok) and len(ok) == 5 and ok[-1].finish_reason == "length"
 
 
-def test_pin_and_unpin_through_control_ops(loop):
-    loop.handle(Control(1, "pin", {"name": "a"}))
-    loop.handle(Control(2, "stats", {}))
-    loop.handle(Control(3, "unpin", {"name": "a"}))
-    loop.handle(Control(4, "unpin", {"name": "ghost"}))
-    results = {m.control_id: m.result for m in loop.outbox.results()}
-    assert results[1]["status"] == "SUCCESS" and results[2]["pinned"] == ["a"]
-    assert results[3]["status"] == "SUCCESS" and not loop.core.manager.cache.is_pinned("a")
-    assert results[4]["status"] == "PIN_NAME_NONEXISTENT"
+def test_pin_and_unpin_through_control_messages(loop):
+    control(loop, PinAdapter(1, "a", True))
+    control(loop, GetStats(2))
+    control(loop, PinAdapter(3, "a", False))
+    control(loop, PinAdapter(4, "ghost", False))
+    results = {m.control_id: m for m in loop.outbox.results()}
+    assert results[1].status is LoRAStatus.SUCCESS and results[1].pinned and results[2].pinned == ["a"]
+    assert results[3].status is LoRAStatus.SUCCESS and not results[3].pinned and loop.core.adapters.pinned == []
+    assert results[4].status is LoRAStatus.PIN_NAME_NONEXISTENT
+
+
+def test_a_reload_in_place_answers_that_the_pin_carried_over(loop):
+    path = loop.core.adapters.paths["a"]
+    control(loop, PinAdapter(1, "a", True))
+    control(loop, LoadAdapter(2, "a", path, replace=True))
+    control(loop, LoadAdapter(3, "a", path))  # the same path again: a success that reads nothing
+    results = {m.control_id: m for m in loop.outbox.results()}
+    assert results[2].status is LoRAStatus.SUCCESS and results[2].pinned
+    assert results[3].status is LoRAStatus.SUCCESS and "already loaded" in results[3].message

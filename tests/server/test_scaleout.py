@@ -107,7 +107,11 @@ def test_the_api_key_and_the_health_route_as_on_one_server(server, http):
 def test_load_and_unload_reach_every_replica(http, files, oracle):
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": files["runtime"]["other"]}).status_code == 200
     again = http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": files["runtime"]["other"]})
-    assert again.status_code == 409
+    assert again.status_code == 200 and "already loaded" in again.text  # the same path: idempotent, as one server
+    elsewhere = http.post("/v1/load_lora_adapter", json={"lora_name": "other", "lora_path": files["runtime"]["v2"]})
+    assert elsewhere.status_code == 400 and elsewhere.json()["error"]["code"] == "adapter_exists"
+    with_id = http.post("/v1/unload_lora_adapter", json={"lora_name": "other", "lora_int_id": 3})
+    assert with_id.status_code == 400 and "lora_int_id" in with_id.json()["error"]["message"]
     bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": files["allowed"] + "/nowhere"})
     assert bad.status_code == 400 and "bad" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
     for _ in range(4):  # whichever replicas it reaches

@@ -51,8 +51,8 @@ def offline(files):
     for name, path in {**files["served"], **files["runtime"]}.items():
         assert llm.load_adapter(f"{name}={path}")
 
-    def alone(prompt, adapter, max_tokens=8, chat=False):
-        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    def alone(prompt, adapter, max_tokens=8, chat=False, **sampling):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, **sampling)
         run = llm.chat if chat else llm.generate
         return run(prompt, params, adapters=adapter, use_tqdm=False)[0].text
 
@@ -148,7 +148,7 @@ def test_admin_error_codes(files, http):
     shutil.copy(f"{allowed}/new/adapter_config.json", f"{allowed}/pickled/")
     open(f"{allowed}/pickled/adapter_model.bin", "wb").close()
     cases = [
-        ({"lora_name": "s0", "lora_path": f"{allowed}/new"}, 409, "already been loaded"),
+        ({"lora_name": "s0", "lora_path": f"{allowed}/new"}, 400, "already been loaded"),
         ({"lora_name": "x", "lora_path": f"{allowed}/missing"}, 400, "does not exist"),
         ({"lora_name": "x", "lora_path": str(root / "s1")}, 400, "outside the allowed"),
         ({"lora_name": "x", "lora_path": f"{allowed}/../s1"}, 400, "outside the allowed"),
@@ -161,6 +161,9 @@ def test_admin_error_codes(files, http):
         assert response.status_code == status and words in response.json()["error"]["message"], (body, response.text)
     response = http.post("/v1/unload_lora_adapter", json={"lora_name": "ghost"})
     assert response.status_code == 404 and "ghost" in response.json()["error"]["message"]
+    response = http.post("/v1/unload_lora_adapter", json={"lora_name": "s0", "lora_int_id": 1})  # vLLM's id: refused
+    assert response.status_code == 400 and "lora_int_id" in response.json()["error"]["message"]
+    assert "s0" in [m["id"] for m in http.get("/v1/models").json()["data"]]  # and nothing was unloaded
 
 
 def test_32_concurrent_requests_with_load_and_unload_in_the_middle(files, http, client, offline):
@@ -400,7 +403,7 @@ def test_the_hostile_adapter_corpus_gets_400s_and_changes_nothing(files, http, c
         response = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": good})
         assert response.status_code == 400 and "adapter name" in response.json()["error"]["message"], name
     response = http.post("/v1/load_lora_adapter", json={"lora_name": "tiny", "lora_path": good})
-    assert response.status_code == 409  # the base model's name
+    assert response.status_code == 400 and "base model" in response.json()["error"]["message"]
     assert not os.path.exists(files["root"] / "outside" / "pwned")
     ids = {m.id for m in client.models.list().data}
     assert not any(i.startswith("bad-") for i in ids) and httpx.get(f"{http.base_url}/health").status_code == 200
@@ -428,3 +431,29 @@ def test_pin_and_unpin_routes(files, server, http, client):
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "pinme"}).status_code == 200  # a pin ends with it
     assert pinned() == 0
     assert metric(server, "loramux:lora_host_bytes", http.headers) < host  # its weights left host memory
+
+
+def test_reload_unload_load_while_the_first_version_runs_over_http(files, http, client, offline):
+    """The six steps through the routes: R1 runs on x; x is reloaded in place, unloaded and loaded again (from
+    another path); R2 on x gets the last load's tokens, R1 finishes on its own; x stays listed and served."""
+    allowed = files["allowed"]
+    load = lambda path, **kw: http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path, **kw})
+    assert load(f"{allowed}/new").status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        stream = iter(client.completions.create(model="x", prompt="w", max_tokens=56, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        first = next(stream).choices[0].text  # R1 runs on the first load now
+        assert load(f"{allowed}/other", load_inplace=True).status_code == 200
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+        assert load(f"{allowed}/v2").status_code == 200
+        assert metric(http.base_url, "loramux:num_requests_running", http.headers) >= 1  # R1 had not ended yet
+        again = load(f"{allowed}/v2")  # the same path again: a success (as MAX), nothing reloaded
+        assert again.status_code == 200 and "already loaded" in again.text
+        r2 = pool.submit(lambda: client.completions.create(model="x", prompt="hi", max_tokens=8, temperature=0))
+        r1 = first + "".join(chunk.choices[0].text for chunk in stream)
+        assert r2.result(timeout=60).choices[0].text == offline("hi", "v2")
+    assert r1 == offline("w", "new", max_tokens=56, ignore_eos=True)
+    assert "x" in [m.id for m in client.models.list().data]
+    assert client.completions.create(model="x", prompt="hi", max_tokens=8, temperature=0).choices[0].text == \
+        offline("hi", "v2")
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200

@@ -39,6 +39,9 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
         load = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "pinned": True,
                                                               "lora_path": f"{files['allowed']}/new"})
         assert load.status_code == 200, load.text
+        reload = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "load_inplace": True,
+                                                                "lora_path": f"{files['allowed']}/new"})
+        assert reload.status_code == 200, reload.text  # in place: it keeps its pin, in the engine and after a restart
         before = {m: complete(url, m) for m in ("tiny", "s0", "late")}
         client = openai_client(url)
         stream = client.completions.create(model="s1", prompt="x", max_tokens=60, temperature=0, stream=True,
@@ -62,6 +65,7 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
         print(f"\nkill -9 of the engine: healthy again after {time.monotonic() - killed:.1f} s")
         assert engine_pid(proc.pid) != pid
         assert {m: complete(url, m) for m in before} == before  # the runtime-loaded adapter is back too
+        assert metric(url, "loramux:num_pinned_adapters") == 1.0  # and still pinned
         asking.join(10)
         assert unload[0].status_code == 503, unload[0].text
         assert "s2" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] and complete(url, "s2")

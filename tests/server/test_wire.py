@@ -3,25 +3,31 @@ the declared types decodes."""
 import msgspec
 import pytest
 
+from loramux.adapters.status import LoRAStatus
 from loramux.engine.output import CoreOutput
 from loramux.sampling_params import SamplingParams
-from loramux.server.wire import (Abort, AddRequest, AdapterSource, Control, ControlResult, Outputs, Ready,
-                                 StartupFailed, decode_from_engine, decode_to_engine, encode)
+from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
+                                 LoadAdapter, Outputs, PinAdapter, Ready, StartupFailed, UnloadAdapter,
+                                 decode_from_engine, decode_to_engine, encode)
 
 TO_ENGINE = [
     AddRequest("r-1", [1, 2, 3], SamplingParams(max_tokens=5, temperature=0.3, seed=-2**63, stop=("x", "yz"),
                                                   stop_token_ids=(7,), top_k=4, presence_penalty=-1.5), "pirate"),
     AddRequest("r-2", [9], SamplingParams(), None),
     Abort(["r-1", "r-2"]),
-    Control(3, "load", {"name": "a", "path": "/p", "allowed_dirs": ["/d"], "pinned": True}),
-    Control(4, "stats"),
+    LoadAdapter(3, "a", "/p", ("/d",), pinned=True, replace=True),
+    UnloadAdapter(4, "a"),
+    PinAdapter(5, "a", False),
+    GetStats(6),
 ]
 FROM_ENGINE = [
     Ready("/models/m", "/tmp/tok", 4096, 49152, [AdapterSource("a", "/p", ("/d",), True)], {"b": "gone"}),
     StartupFailed("ValueError: no"),
     Outputs([CoreOutput("r-1", [5, 6]), CoreOutput("r-2", [], "error", "the adapter is gone", 404),
              CoreOutput("r-3", [2], "stop")]),
-    ControlResult(3, {"status": "SUCCESS", "message": "ok", "adapters": {"a": None}}),
+    AdapterResult(3, LoRAStatus.LOAD_NAME_EXISTS, "already loaded from /q", pinned=True),
+    EngineStats(6, 1, 2, ["a"], ["b"], 4, 2, ["a"], 3, 1, 0, 100, 50, 10**9, 10**6, 10**5, {"length": 3}),
+    ControlFailed(7, "RuntimeError: boom"),
 ]
 
 
@@ -42,6 +48,9 @@ def test_a_message_of_the_other_direction_or_a_bad_value_does_not_decode():
                                   "params": {"max_tokens": 0}})
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):
         decode_to_engine(bad)
+    status = msgspec.msgpack.encode({"type": "adapter_result", "control_id": 1, "status": "SUCCESS"})
+    with pytest.raises(msgspec.ValidationError, match="status"):  # statuses are the enum's values, not free text
+        decode_from_engine(status)
 
 
 def test_a_step_of_32_decodes_is_small():

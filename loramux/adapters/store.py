@@ -1,0 +1,272 @@
+"""AdapterStore: adapter names, their load identities, and the weights behind them.
+
+A name points to its current identity (AdapterRef); every load — the first, a reload in place, a load after
+an unload — is a new identity, never reused. Requests resolve a name once, when they start, and keep that
+identity to the end: a reload in place or an unload only moves the name, and the identity it left
+(`retiring`) is removed once no request runs on it or will resume on it. The store reads and checks
+adapters (under the rules each was loaded with), keeps their host copies, asks the AdapterCache where each
+identity should live and carries out its answers through AdapterSlots. Every load / unload / pin answers a
+LoRAResult whose message says why, for users.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loramux.adapters.cache import AdapterCache, CacheFullError, Changes
+from loramux.adapters.checkpoint import AdapterPathError, AdapterWeights, build_adapter, read_adapter_dir
+from loramux.adapters.names import AdapterRef
+from loramux.adapters.peft_config import InvalidAdapterError
+from loramux.adapters.slots import AdapterSlots
+from loramux.adapters.status import LoRAResult, LoRAStatus
+from loramux.config import LoRAConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an identity's weights come from, and the rules they were read under: a reload from disk (after
+    host eviction) reads them again under the same rules."""
+
+    path: str
+    allow_pickle: bool
+    allowed_dirs: tuple[str, ...] = ()
+
+    def same_place(self, other: Source) -> bool:
+        return os.path.realpath(self.path) == os.path.realpath(other.path)
+
+
+class AdapterStore:
+    def __init__(self, cache: AdapterCache, slots: AdapterSlots, config: LoRAConfig):
+        self.cache, self.slots, self.config = cache, slots, config
+        self._current: dict[str, AdapterRef] = {}  # name -> the identity requests starting now get
+        self._retiring: set[AdapterRef] = set()  # no name points to them; removed once no request uses them
+        self._weights: dict[AdapterRef, AdapterWeights] = {}  # the host tier
+        self._sources: dict[AdapterRef, Source] = {}  # the disk tier (none for adapters built from tensors)
+        self._modules: dict[AdapterRef, frozenset[str]] = {}  # module names each identity has weights for
+        self._copies_bytes: dict[AdapterRef, int] = {}  # bytes of each identity's whole-module copies, any tier
+        # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
+        self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
+
+    # ---- names -----------------------------------------------------------------------------------
+    def current(self, name: str) -> AdapterRef | None:
+        return self._current.get(name)
+
+    def resolve(self, name: str) -> AdapterRef:
+        """The identity requests for `name` start on now; LookupError if no adapter has that name."""
+        ref = self._current.get(name)
+        if ref is None:
+            raise LookupError(f"The model `{name}` does not exist.")
+        return ref
+
+    @property
+    def names(self) -> list[str]:
+        """The adapter names requests can use, in the order they were first loaded."""
+        return list(self._current)
+
+    def __contains__(self, ref: AdapterRef) -> bool:
+        """Whether the identity still exists (named, or retiring while requests use it)."""
+        return ref in self.cache
+
+    @property
+    def retiring(self) -> set[AdapterRef]:
+        return set(self._retiring)
+
+    def source(self, ref: AdapterRef) -> Source | None:
+        return self._sources.get(ref)
+
+    def modules_of(self, ref: AdapterRef) -> frozenset[str]:
+        """The module names `ref` has weights for (recorded at load: no disk read, whichever tier it is in)."""
+        return self._modules[ref]
+
+    # ---- loading ---------------------------------------------------------------------------------
+    def load(self, name: str, source: Source, replace: bool = False, pinned: bool = False) -> LoRAResult:
+        """Load a PEFT adapter directory as a new identity of `name`. A loaded name from the same directory
+        answers SUCCESS (as MAX: loading is idempotent; pinned pins it), from another LOAD_NAME_EXISTS unless
+        `replace` (vLLM's load_inplace): then the new identity takes the name (and its pin) at once, and the
+        old one retires. pinned: pin it too; if that fails, nothing is loaded or replaced."""
+        old = self._current.get(name)
+        if old is not None and not replace:
+            return self._load_again(old, source, pinned)
+        ref = AdapterRef(name)
+        result = self._guarded_load(ref, lambda: self._read(ref, source), source)
+        if result and (pinned or (old is not None and self.cache.is_pinned(old))):
+            result = self._pin_or_drop(ref, old)
+        if not result:
+            return result
+        self._publish(ref, old)
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} reloaded in place") if old else result
+
+    def _load_again(self, ref: AdapterRef, source: Source, pinned: bool) -> LoRAResult:
+        loaded = self._sources.get(ref)
+        if loaded is None or not loaded.same_place(source):
+            where = f"from {loaded.path!r}" if loaded else "from tensors"
+            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {ref.name!r} is already loaded {where}; "
+                                                           "unload it first, or reload it in place (replace)")
+        if pinned and not self.cache.is_pinned(ref):
+            return self.pin(ref.name)
+        if self.cache.in_host(ref):
+            self.cache.add(ref)  # a use: it becomes the most recently used
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} is already loaded from that path")
+
+    def _pin_or_drop(self, ref: AdapterRef, old: AdapterRef | None) -> LoRAResult:
+        """Pin a just-loaded identity (taking over the pin of the one it replaces), or remove it again and
+        leave everything as it was."""
+        old_pinned = old is not None and self.cache.is_pinned(old)
+        if old_pinned:
+            self.cache.unpin(old)  # its slot may go to the new identity (unless running requests hold it)
+        try:
+            self._apply(self.cache.pin(ref))
+        except CacheFullError:
+            self._remove(ref)
+            if old_pinned:
+                self._apply(self.cache.pin(old))  # still in its slot: nothing moves
+            return LoRAResult(LoRAStatus.PIN_ERROR, f"cannot pin adapter {ref.name!r}: all max_loras="
+                              f"{self.config.max_loras} device slots hold pinned or in-use adapters; it was not loaded")
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded and pinned")
+
+    def add_tensors(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
+        """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
+        if name in self._current:
+            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
+        ref = AdapterRef(name)
+        result = self._guarded_load(ref, lambda: self._build(name, peft_config, tensors, None), None)
+        if result:
+            self._publish(ref, None)
+        return result
+
+    def _publish(self, ref: AdapterRef, old: AdapterRef | None) -> None:
+        self._current[ref.name] = ref
+        if old is not None:
+            self._retire_later(old)
+
+    def _guarded_load(self, ref: AdapterRef, read: Callable[[], AdapterWeights], source: Source | None) -> LoRAResult:
+        """Read and register one identity; every failure becomes a LoRAResult."""
+        try:
+            weights = read()
+            self._check_copies_budget(ref.name, weights)
+            self._apply(self.cache.add(ref, on_disk=source is not None, nbytes=weights.nbytes))
+        except AdapterPathError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
+        except InvalidAdapterError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_ADAPTER, str(e))
+        except CacheFullError as e:
+            return LoRAResult(LoRAStatus.LOAD_ERROR, str(e))
+        except Exception as e:  # a broken adapter must never take the caller down
+            logger.exception("loading adapter %r failed", ref.name)
+            return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {ref.name!r} failed: {type(e).__name__}: {e}")
+        self._weights[ref] = weights
+        self._modules[ref] = frozenset(weights.modules)
+        self._copies_bytes[ref] = weights.copies_nbytes
+        self.stats["loads"] += 1
+        if source is not None:
+            self._sources[ref] = source
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded")
+
+    def _read(self, ref: AdapterRef, source: Source) -> AdapterWeights:
+        config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
+                                           self.slots.max_weight_bytes())
+        return self._build(ref.name, config, tensors, source.path)
+
+    def _build(self, name, config, tensors, path) -> AdapterWeights:
+        slots = self.slots
+        copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
+        weights = build_adapter(name, config, tensors, slots.module_shapes(), self.config.max_lora_rank,
+                                dtype=slots.activation_dtype, path=path, all_linear=slots.all_linear,
+                                base_weight=slots.base_weights.get, whole_copies=copies,
+                                experts=slots.expert_shapes(), unwrapped_experts=frozenset(slots.unwrapped_experts))
+        return weights.pinned() if slots.device.type == "cuda" else weights
+
+    def _check_copies_budget(self, name: str, weights: AdapterWeights) -> None:
+        """Every loaded adapter's whole-module copies, in host memory or evicted to disk, fit the budget together
+        (checked when an adapter is loaded, not when an evicted one comes back). A name's other identities
+        (the one a reload replaces) do not count: they go."""
+        held = sum(nbytes for ref, nbytes in self._copies_bytes.items() if ref.name != name)
+        if weights.copies and held + weights.copies_nbytes > self.config.max_module_copies_bytes:
+            raise InvalidAdapterError(
+                f"adapter {name!r} saves whole modules ({', '.join(weights.copies)}: {weights.copies_nbytes} bytes); "
+                f"with the {held} bytes other adapters' copies take, that is over max_module_copies_bytes="
+                f"{self.config.max_module_copies_bytes}")
+
+    # ---- unloading -------------------------------------------------------------------------------
+    def unload(self, name: str) -> LoRAResult:
+        """The name goes at once (requests that have not started can no longer get it); its identity's
+        memory goes once no request runs on it or will resume on it (`retire`)."""
+        ref = self._current.pop(name, None)
+        if ref is None:
+            return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
+        self._retire_later(ref)
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
+
+    def _retire_later(self, ref: AdapterRef) -> None:
+        self.cache.unpin(ref)  # a pin belongs to the name
+        self._retiring.add(ref)
+        self.retire()
+
+    def retire(self) -> None:
+        """Remove the identities no name points to that no request runs on or holds any more."""
+        for ref in [r for r in self._retiring if not self.cache.in_use(r)]:
+            self._retiring.discard(ref)
+            self._remove(ref)
+
+    def _remove(self, ref: AdapterRef) -> None:
+        self._apply(self.cache.remove(ref))
+        for record in (self._sources, self._modules, self._copies_bytes):
+            record.pop(ref, None)
+
+    # ---- pins and tiers --------------------------------------------------------------------------
+    def pin(self, name: str) -> LoRAResult:
+        """Keep the adapter in host memory and in a device slot until it is unpinned or unloaded."""
+        ref = self._current.get(name)
+        if ref is None:
+            return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot pin adapter {name!r}: it is not loaded")
+        try:
+            self._ensure_in_host(ref)
+            self._apply(self.cache.pin(ref))
+        except (CacheFullError, InvalidAdapterError, AdapterPathError) as e:
+            return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
+
+    def unpin(self, name: str) -> LoRAResult:
+        """Let the adapter be evicted again (it stays loaded, and in its slot until the LRU needs it)."""
+        ref = self._current.get(name)
+        if ref is None:
+            return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot unpin adapter {name!r}: it is not loaded")
+        self.cache.unpin(ref)
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unpinned")
+
+    def activate(self, ref: AdapterRef) -> int:
+        """Put the identity in a device slot (reading it from disk if it left host memory); its slot."""
+        self._ensure_in_host(ref)
+        slot, changes = self.cache.activate(ref)
+        self._apply(changes)
+        return slot
+
+    def deactivate(self, ref: AdapterRef) -> None:
+        self._apply(self.cache.deactivate(ref))
+
+    def _ensure_in_host(self, ref: AdapterRef) -> None:
+        if ref not in self.cache:
+            raise KeyError(f"adapter {ref.name!r} is not loaded")
+        if not self.cache.in_host(ref):
+            weights = self._read(ref, self._sources[ref])  # the disk tier, under the rules it was loaded with
+            self._apply(self.cache.add(ref))
+            self._weights[ref] = weights
+            self.stats["loads"] += 1
+
+    def _apply(self, changes: Changes) -> None:
+        refilled = {u.slot for u in changes.slots if u.adapter is not None}
+        self.stats["slot_evictions"] += sum(u.adapter is None and u.slot in refilled for u in changes.slots)
+        self.stats["host_evictions"] += len(changes.dropped)
+        for ref in changes.dropped:
+            del self._weights[ref]
+        for update in changes.slots:
+            if update.adapter is None:
+                self.slots.clear(update.slot)
+            else:
+                self.slots.write(update.slot, self._weights[update.adapter])
