@@ -9,7 +9,20 @@ import runpy
 import sys
 
 from loramux.adapters.names import parse_adapter_arg
-from loramux.config import EngineConfig, LoRAConfig, ServerConfig
+from loramux.config import EngineConfig, GrammarLimits, LoRAConfig, ServerConfig
+
+# structured outputs' limits: (flag, type, GrammarLimits field, help); the default is the field's
+_GRAMMAR_LIMITS = (
+    ("--max-grammar-bytes", int, "max_bytes", "bytes of a structured output's schema, regex, grammar or choices"),
+    ("--max-grammar-choices", int, "max_choices", "items of a choice list (guided_choice)"),
+    ("--max-grammar-rules", int, "max_rules", "rules of a Lark or GBNF grammar"),
+    ("--max-grammar-alternatives", int, "max_alternatives", "alternatives of one grammar rule"),
+    ("--max-grammar-nesting", int, "max_nesting", "nesting depth of a JSON schema"),
+    ("--grammar-check-timeout", float, "check_timeout_s", "seconds the server may take to check and compile one "
+                                                          "new structured output (in a worker process)"),
+    ("--grammar-check-memory", int, "check_memory_bytes", "address space of that worker process, in bytes"),
+    ("--grammar-cache-bytes", int, "cache_bytes", "grammar text behind the engine's cache of compiled grammars"),
+)
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
@@ -42,6 +55,8 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-threads", type=int, default=None,
                         help="the engine's CPU threads (default: torch's, one per core or OMP_NUM_THREADS)")
+    for flag, kind, field, help_text in _GRAMMAR_LIMITS:
+        parser.add_argument(flag, type=kind, default=getattr(GrammarLimits, field), help=help_text)
     parser.add_argument("--enable-chunked-prefill", action="store_true",
                         help="mix decode rows and prompt chunks in every step (as vLLM): running requests keep "
                              "streaming while long prompts start")
@@ -59,14 +74,16 @@ def _engine_config(args) -> EngineConfig:
                       max_module_copies_bytes=args.max_module_copies_bytes,
                       max_cpu_lora_bytes=args.max_cpu_lora_bytes, lora_dtype=args.lora_dtype)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    grammar = GrammarLimits(**{field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _GRAMMAR_LIMITS})
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,
+                        grammar_limits=grammar,
                         quantization_group_size=args.quantization_group_size,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                         batch_invariant=args.batch_invariant, **budget)
 
 
-def _log_to_stderr(level: str) -> None:
+def log_to_stderr(level: str) -> None:
     """uvicorn configures its own loggers only: loramux's (a request's `user`, adapters that failed to load,
     the engine's supervision, shutdown) go to stderr at --log-level too."""
     logger = logging.getLogger("loramux")
@@ -80,40 +97,21 @@ def _log_to_stderr(level: str) -> None:
 
 
 def serve(args) -> None:
-    import uvicorn
-
     from loramux.server.app import build_app
+    from loramux.server.supervisor import supervise
 
-    _log_to_stderr(args.log_level)
+    log_to_stderr(args.log_level)
     if args.replicas:
         return _serve_scaleout(args)
     try:
-        config = _server_config(args)
-        app = build_app(_engine_config(args), config, args.lora_modules)
+        engine, config = _engine_config(args), _server_config(args)
+        build_app(engine, config, args.lora_modules)  # every flag checked here, before anything starts
     except ValueError as e:  # a flag's value: the message names it (no traceback for a typo)
         sys.exit(f"loramux serve: {e}")
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            # SIGTERM / Ctrl-C: new requests are refused and running ones get shutdown_timeout to finish (uvicorn
-            # waits for their connections); a second signal exits at once
-            loop = getattr(self, "_loop", None)
-            if loop is not None and not self.should_exit:
-                loop.call_soon_threadsafe(app.state.server.begin_drain)
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # a drained shutdown is a clean exit (0), not a death by the signal
-
-        async def serve(self, sockets=None) -> None:
-            import asyncio
-
-            self._loop = asyncio.get_running_loop()
-            await super().serve(sockets)
-
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=int(config.shutdown_timeout) + 5))
-    server.run()
-    if not server.started:
-        sys.exit(3)  # as uvicorn.run: the server never started (the engine failed, the port was taken, ...)
+    try:
+        sys.exit(supervise(engine, config, args.lora_modules, args.log_level))
+    except OSError as e:  # the port is taken, ...
+        sys.exit(f"loramux serve: cannot listen on {args.host}:{args.port}: {e}")
 
 
 def _serve_scaleout(args) -> None:

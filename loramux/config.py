@@ -68,6 +68,39 @@ class LoRAConfig:
         return self.target_modules or DEFAULT_TARGET_MODULES
 
 
+@dataclass(frozen=True)
+class GrammarLimits:
+    """What a structured output (JSON schema, regex, choice list, Lark / GBNF grammar) may be. A request past
+    a limit gets an error naming it; an operator raises them (loramux serve --max-grammar-*)."""
+
+    max_bytes: int = 512 * 1024
+    """Its text: the schema, the regex, the grammar, or the choices together."""
+    max_choices: int = 10_000
+    """Items of a choice list (each one a string of the output's possible values)."""
+    max_rules: int = 1_000
+    """Rules of a Lark or GBNF grammar (the grammar engine recurses along chains of rules)."""
+    max_alternatives: int = 2_000
+    """Alternatives of one grammar rule (the grammar engine's row limit; literals in a terminal, NAME: "a" |
+    "b", or a choice list, have none)."""
+    max_nesting: int = 64
+    """Nesting depth of a JSON schema's objects and arrays."""
+    check_timeout_s: float = 10.0
+    """The server checks and compiles each new structured output in a worker process; one that takes longer
+    is refused (and the worker replaced)."""
+    check_memory_bytes: int = 2 << 30
+    """Address space of that worker process; a check that needs more is refused."""
+    cache_bytes: int = 16 << 20
+    """The engine's compiled grammars are cached by grammar text up to this many bytes of text (a compiled
+    matcher takes ~5-15x its text)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_choices", "max_rules", "max_alternatives", "max_nesting",
+                     "check_memory_bytes", "cache_bytes"):
+            _check_positive(name, getattr(self, name))
+        if not self.check_timeout_s > 0:
+            raise ValueError(f"check_timeout_s must be positive, got {self.check_timeout_s!r}")
+
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -130,6 +163,8 @@ class EngineConfig:
     next, before anything else."""
     seed: int = 0
     """Seed for requests that bring none."""
+    grammar_limits: GrammarLimits = GrammarLimits()
+    """What a structured output may be (checked where a request enters: HTTP or LLM.generate)."""
     batch_invariant: bool = False
     """A request's tokens do not depend on its batch mates, in any dtype (as vLLM's VLLM_BATCH_INVARIANT):
     every GEMM on a fixed row count (the LoRA op's too: torch-fixed-rows), attention per sequence length.

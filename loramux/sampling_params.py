@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json as _json
 import math
+import re
 from dataclasses import dataclass
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a signed 64-bit integer, as vLLM and torch take it
@@ -16,6 +17,9 @@ MAX_LOGPROBS = 20
 GREEDY_BELOW = 1e-5
 """A temperature below this decodes greedily (as vLLM's _SAMPLING_EPS): dividing logits by 1e-40 gives inf
 and NaN probabilities."""
+MAX_TEMPERATURE = 2.0
+"""OpenAI's upper bound (vLLM takes any finite value): past it the distribution is close to uniform, so a
+larger value is far likelier a client's mistake (1e6 for 1.0) than a wish, and it is refused."""
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:
@@ -39,13 +43,43 @@ def _optional_count(value) -> bool:
     return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
 
 
+def shorten(text: str, limit: int = 80) -> str:
+    """`text` for an error message: at most about `limit` characters, its middle elided (a request can be
+    megabytes; a message quotes it, never echoes it)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 2]}...{text[-(limit // 2):]}"
+
+
+_TOKEN_ID = re.compile(r"0|-?[1-9][0-9]{0,18}")
+"""A token id as JSON's logit_bias keys write it: canonical ASCII decimal ("-" kept for the range check to
+name), 19 digits at most (int64's; a longer key is no token id, and int() refuses 4300+ digits)."""
+
+
 def _int_keys(mapping: dict) -> dict:
+    """logit_bias with JSON's string keys as ints. Only the canonical form is read: int() would also take
+    " 7 ", "0007" or Arabic-Indic "١٢", biasing a token the client never wrote."""
     out = {}
     for key, value in mapping.items():
-        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        if isinstance(key, str):
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias key {shorten(repr(key))} is not a token id: keys must be token ids "
+                                 'written as decimal integers, such as "50256"')
             key = int(key)
         out[key] = value
     return out
+
+
+def _is_text(value) -> bool:
+    """A str that is valid Unicode: JSON can carry a lone surrogate ("\\ud800"), which no encoder takes (a
+    tokenizer raises TypeError on one)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(value) -> bool:
@@ -98,7 +132,7 @@ class SamplingParams:
     max_tokens: int = 16
     """New tokens to generate at most (finish_reason "length" when reached)."""
     temperature: float = 1.0
-    """0 (or below 1e-5) = greedy (argmax)."""
+    """In [0, 2] (OpenAI's range; vLLM allows more): 0 (or below 1e-5) = greedy (argmax)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability adds up to top_p."""
     top_k: int = -1
@@ -123,7 +157,8 @@ class SamplingParams:
     min_tokens: int = 0
     """EOS and stop tokens are blocked, and stop strings not looked for, until this many tokens are out."""
     logit_bias: dict[int, float] | None = None
-    """OpenAI's: token id -> a bias in [-100, 100] added to its logit (every step, greedy included)."""
+    """OpenAI's: token id -> a bias in [-100, 100] added to its logit (every step, greedy included). A key may
+    be a string (JSON's), in canonical decimal form only ("50256"; not " 7 " or "007")."""
     bad_words: tuple[str, ...] = ()
     """vLLM's: words never generated (each as tokenized alone and after a space; the last token of a word
     is blocked once the ones before it are out)."""
@@ -147,15 +182,16 @@ class SamplingParams:
             object.__setattr__(self, "logit_bias", _int_keys(self.logit_bias))
         for name, ok, rule in self._checks():
             if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
-        for name in _FLOATS:  # an integer (JSON's 2, or 2**64) is kept as the float the sampler divides by
+                raise ValueError(f"{name} {rule}, got {shorten(repr(getattr(self, name)))}")
+        for name in _FLOATS:  # an integer (JSON's 2) is kept as the float the sampler divides by
             object.__setattr__(self, name, float(getattr(self, name)))
 
     def _checks(self):
         t, p = self.temperature, self.top_p
         return [
             ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer >= 1"),
-            ("temperature", _is_number(t) and t >= 0, "must be a finite number >= 0"),
+            ("temperature", _is_number(t) and 0 <= t <= MAX_TEMPERATURE,
+             f"must be a finite number in [0, {MAX_TEMPERATURE:g}]"),
             ("top_p", _is_number(p) and 0 < p <= 1, "must be in (0, 1]"),
             ("top_k", _is_int(self.top_k) and self.top_k >= -1, "must be -1 (all) or an integer >= 0"),
             ("seed", self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX), _SEED_RULE),
@@ -173,8 +209,9 @@ class SamplingParams:
             ("logit_bias", self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
                 _is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items())),
              "must map token ids (integers >= 0) to numbers in [-100, 100]"),
-            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words), "must be non-blank strings"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("bad_words", all(_is_text(w) and w.strip() for w in self.bad_words),
+             "must be non-blank strings of valid Unicode"),
+            ("stop", all(_is_text(s) and s for s in self.stop), "must be non-empty strings of valid Unicode"),
             ("structured_outputs", self.structured_outputs is None or isinstance(self.structured_outputs,
                                                                                  StructuredOutputsParams),
              "must be a StructuredOutputsParams"),

@@ -36,9 +36,8 @@ def test_bench_prints_a_table_and_writes_a_chart(tiny, tmp_path, capsys):
 
 
 def test_serve_passes_its_flags_to_the_server(monkeypatch):
-    import uvicorn
-
     import loramux.server.app as app
+    import loramux.server.supervisor as supervisor
 
     from fastapi import FastAPI
 
@@ -48,18 +47,21 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
         seen.update(engine=engine, server=server)
         return FastAPI()
 
-    def run(self):
-        seen.update(port=self.config.port, grace=self.config.timeout_graceful_shutdown)
-        self.started = True
+    def supervise(engine, server, modules, log_level):
+        assert (engine, server) == (seen["engine"], seen["server"])  # what was checked is what runs
+        seen.update(port=server.port, grace=server.shutdown_timeout, log_level=log_level)
+        return 0
 
     monkeypatch.setattr(app, "build_app", build_app)
-    monkeypatch.setattr(uvicorn.Server, "run", run)
-    main(["serve", "--port", "8123", "--max-body-bytes", "2048", "--api-key", "k", "--max-loras", "2",
-          "--max-pending-requests", "9", "--max-pending-tokens", "999", "--max-pending-per-client", "3",
-          "--max-prompts-per-request", "5", "--shutdown-timeout", "7", "--num-threads", "1",
-          "--enable-chunked-prefill", "--max-num-batched-tokens", "96", "--enable-auto-tool-choice",
-          "--tool-call-parser", "hermes", "--log-level", "debug"])
-    assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2 and seen["grace"] == 12
+    monkeypatch.setattr(supervisor, "supervise", supervise)
+    with pytest.raises(SystemExit) as exit_code:
+        main(["serve", "--port", "8123", "--max-body-bytes", "2048", "--api-key", "k", "--max-loras", "2",
+              "--max-pending-requests", "9", "--max-pending-tokens", "999", "--max-pending-per-client", "3",
+              "--max-prompts-per-request", "5", "--shutdown-timeout", "7", "--num-threads", "1",
+              "--enable-chunked-prefill", "--max-num-batched-tokens", "96", "--enable-auto-tool-choice",
+              "--tool-call-parser", "hermes", "--log-level", "debug"])
+    assert exit_code.value.code == 0
+    assert seen["port"] == 8123 and seen["engine"].lora.max_loras == 2 and seen["grace"] == 7
     engine = seen["engine"]
     assert (engine.num_threads, engine.enable_chunked_prefill, engine.max_num_batched_tokens) == (1, True, 96)
     assert engine.batch_invariant is False  # (refused with chunked prefill below)
@@ -74,23 +76,26 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
         main(["serve", "--max-body-bytes", "0"])
     with pytest.raises(SystemExit, match="cannot be combined with enable_chunked_prefill"):
         main(["serve", "--batch-invariant", "--enable-chunked-prefill"])
-    main(["serve", "--batch-invariant", "--quantization", "int4", "--quantization-group-size", "64"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--batch-invariant", "--quantization", "int4", "--quantization-group-size", "64"])
     assert seen["engine"].batch_invariant is True
     assert (seen["engine"].quantization, seen["engine"].quantization_group_size) == ("int4", 64)
-    main(["serve", "--lora-target-modules", "q_proj", "embed_tokens", "lm_head", "--max-module-copies-bytes", "1000",
-          "--max-cpu-lora-bytes", "5000000", "--lora-dtype", "bfloat16"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--lora-target-modules", "q_proj", "embed_tokens", "lm_head", "--max-module-copies-bytes",
+              "1000", "--max-cpu-lora-bytes", "5000000", "--lora-dtype", "bfloat16", "--max-grammar-choices", "50000"])
     lora = seen["engine"].lora
     assert lora.targets == ("q_proj", "embed_tokens", "lm_head") and lora.max_module_copies_bytes == 1000
     assert lora.max_cpu_lora_bytes == 5_000_000 and lora.lora_dtype == "bfloat16"
+    assert seen["engine"].grammar_limits.max_choices == 50_000
 
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice"):
         main(["serve", "--tool-call-parser", "hermes"])
 
 
 def test_serve_refuses_a_bare_path_that_is_no_adapter_name(monkeypatch):
-    import uvicorn
+    import loramux.server.supervisor as supervisor
 
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: pytest.fail("the server must not start"))
+    monkeypatch.setattr(supervisor, "supervise", lambda *args: pytest.fail("the server must not start"))
     with pytest.raises(SystemExit, match="a bare path names the adapter after itself.*write NAME=/abs/pirate"):
         main(["serve", "--lora-modules", "/abs/pirate"])  # clients could never send that name as `model`
 

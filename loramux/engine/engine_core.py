@@ -65,10 +65,11 @@ class EngineCore:
         else:
             self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.identity)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
-                                   vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)))
+                                   vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),
+                                   grammar=self.config.grammar_limits)
         self._seqs: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.hf_tokenizer.backend_tokenizer, self.limits.vocab_size,
-                                        sorted(self.eos_token_ids))
+                                        sorted(self.eos_token_ids), self.config.grammar_limits)
         self._compiling: dict[str, tuple[Sequence, Future]] = {}  # structured requests whose grammar is not ready
         self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
         self._warm_up()

@@ -69,6 +69,7 @@ class LLMEngine:
         token_ids = self.inputs.prompt_ids(prompt)
         self.inputs.check_length(len(token_ids), params, strict=False)
         self.inputs.check_params(params)
+        self.inputs.check_structured(params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -58,12 +58,20 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def apply_masks(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Blocked tokens and those a grammar does not allow set to -inf (in place)."""
+    """Blocked tokens and those a grammar does not allow set to -inf (in place). Where the blocked tokens (bad
+    words) are all that the grammar allows, the grammar wins: the output must stay valid."""
     for i, row in enumerate(rows):
-        if row.blocked:
-            logits[i, torch.tensor(row.blocked, dtype=torch.long, device=logits.device)] = float("-inf")
-        if row.allowed is not None:
-            logits[i].masked_fill_(~row.allowed.to(logits.device), float("-inf"))
+        blocked = torch.tensor(row.blocked, dtype=torch.long, device=logits.device) if row.blocked else None
+        if row.allowed is None:
+            if blocked is not None:
+                logits[i, blocked] = float("-inf")
+            continue
+        allowed = row.allowed.to(logits.device)
+        if blocked is not None:
+            kept = allowed.clone()
+            kept[blocked] = False
+            allowed = kept if kept.any() else allowed
+        logits[i].masked_fill_(~allowed, float("-inf"))
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -73,15 +73,21 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error", c
     return JSONResponse(p.error_body(message, err_type, code), status_code=status, headers=headers)
 
 
-def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, lora_modules: list[str] = ()) -> FastAPI:
-    server = Frontend(engine_config, config or ServerConfig(), list(lora_modules))
+def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, lora_modules: list[str] = (),
+              state_file: str | None = None, restarts: int = 0) -> FastAPI:
+    """state_file: where the adapter registry is kept for a front end that replaces this one (restarts: how
+    many did, for loramux:frontend_restarts); see server/supervisor.py."""
+    server = Frontend(engine_config, config or ServerConfig(), list(lora_modules), state_file, restarts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        await server.start()
+        # The engine starts in the background: /health answers 503 with the reason until it is up.
+        starting = asyncio.create_task(server.start())
+        starting.add_done_callback(lambda task: _started(app, task))
         try:
             yield
         finally:
+            starting.cancel()
             await server.stop()
 
     app = FastAPI(title="loramux", version=VERSION, lifespan=lifespan)
@@ -92,6 +98,42 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     _add_model_routes(app, server)
     _add_admin_routes(app, server)
     return app
+
+
+def _started(app: FastAPI, task: asyncio.Task) -> None:
+    """The engine's first start ended: a failure stops the server (exit code 3, as if it never started)."""
+    if task.cancelled() or task.exception() is None:
+        return
+    logger.error("the engine failed to start: %s", task.exception())
+    app.state.start_failed = True
+    uvicorn_server = getattr(app.state, "uvicorn", None)
+    if uvicorn_server is not None:
+        uvicorn_server.should_exit = True
+
+
+def run_server(app: FastAPI, config: ServerConfig, log_level: str, sockets=None) -> int:
+    """Serve `app` with uvicorn until stopped; the exit code (3: the engine never started)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            # SIGTERM: new requests are refused and running ones get shutdown_timeout to finish (uvicorn waits
+            # for their connections); a second signal exits at once
+            loop = getattr(self, "_loop", None)
+            if loop is not None and not self.should_exit:
+                loop.call_soon_threadsafe(app.state.server.begin_drain)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a drained shutdown is a clean exit (0), not a death by the signal
+
+        async def serve(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                   timeout_graceful_shutdown=int(config.shutdown_timeout) + 5))
+    app.state.uvicorn = server
+    server.run(sockets=sockets)
+    return 3 if not server.started or getattr(app.state, "start_failed", False) else 0
 
 
 class ApiKey:
@@ -365,12 +407,14 @@ def _add_model_routes(app: FastAPI, server: Frontend) -> None:
     """/v1/models (one or all), and vLLM's /tokenize and /detokenize."""
     @app.get("/v1/models")
     async def models():
+        server.require_engine()
         cards = [p.model_card(server.model_name, server.model_root, None, server.max_model_len)]
         cards += [p.model_card(name, source.path, server.model_name) for name, source in server.registry.items()]
         return {"object": "list", "data": cards}
 
     @app.get("/v1/models/{model_id:path}")  # adapter names may hold "/" (org/adapter)
     async def model(model_id: str):
+        server.require_engine()
         if model_id == server.model_name:
             return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
         if model_id in server.registry:

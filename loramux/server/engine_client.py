@@ -126,7 +126,7 @@ class EngineClient:
         self.config, self.sources, self.on_ready, self.supervision = config, sources, on_ready, supervision
         self.engine: _Engine | None = None
         self.ready: Ready | None = None
-        self.dead_reason: str | None = "the engine has not started"
+        self.dead_reason: str | None = "the engine is starting (loading the model and the adapters)"
         self.restarts = 0
         self.stopping = False
         self._streams: dict[str, asyncio.Queue] = {}
@@ -261,11 +261,12 @@ class EngineClient:
     async def generate(self, requests: list[AddRequest]) -> EngineStream:
         """Send the requests; their outputs arrive on the returned stream (close it to abort the rest)."""
         self._check_alive()
+        messages = [encode(request) for request in requests]  # first: one that cannot be encoded registers nothing
         stream = EngineStream(self, [r.request_id for r in requests])
         for request in requests:
             self._streams[request.request_id] = stream.queue
-        for request in requests:
-            await self.engine.send_sock.send(encode(request))
+        for message in messages:
+            await self.engine.send_sock.send(message)
         return stream
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -21,6 +20,7 @@ import traceback
 import zmq
 
 from loramux.config import EngineConfig
+from loramux.server import prctl
 from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
                                  LoadAdapter, Outputs, PinAdapter, Ready, StartupFailed, UnloadAdapter,
                                  decode_to_engine, encode)
@@ -64,11 +64,8 @@ def _live_with_parent(parent_pid: int, ipc_dir: str, heartbeat) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform == "linux":
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl.die_with_parent(signal.SIGTERM)
+    prctl.set_name("loramux-engine")
 
     def beat():
         while True:
@@ -112,7 +109,8 @@ class EngineLoop:
                                             pinned=source.pinned)
             (loaded.append(source) if result else failed.__setitem__(source.name, result.message))
         limits = self.core.limits
-        return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed)
+        return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed,
+                     sorted(self.core.eos_token_ids))
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):

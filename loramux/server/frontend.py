@@ -10,7 +10,12 @@ import asyncio
 import itertools
 import logging
 import os
+import shutil
+import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
 
 from fastapi import Request
 
@@ -22,6 +27,7 @@ from loramux.server import protocol as p
 from loramux.server.admission import Admission, Ticket
 from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.generation import Choice, new_choices, run_choices
+from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
 from loramux.server.wire import AddRequest, AdapterSource, LoadAdapter, PinAdapter, Ready, UnloadAdapter
@@ -61,9 +67,18 @@ def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
 
 
 class Frontend:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str]):
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str],
+                 state_file: str | None = None, restarts: int = 0):
+        """state_file: the registry as a front end this one replaces left it (then it overrides lora_modules),
+        and where this one keeps it; restarts: how many front ends died before this one."""
         self.config = config
+        self.grammar_limits = engine_config.grammar_limits
+        self.grammars: GrammarChecker | None = None  # structured outputs are checked in worker processes
         self.registry = _registry(lora_modules)
+        self.state_file, self.restarts = state_file, restarts
+        if state_file is not None and os.path.isfile(state_file):
+            with open(state_file, "rb") as f:
+                self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
         supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
         self.client = EngineClient(engine_config, lambda: list(self.registry.values()), self._on_ready, supervision)
         self.metrics = Metrics()
@@ -81,10 +96,35 @@ class Frontend:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        """Start the engine; RuntimeError if it fails, or if a --lora-modules adapter does not load at the
+        server's first start (after a restart, an adapter that no longer loads is dropped instead)."""
+        started = time.monotonic()
+        logger.info("starting the engine (loading the model and the adapters)")
         ready = await self.client.start()
-        if ready.failed_adapters:
+        if ready.failed_adapters and not self.restarts:
             await self.client.shutdown()
             raise RuntimeError("; ".join(f"--lora-modules {name}: {why}" for name, why in ready.failed_adapters.items()))
+        adapters = ", ".join(self.registry) or "none"
+        logger.info("ready in %.0f s: http://%s:%d serves %s; adapters: %s", time.monotonic() - started,
+                    self.config.host, self.config.port, self.model_name, adapters)
+
+    @property
+    def started(self) -> bool:
+        return self.tokenizer is not None
+
+    def require_engine(self) -> None:
+        """EngineDeadError (503, with the reason) until the engine has started once."""
+        if not self.started:
+            raise EngineDeadError(self.client.dead_reason or "the engine is starting")
+
+    def _save_registry(self) -> None:
+        """The registry, for a front end that replaces this one (written whole, then renamed: never torn)."""
+        if self.state_file is None:
+            return
+        tmp = f"{self.state_file}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.json.encode(list(self.registry.values())))
+        os.replace(tmp, self.state_file)
 
     def _on_ready(self, ready: Ready) -> None:
         """After every engine (re)start: the first one sets the tokenizer and names; a restart's adapters
@@ -96,11 +136,25 @@ class Frontend:
             self.logprobs = LogprobFormatter(self.tokenizer)
             self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
             self.model_name = self.config.served_model_name or os.path.basename(ready.model_name.rstrip("/"))
+            self.grammars = GrammarChecker(self._grammar_source(ready), self.grammar_limits, workers=2)
         for name, why in ready.failed_adapters.items():
             logger.error("adapter %r did not load into the engine: %s", name, why)
             self.registry.pop(name, None)
+        self._save_registry()
+
+    def _grammar_source(self, ready: Ready) -> GrammarSource:
+        """The tokenizer for the grammar workers, in a directory of the front end's own (the engine's goes with
+        it when it restarts, and a replaced worker reads the file again)."""
+        # under the supervisor's state directory when there is one: it is removed even if this process is killed
+        parent = os.path.dirname(self.state_file) if self.state_file else None
+        self._own_dir = tempfile.mkdtemp(prefix="loramux-frontend-", dir=parent)
+        path = shutil.copy(os.path.join(ready.tokenizer_dir, "tokenizer.json"), self._own_dir)
+        return GrammarSource(path, ready.vocab_size, tuple(ready.eos_token_ids))
 
     async def stop(self) -> None:
+        if self.grammars is not None:
+            self.grammars.close()
+            shutil.rmtree(self._own_dir, ignore_errors=True)
         await self.client.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -137,6 +191,7 @@ class Frontend:
         """One engine request per (prompt, choice), every field checked and every prompt tokenized first."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
+        self.require_engine()
         self._check_counts(request)
         adapter = self.resolve(request.model)
         sources = [request.messages] if chat else self._check(request.prompts)
@@ -149,6 +204,11 @@ class Frontend:
                                      'does not (use tool_choice "required" or a named function)')
         asked = request.max_tokens_for()
         params = self._sampling_params(request, max(1, asked or self.max_model_len), 0)  # checked before tokenizing
+        if params.structured_outputs is not None:  # in a worker process, never the tokenizer thread
+            try:
+                await self.grammars.check(params.structured_outputs)
+            except ValueError as e:
+                raise HTTPError(400, str(e), code="invalid_structured_output") from e
         tools = request.tools if chat else None
         ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, chat, params,
                                                                tools)
@@ -169,6 +229,7 @@ class Frontend:
 
     async def tokenize(self, request: p.TokenizeRequest) -> list[int]:
         """/tokenize, in the tokenizer thread (the chat template renders as for a chat request)."""
+        self.require_engine()
         self.resolve(request.model)
 
         def run():
@@ -179,6 +240,7 @@ class Frontend:
         return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: self._check(run))
 
     def detokenize(self, request: p.DetokenizeRequest) -> str:
+        self.require_engine()
         self.resolve(request.model)
         ids = self._check(lambda: self.inputs.prompt_ids(request.tokens))  # ids inside the vocabulary
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -198,10 +260,12 @@ class Frontend:
             return make()
         except ValueError as e:
             raise HTTPError(400, str(e)) from e
+        except RecursionError as e:  # a client's deeply nested JSON (tool parameters) where the code recurses
+            raise HTTPError(400, "the request nests too deeply to be read") from e
 
     def _tokenize(self, sources: list, chat: bool, params, tools: list | None) -> list[list[int]]:
-        """In the tokenizer thread: the event loop keeps streaming other requests meanwhile. A structured
-        output's grammar is checked here too (a large schema takes a while)."""
+        """In the tokenizer thread: the event loop keeps streaming other requests meanwhile. (A structured
+        output was checked before, in a grammar worker process.)"""
         self._check(lambda: self.inputs.check_params(params))
         if chat:
             return [self._check(lambda s=s: self.inputs.chat_ids(s, tools=tools)) for s in sources]
@@ -253,6 +317,7 @@ class Frontend:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
         self.registry[name] = AdapterSource(name, path, dirs, result.pinned)
+        self._save_registry()
 
     async def unload_adapter(self, name: str) -> None:
         """Answered once the engine has freed the adapter, after the requests running on it; the engine drops
@@ -264,6 +329,7 @@ class Frontend:
         result = await self._control(UnloadAdapter(0, name))
         if self.registry.get(name) is source:
             del self.registry[name]
+            self._save_registry()
         if result.status is LoRAStatus.UNLOAD_NAME_NONEXISTENT:
             raise HTTPError(404, result.message, "not_found_error")
 
@@ -275,6 +341,7 @@ class Frontend:
             raise HTTPError(400, result.message)
         source = self.registry[name]
         self.registry[name] = AdapterSource(source.name, source.path, source.allowed_dirs, result.pinned)
+        self._save_registry()
 
     async def _control(self, msg):
         try:
@@ -292,6 +359,7 @@ class Frontend:
                 stats = None
         self.metrics.engine_healthy.set(self.health() is None)
         self.metrics.engine_restarts.set(self.client.restarts)
+        self.metrics.frontend_restarts.set(self.restarts)
         return self.metrics.render(stats, self.admission)
 
 

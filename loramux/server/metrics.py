@@ -62,6 +62,8 @@ class Metrics:
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
+        self.frontend_restarts = Gauge("loramux:frontend_restarts", "Times the HTTP front end process died and "
+                                       "was replaced (with a new engine, and the adapters it had)", registry=r)
         self.engine_healthy = Gauge("loramux:engine_healthy", "1 when the engine answers its heartbeat", registry=r)
         self.pending_requests = Gauge("loramux:pending_requests", "Engine requests in flight (admission)", registry=r)
         self.pending_tokens = Gauge("loramux:pending_tokens", "Prompt + max_tokens in flight (admission)", registry=r)

@@ -4,7 +4,8 @@ Requests are pydantic models; responses are built as plain dicts in OpenAI's exa
 or vLLM defines that this server does not implement is refused (400 naming it), never accepted and ignored:
 a client relying on it would get a wrong answer without knowing — unless it is sent with its "off" value
 (null, false, [] or {}), as many SDKs send them. Fields neither defines are accepted (clients send extras),
-as are those that cannot change an answer (`user` is logged; `store`, `metadata`, ...).
+as are those that cannot change an answer (`user` is logged; `store`, `metadata`, ...). A value of the
+wrong JSON type is refused, never coerced, and so is text that is not valid Unicode (RequestModel).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from loramux.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed
+from loramux.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, shorten
 from loramux.server import tools
 
 NOT_IMPLEMENTED = frozenset({
@@ -47,7 +48,78 @@ def _is_off(value) -> bool:
     return value is None or value is False or value == [] or value == {}
 
 
-class GenerationRequest(BaseModel):
+class RequestModel(BaseModel):
+    """Every request body. Types are strict, as OpenAI's schema writes them: a string or a boolean is not a
+    number ("5", true), nor a number a boolean (1), nor 2.0 an integer, as pydantic would otherwise coerce
+    them; an integer is taken where a number is (temperature 1, as OpenAI does). Every string in the body,
+    keys included, must be valid Unicode: checked here once, so that no field is forgotten."""
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        problem = lone_surrogate(data)
+        if problem:
+            raise ValueError(problem)
+        return data
+
+
+def lone_surrogate(data) -> str | None:
+    """Where parsed JSON holds a lone surrogate ("\\ud800" is valid JSON, but no text: encoding it failed deep
+    inside, a 500), as an error message naming the field; None if nowhere."""
+    try:  # the common case, at C speed: all the text encodes
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError, RecursionError):  # or not JSON (a caller's objects), or deep
+        return _find_surrogate(data)
+
+
+def _find_surrogate(data) -> str | None:
+    """lone_surrogate's walk, iterative: deep nesting cannot exhaust the stack."""
+    stack = [(data, None)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            at = _surrogate_at(value)
+            if at is not None:
+                return f"{_path(where)} is not valid Unicode: a lone surrogate at position {at}"
+        elif isinstance(value, dict):
+            for key in value:
+                at = _surrogate_at(key) if isinstance(key, str) else None
+                if at is not None:
+                    return (f"the key {shorten(ascii(key))} in {_path(where)} is not valid Unicode: a lone "
+                            f"surrogate at position {at}")
+            stack.extend((item, (where, key)) for key, item in value.items() if isinstance(item, _TEXTUAL))
+        elif isinstance(value, (list, tuple)):  # numbers are not stacked: a prompt may hold a million token ids
+            stack.extend((item, (where, i)) for i, item in enumerate(value) if isinstance(item, _TEXTUAL))
+    return None
+
+
+_TEXTUAL = (str, dict, list, tuple)
+
+
+def _surrogate_at(text: str) -> int | None:
+    if text.isascii():  # the common case, without an encoding
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _path(where) -> str:
+    """A field's path from lone_surrogate's (parent, key) links: messages[0].content."""
+    parts = []
+    while where is not None:
+        where, key = where
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+    path = "".join(reversed(parts)).lstrip(".")
+    return shorten(path, 120) if path else "the request body"
+
+
+class GenerationRequest(RequestModel):
     """Fields both generation endpoints take. Types are checked here; ranges by SamplingParams (one place)."""
 
     model_config = ConfigDict(extra="allow")
@@ -100,10 +172,14 @@ class GenerationRequest(BaseModel):
         extra += sorted(f"stream_options.{k}" for k in options - {"include_usage"})  # continuous_usage_stats, ...
         if options and not self.stream:  # as vLLM
             raise ValueError("stream_options can only be set when stream is true")
-        if extra:
-            raise ValueError(f"unsupported field(s): {', '.join(extra)}. loramux does not implement "
-                             f"{'them' if len(extra) > 1 else 'it'} and refuses rather than ignores a field "
-                             "that changes the answer")
+        _refuse(extra)
+        return self
+
+    @model_validator(mode="after")
+    def _include_usage_is_a_boolean(self):
+        usage = (self.stream_options or {}).get("include_usage")
+        if not (usage is None or isinstance(usage, bool)):  # stream_options is a free dict: "no" or 1 read as true
+            raise ValueError("stream_options.include_usage must be true, false or null")
         return self
 
     def logprob_count(self) -> int | None:
@@ -166,6 +242,13 @@ class GenerationRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+def _refuse(unsupported: list[str]) -> None:
+    if unsupported:
+        raise ValueError(f"unsupported field(s): {', '.join(unsupported)}. loramux does not implement "
+                         f"{'them' if len(unsupported) > 1 else 'it'} and refuses rather than ignores a field "
+                         "that changes the answer")
 
 
 def _response_format(fmt: dict | None) -> StructuredOutputsParams | None:
@@ -248,8 +331,15 @@ class ChatCompletionRequest(GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+TOKENIZE_NOT_IMPLEMENTED = frozenset({"continue_final_message", "chat_template", "chat_template_kwargs",
+                                      "mm_processor_kwargs"})
+"""vLLM's /tokenize fields loramux does not implement: refused by name unless "off", as NOT_IMPLEMENTED."""
+
+
+class TokenizeRequest(RequestModel):
     """vLLM's /tokenize: `prompt` (completions) or `messages` (chat, through the chat template)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     prompt: str | None = None
@@ -265,25 +355,31 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give either prompt or messages")
         return self
 
+    @model_validator(mode="after")
+    def _no_unsupported_fields(self):
+        _refuse(sorted(k for k, v in (self.model_extra or {}).items() if k in TOKENIZE_NOT_IMPLEMENTED
+                       and not _is_off(v)))
+        return self
 
-class DetokenizeRequest(BaseModel):
+
+class DetokenizeRequest(RequestModel):
     model: str
     tokens: list[int]
 
 
-class LoadLoRAAdapterRequest(BaseModel):
+class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     pinned: bool = False  # as SGLang: never evicted from host memory or its device slot until unpinned or unloaded
     load_inplace: bool = False  # as vLLM: replace a loaded adapter's weights; running requests finish on the old
 
 
-class UnloadLoRAAdapterRequest(BaseModel):
+class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
 
 
-class PinLoRAAdapterRequest(BaseModel):
+class PinLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
 
 

@@ -16,7 +16,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from loramux.sampling_params import StructuredOutputsParams
+from loramux.sampling_params import StructuredOutputsParams, shorten
 
 TOOL_CALL_PARSERS = ("hermes",)
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -52,7 +52,7 @@ def check_tools(tools: list, tool_choice, parallel: bool | None, parser: str | N
         raise ValueError("tool_choice must be \"none\", \"auto\", \"required\" or "
                          "{'type': 'function', 'function': {'name': ...}}")
     if name not in names:
-        raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+        raise ValueError(f"tool_choice names the function {shorten(repr(name))}, which is not among the tools")
     return "named"
 
 

@@ -83,3 +83,58 @@ def test_tools_and_tool_messages_reach_the_chat_template():
     bad = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]
     with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments is not valid JSON"):
         inputs.chat_ids(bad)
+
+
+# an HF-style template: concatenates content (None or a missing key breaks `+`), writes calls' arguments with tojson
+TOOLS_CHAT = ("{% for m in messages %}{{ '<' + m.role + '>' + m.content }}"
+              "{% for c in m.tool_calls or [] %}{{ c.function.name + c.function.arguments | tojson }}{% endfor %}"
+              "{% if m.tool_call_id %}#{{ m.tool_call_id }}{% endif %}{% endfor %}")
+
+
+def tools_inputs(template: str = TOOLS_CHAT) -> InputProcessor:
+    tokenizer = Tokenizer.from_pretrained(char_tokenizer())
+    tokenizer.chat_template = template
+    return InputProcessor(tokenizer, EngineLimits(max_model_len=128, vocab_size=98))
+
+
+def test_the_openai_sdks_tool_call_message_renders_as_vllm_renders_it():
+    """The SDK sends the server's own message back: content null, arguments as JSON text (and its other
+    fields null). The template gets content "" and the arguments as an object."""
+    inputs = tools_inputs()
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a":7}'}}
+    said = {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None, "audio": None}
+    messages = [{"role": "user", "content": "q"}, said, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert inputs.tokenizer.decode(inputs.chat_ids(messages)) == '<user>q<assistant>f{"a": 7}<tool>42#c1'
+    absent = [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [call]}]
+    assert inputs.tokenizer.decode(inputs.chat_ids(absent)) == '<user>q<assistant>f{"a": 7}'
+    empty = [{"role": "assistant", "content": "x", "tool_calls": []}]  # dropped, as vLLM does
+    assert inputs.tokenizer.decode(inputs.chat_ids(empty)) == "<assistant>x"
+    no_arguments = [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "g"}}]}]
+    assert inputs.tokenizer.decode(inputs.chat_ids(no_arguments)) == "<assistant>g{}"
+
+
+@pytest.mark.parametrize("message, words", [
+    ({"role": "assistant", "content": "x", "tool_calls": 5}, "messages[0].tool_calls must be a list"),
+    ({"role": "assistant", "content": "x", "tool_calls": {"a": 1}}, "messages[0].tool_calls must be a list"),
+    ({"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}, "only assistant messages"),
+    ({"role": "tool", "content": "x", "tool_call_id": 5}, "messages[0].tool_call_id must be a string, got int"),
+    ({"role": "user", "content": "x", "name": ["a"]}, "messages[0].name must be a string, got list"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}]},
+     "messages[0].tool_calls[0].function.arguments is not valid JSON"),
+    ({"role": "x" * 100_000, "content": "x"}, "messages[0].role must be one of"),
+])
+def test_malformed_tool_messages_are_value_errors_naming_the_field(message, words):
+    with pytest.raises(ValueError) as err:
+        tools_inputs().chat_ids([message])
+    assert words in str(err.value) and len(str(err.value)) < 400
+
+
+def test_a_template_that_cannot_render_tool_calls_is_a_clear_value_error():
+    inputs = tools_inputs("{% for m in messages %}{{ m.role + m.tool_calls[0].function.nme.upper() }}{% endfor %}")
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(ValueError, match="the chat template .* tool calls or tool results"):
+        inputs.chat_ids([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    refusing = tools_inputs("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
+                            "{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match="no tools .the messages hold tool calls or tool results"):
+        refusing.chat_ids([{"role": "tool", "content": "42", "tool_call_id": "c1"}])

@@ -120,3 +120,17 @@ def test_repetition_penalty_min_p_logit_bias_and_blocked_tokens_match_their_defi
     draws = {sample(logits.clone(), [SamplingRow(SamplingParams(temperature=0.7, min_p=0.2), [],
                                                  torch.Generator().manual_seed(s))])[0] for s in range(300)}
     assert draws <= set(kept_hf.nonzero().flatten().tolist()) and len(draws) > 1
+
+
+def test_where_bad_words_block_all_a_grammar_allows_the_grammar_wins():
+    """guided_choice ["yes"] with bad_words covering "yes": the output must stay valid, so the blocked tokens
+    are allowed back on that row (and stay blocked where the grammar leaves another way)."""
+    logits = torch.zeros(2, 8)
+    logits[:, 5] = 3.0
+    only_two = torch.zeros(8, dtype=torch.bool)
+    only_two[2] = True
+    two_or_three = only_two.clone()
+    two_or_three[3] = True
+    rows = [SamplingRow(SamplingParams(temperature=0), [], None, allowed=only_two, blocked=[2]),
+            SamplingRow(SamplingParams(temperature=0), [], None, allowed=two_or_three, blocked=[2])]
+    assert sample(logits, rows) == [2, 3]

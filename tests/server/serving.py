@@ -106,13 +106,26 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def engine_pid(server_pid: int) -> int:
-    with open(f"/proc/{server_pid}/task/{server_pid}/children") as f:
+def child_pid(parent_pid: int, name: str) -> int:
+    """The child of `parent_pid` the server named `name` (loramux-http, loramux-engine, loramux-grammar)."""
+    with open(f"/proc/{parent_pid}/task/{parent_pid}/children") as f:
         for pid in f.read().split():
-            with open(f"/proc/{pid}/cmdline", "rb") as c:
-                if b"spawn_main" in c.read():
-                    return int(pid)
-    raise LookupError("no engine process")
+            try:
+                with open(f"/proc/{pid}/comm") as c:
+                    if c.read().strip() == name:
+                        return int(pid)
+            except FileNotFoundError:  # it just exited
+                continue
+    raise LookupError(f"no {name} process under {parent_pid}")
+
+
+def frontend_pid(server_pid: int) -> int:
+    """`loramux serve` runs the HTTP front end as a child (server/supervisor.py)."""
+    return child_pid(server_pid, "loramux-http")
+
+
+def engine_pid(server_pid: int) -> int:
+    return child_pid(frontend_pid(server_pid), "loramux-engine")
 
 
 

@@ -10,13 +10,17 @@ import openai
 import pytest
 
 from loramux import SamplingParams
-from serving import CHAT_TEMPLATE, make_files, offline_llm, openai_client, server_log, start_server, stop
+from serving import make_files, offline_llm, openai_client, server_log, start_server, stop
 
 MAX_LEN = 256  # a character-level tokenizer: a tool call's JSON is ~60 tokens
 
 
-# declares tools (their names: the tiny model has 256 positions)
-TEMPLATE = "{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}" + CHAT_TEMPLATE
+# declares tools (their names: the tiny model has 256 positions); as HF templates do, it concatenates content
+# (which a null or missing content breaks) and writes tool calls' arguments with tojson (an object, not text)
+TEMPLATE = ("{% if tools %}<tools>{{ tools | map(attribute='function.name') | join(',') }}{% endif %}"
+            "{% for m in messages %}{{ '<' + m.role + '>' + m.content }}"
+            "{% for c in m.tool_calls or [] %}{{ c.function.name + c.function.arguments | tojson }}{% endfor %}"
+            "{% endfor %}>")
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +179,22 @@ def test_vllm_prompt_logprobs_extra_field(client, offline):
     ("chat", {"stream": True, "prompt_logprobs": 1}, "prompt_logprobs are not available when stream is true"),
     ("chat", {"prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low"},
      "unsupported field(s): prediction, reasoning_effort"),
+    # OpenAI's integers and numbers are strict: strings and booleans were coerced
+    ("chat", {"logprobs": True, "top_logprobs": "5"}, "top_logprobs: Input should be a valid integer"),
+    ("completions", {"prompt": "a", "logprobs": True}, "logprobs: Input should be a valid integer"),
+    ("completions", {"prompt": "a", "seed": True}, "seed: Input should be a valid integer"),
+    ("completions", {"prompt": "a", "seed": "7"}, "seed: Input should be a valid integer"),
+    ("completions", {"prompt": "a", "n": 2.0}, "n: Input should be a valid integer"),
+    ("completions", {"prompt": "a", "max_tokens": True}, "max_tokens: Input should be a valid integer"),
+    ("completions", {"prompt": "a", "stream": "yes"}, "stream: Input should be a valid boolean"),
+    ("chat", {"temperature": "0.5"}, "temperature: Input should be a valid number"),
+    ("chat", {"logprobs": 1}, "logprobs: Input should be a valid boolean"),
+    ("completions", {"prompt": [5, True]}, "Input should be a valid integer"),
+    ("completions", {"prompt": "a", "logit_bias": {" 7 ": 1}}, "logit_bias key ' 7 ' is not a token id"),
+    ("completions", {"prompt": "a", "logit_bias": {"\u0661\u0662": 1}},
+     "logit_bias key '\u0661\u0662' is not a token id"),  # Arabic-Indic digits: read as 12 before
+    ("completions", {"prompt": "a", "temperature": 1e6},
+     "temperature must be a finite number in [0, 2], got 1000000.0"),
 ])
 def test_fields_out_of_range_or_not_implemented_are_refused_by_name(client, api, body, words):
     with pytest.raises(openai.BadRequestError) as e:
@@ -183,6 +203,35 @@ def test_fields_out_of_range_or_not_implemented_are_refused_by_name(client, api,
         else:
             client.completions.create(model="s0", extra_body=body, prompt=body.pop("prompt"))
     assert words in e.value.message
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {"prompt": "a", "stop": ["x", "a\ud800"]}, "stop[1]"),
+    ("/v1/completions", {"prompt": "a", "bad_words": ["\udfff"]}, "bad_words[0]"),
+    ("/v1/completions", {"prompt": "a", "model": "tiny\ud800"}, "model"),
+    ("/v1/completions", {"prompt": "a", "user": "\ud800"}, "user"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+     "messages[0].content[0].text"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f\ud800"}}]},
+     "tools[0].function.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logit_bias": {"\ud800": 1}},
+     "the key '\\ud800' in logit_bias"),
+    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ("/detokenize", {"model": "\ud800", "tokens": [1]}, "model"),
+    ("/v1/load_lora_adapter", {"lora_name": "\ud800", "lora_path": "/x"}, "lora_name"),
+])
+def test_a_lone_surrogate_anywhere_is_a_400_naming_the_field(server, path, body, where):
+    """JSON's "\\ud800" is valid JSON but no text: it was a 500 wherever it was encoded (a stop string, the
+    model name echoed, /tokenize's tokenizer, ...)."""
+    import json
+
+    import httpx
+
+    raw = json.dumps({"model": "s0", **body}).encode()  # json.dumps escapes the surrogate; httpx's json= cannot
+    response = httpx.post(f"{server}{path}", content=raw, headers={"content-type": "application/json"})
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and f"{where} is not valid Unicode: a lone surrogate at position" in message
 
 
 def test_fields_sent_with_their_off_value_and_harmless_ones_are_accepted(client, served):
@@ -321,6 +370,32 @@ def test_auto_tool_choice_parses_hermes_calls_and_keeps_the_content(client):
     assert [s.function.arguments for s in streamed] == [message.tool_calls[0].function.arguments]
     free = client.chat.completions.create(model="s1", messages=ASK, tools=[TIME], max_tokens=6, temperature=0)
     assert free.choices[0].message.tool_calls is None and free.choices[0].finish_reason == "length"
+
+
+def test_a_multi_turn_tool_conversation_from_the_openai_sdk(client, server):
+    """The SDK sends back the server's own tool-call message (content null, the arguments as JSON text) and
+    a tool result; the template gets content "" and the arguments as an object, as vLLM gives them."""
+    import json
+
+    import httpx
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(model="s4", messages=ASK, tools=[TIME, WEATHER], tool_choice=named,
+                                           max_tokens=40, temperature=0)
+    said = first.choices[0].message
+    assert said.content is None and len(said.tool_calls) == 1
+    call = said.tool_calls[0]
+    messages = [*ASK, said, {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = client.chat.completions.create(model="s4", messages=messages, tools=[TIME, WEATHER], max_tokens=4,
+                                            temperature=0)
+    assert second.choices[0].message.role == "assistant" and second.choices[0].finish_reason in ("length", "stop")
+    sent = [*ASK, said.model_dump(mode="json", exclude_unset=True), messages[-1]]  # as the SDK serializes it
+    rendered = httpx.post(f"{server}/tokenize", json={"model": "s4", "messages": sent, "tools": [TIME, WEATHER],
+                                                      "return_token_strs": True}).json()
+    arguments = json.dumps(json.loads(call.function.arguments), ensure_ascii=False)
+    assert "".join(rendered["token_strs"]) == f"<tools>get_time,get_weather<user>weather?<assistant>get_weather" \
+                                             f"{arguments}<tool>sunny>"
+    assert second.usage.prompt_tokens == rendered["count"]
 
 
 @pytest.mark.parametrize("body, words", [

@@ -262,7 +262,7 @@ COMPLETION_CASES = [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens must be an integer >= 1"),
     ({"prompt": "x", "seed": 2**64}, "seed must be an integer in"),
     ({"prompt": "x", "seed": -2**63 - 1}, "seed must be an integer in"),
-    ({"prompt": "x", "temperature": "NaN"}, "temperature must be a finite number"),
+    ({"prompt": "x", "temperature": "NaN"}, "temperature: Input should be a valid number"),  # no string coercion
     ({"prompt": [5, 999999]}, "prompt token ids must be integers in [0, 128)"),
     ({"prompt": "x", "stop": [""]}, "stop must be non-empty strings"),
     ({"prompt": ["a"] * 10, "n": 8}, "at most 64 per request"),

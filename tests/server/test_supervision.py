@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from serving import engine_pid, make_files, metric, openai_client, server_log, start_server, stop, wait_until
+from serving import (engine_pid, frontend_pid, make_files, metric, openai_client, server_log, start_server, stop,
+                     wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +113,42 @@ def test_the_engine_goes_away_with_a_killed_server_and_cleans_up(files):
     wait_until(lambda: not os.path.exists(f"/proc/{pid}") or _is_zombie(pid), 10, "the orphaned engine exited")
     wait_until(lambda: not os.path.exists(ipc_dirs.pop() if len(ipc_dirs) == 1 else "/nonexistent"), 10,
                "its IPC directory is gone")
+
+
+def test_a_killed_front_end_is_replaced_and_serves_the_same_adapters(files):
+    """The HTTP front end dies (kill -9): `loramux serve` starts a new one on the same socket, with a new engine
+    and every adapter the old one had (a runtime load and its pin too); meanwhile /health says why it is 503."""
+    proc, url = start_server(files)
+    try:
+        load = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "pinned": True,
+                                                              "lora_path": f"{files['allowed']}/new"})
+        assert load.status_code == 200, load.text
+        before = {m: complete(url, m) for m in ("tiny", "s0", "late")}
+        old_frontend, old_engine = frontend_pid(proc.pid), engine_pid(proc.pid)
+        os.kill(old_frontend, signal.SIGKILL)
+        killed = time.monotonic()
+        starting = wait_until(lambda: _health_while_starting(url), 60, "a 503 saying the engine is starting",
+                              interval=0.02)
+        assert "starting" in starting
+        wait_until(lambda: health(url) == 200, 120, "the new front end's engine is up")
+        print(f"\nkill -9 of the front end: healthy again after {time.monotonic() - killed:.1f} s")
+        assert frontend_pid(proc.pid) != old_frontend
+        wait_until(lambda: not os.path.exists(f"/proc/{old_engine}") or _is_zombie(old_engine), 10,
+                   "the old engine went with its front end")
+        assert {m: complete(url, m) for m in before} == before  # the runtime-loaded adapter is back too
+        assert metric(url, "loramux:num_pinned_adapters") == 1.0 and metric(url, "loramux:frontend_restarts") == 1.0
+        assert "the HTTP front end exited (code -9)" in server_log(proc)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0  # Ctrl-C after a restart: still a clean stop
+
+
+def _health_while_starting(url: str) -> str | None:
+    try:
+        response = httpx.get(f"{url}/health", timeout=2)
+    except httpx.HTTPError:  # the new front end is not listening yet: the connection waits, or times out
+        return None
+    return response.json()["error"]["message"] if response.status_code == 503 else None
 
 
 def _is_zombie(pid: int) -> bool:

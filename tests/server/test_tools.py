@@ -38,3 +38,10 @@ def test_streaming_holds_back_what_may_start_a_call():
     assert stream.finish() == "" and [c["function"]["name"] for c in stream.calls] == ["f"]
     plain = tools.ToolStream("auto")
     assert [plain.feed(d) for d in ["a <t", "x", "!"]] == ["a ", "<tx", "!"] and plain.finish() == "" and not plain.calls
+
+
+def test_an_unknown_named_function_is_quoted_shortened():
+    choice = {"type": "function", "function": {"name": "g" * 100_000}}
+    with pytest.raises(ValueError, match="which is not among the tools") as err:
+        tools.check_tools([FN], choice, None, None)
+    assert len(str(err.value)) < 200
