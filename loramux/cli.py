@@ -57,11 +57,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the engine's CPU threads (default: torch's, one per core or OMP_NUM_THREADS)")
     for flag, kind, field, help_text in _GRAMMAR_LIMITS:
         parser.add_argument(flag, type=kind, default=getattr(GrammarLimits, field), help=help_text)
-    parser.add_argument("--enable-chunked-prefill", action="store_true",
-                        help="mix decode rows and prompt chunks in every step (as vLLM): running requests keep "
-                             "streaming while long prompts start")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                        help="mix decode rows and prompt chunks in every step (as vLLM V1; on by default, off with "
+                             "--batch-invariant): running requests keep streaming while long prompts start")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step at most (default 4096; with chunked prefill, e.g. 256)")
+                        help="tokens per step at most (default: 256 on a CPU, 2048 on a GPU; unchunked: 4096)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
                              "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
@@ -80,6 +80,7 @@ def _engine_config(args) -> EngineConfig:
                         quantization_group_size=args.quantization_group_size,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
+                        prefill_slowdown_cap=getattr(args, "prefill_slowdown_cap", None),
                         batch_invariant=args.batch_invariant, **budget)
 
 
@@ -149,6 +150,10 @@ _SERVER_LIMITS = (
 )
 
 
+def _float_or_none(value: str) -> float | None:
+    return None if value.lower() == "none" else float(value)
+
+
 def _server_config(args) -> ServerConfig:
     limits = {field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _SERVER_LIMITS}
     if args.tool_call_parser and not args.enable_auto_tool_choice:
@@ -176,6 +181,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM3)")
     for flag, kind, field, help_text in _SERVER_LIMITS:
         p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
+    p.add_argument("--prefill-slowdown-cap", type=_float_or_none, default=3.0,
+                   help="a step takes prompt tokens up to about this many times the time of a decode step (learned "
+                        "as it runs), so that streams and arriving requests are not held behind long prompts; none "
+                        "= only --max-num-batched-tokens bounds a step (more prefill throughput)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--replicas", type=int, default=0,
                    help="scale out: N engine replicas behind one endpoint on Ray Serve, adapters routed to the "

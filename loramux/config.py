@@ -142,17 +142,24 @@ class EngineConfig:
     """Requests in one decode step at most."""
     max_model_len: int | None = None
     """Prompt + generated tokens per request at most; None = the model's limit, capped at 4096."""
-    max_num_batched_tokens: int = 4096
-    """Prompt tokens in one prefill step at most (raised to max_model_len if lower). With chunked prefill:
-    the tokens of one step, decode rows and prompt chunks together (not raised)."""
+    max_num_batched_tokens: int | None = None
+    """The tokens of one step, decode rows and prompt chunks together (chunked prefill); None: 256 on a CPU,
+    where a 256-token chunk of a 135M model takes ~0.4 s and a long prompt's prefill is as fast as with 1024
+    (benchmarks/README.md), 2048 on a GPU (vLLM's default for serving). Without chunked prefill: the prompt
+    tokens of one prefill step (None: 4096), raised to max_model_len if lower."""
     num_threads: int | None = None
     """CPU threads for torch and the C++ kernels (torch.set_num_threads at start); None = torch's default
     (one per core, or OMP_NUM_THREADS). Served on a small machine, leaving a core to the HTTP process can
     help: an oversubscribed OpenMP region stalls every kernel of a step."""
-    enable_chunked_prefill: bool = False
-    """As vLLM's: a step runs every decoding request plus prompt chunks up to max_num_batched_tokens, so a
-    long prompt no longer stalls running requests for a whole prefill (a request's decode steps stay short
-    while others start)."""
+    enable_chunked_prefill: bool | None = None
+    """As vLLM V1's (on by default; None: on unless batch_invariant): a step runs every decoding request plus
+    prompt chunks up to max_num_batched_tokens, shortest prompt first, so a long prompt no longer stalls
+    running requests for a whole prefill, and a request aborted mid-prefill stops at the next chunk."""
+    prefill_slowdown_cap: float | None = None
+    """With chunked prefill, a step takes prompt tokens only up to about this many times the time of a
+    decode-only step (learned from the steps run: engine/step_cost.py), so that running streams keep their
+    pace and a request that arrives is not held behind long prompts; a long prompt alone is prefilled in
+    smaller chunks. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 3."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None
@@ -177,6 +184,8 @@ class EngineConfig:
         if self.batch_invariant and self.lora_backend not in ("auto", "torch-fixed-rows"):
             raise ValueError(f"batch_invariant runs the LoRA op 'torch-fixed-rows'; lora_backend={self.lora_backend!r} "
                              "is not batch-invariant")
+        if self.enable_chunked_prefill is None:
+            object.__setattr__(self, "enable_chunked_prefill", not self.batch_invariant)
         if self.batch_invariant and self.enable_chunked_prefill:
             raise ValueError("batch_invariant prefills each sequence whole; it cannot be combined with "
                              "enable_chunked_prefill")
@@ -188,8 +197,12 @@ class EngineConfig:
                              f"{self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_wait_steps"):
+        for name in ("max_num_seqs", "block_size", "max_wait_steps"):
             _check_positive(name, getattr(self, name))
+        if self.max_num_batched_tokens is not None:
+            _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.prefill_slowdown_cap is not None and not self.prefill_slowdown_cap > 1:
+            raise ValueError(f"prefill_slowdown_cap must be > 1 or None, got {self.prefill_slowdown_cap!r}")
         if self.num_threads is not None:
             _check_positive("num_threads", self.num_threads)
         if self.max_model_len is not None:
@@ -198,6 +211,14 @@ class EngineConfig:
             _check_positive("kv_cache_memory", self.kv_cache_memory)
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction!r}")
+
+    def step_token_budget(self, device: str = "cpu") -> int:
+        """max_num_batched_tokens, or its default for a step on `device` ("cpu", "cuda")."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            return 4096
+        return 256 if device == "cpu" else 2048
 
 
 @dataclass(frozen=True)

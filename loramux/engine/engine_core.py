@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import replace
@@ -31,6 +32,7 @@ from loramux.engine.model_runner import ModelRunner, Sampled
 from loramux.engine.output import CoreOutput
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
+from loramux.engine.step_cost import StepCost
 from loramux.models.loader import load_model
 from loramux.sampling_params import SamplingParams
 
@@ -53,7 +55,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         loaded = load_model(config.model, config.dtype, self.device, config.max_model_len, config.quantization,
                             config.quantization_group_size)
-        self.config = replace(config, max_model_len=loaded.max_model_len)
+        self.config = replace(config, max_model_len=loaded.max_model_len,
+                              max_num_batched_tokens=config.step_token_budget(self.device.type))
+        self.step_cost = StepCost(self.config.prefill_slowdown_cap if self.config.enable_chunked_prefill else None)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         self.adapters = self._adapter_system(loaded.model)
         self.eos_token_ids = self._eos_token_ids()
@@ -168,14 +172,14 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """One scheduler step: an output for every request that progressed or finished."""
         outputs = self._queue_compiled()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.step_cost.prompt_allowance())
         outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",
                                 404) for s in batch.failed]
         spans = dict(zip(map(id, batch.seqs), batch.spans)) if batch.spans is not None else None
         seqs, slots = self._activate(batch.seqs, outputs)
         if seqs:
             seq_spans = [spans[id(s)] for s in seqs] if spans is not None else None
-            for seq, result in zip(seqs, self._run(seqs, slots, batch.is_prefill, seq_spans)):
+            for seq, result in zip(seqs, self._timed_run(seqs, slots, batch.is_prefill, seq_spans)):
                 if isinstance(result, str):
                     outputs.append(self._fail(seq, result))
                     continue
@@ -183,6 +187,17 @@ class EngineCore:
                 if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
                     outputs.append(self._append(seq, result))
         return outputs
+
+    def _timed_run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
+                   spans: list[tuple[int, int]] | None) -> list[Sampled | None | str]:
+        """_run, and what the step cost (StepCost learns the time of decode rows and of prompt tokens)."""
+        started = time.perf_counter()
+        results = self._run(seqs, slots, is_prefill, spans)
+        if spans is not None:
+            decode_rows = sum(not s.is_prefilling for s in seqs)
+            prompt_tokens = sum(end - start for s, (start, end) in zip(seqs, spans) if s.is_prefilling)
+            self.step_cost.observe(decode_rows, prompt_tokens, time.perf_counter() - started)
+        return results
 
     def _queue_compiled(self) -> list[CoreOutput]:
         """Queue the structured requests whose grammar is ready (in arrival order); fail those whose grammar

@@ -1,9 +1,10 @@
 """Scheduler: continuous batching that keeps every step within the device's adapter slots. No torch.
 
 Each step is all-prefill or all-decode, as in nano-vllm: admit waiting requests if any fit, else decode
-every running one. With chunked prefill (EngineConfig.enable_chunked_prefill, as vLLM's) a step is mixed
-instead: every decoding request, then chunks of the prompts being prefilled (oldest first), then newly
-admitted ones, up to max_num_batched_tokens; each sequence's `span` says which of its tokens run. On top of that, the adapter rule: the adapters of running requests plus the pinned
+every running one. With chunked prefill (EngineConfig.enable_chunked_prefill, as vLLM's; the default) a step
+is mixed instead: every decoding request, then chunks of the prompts being prefilled and of newly admitted
+ones, shortest remaining prompt first, up to max_num_batched_tokens (and the engine's bound on the prompt
+tokens of a step that decodes); each sequence's `span` says which of its tokens run. On top of that, the adapter rule: the adapters of running requests plus the pinned
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
 each adapter there needs its own device slot. A request whose adapter has no slot is skipped, not
 blocking, until it has been passed over max_wait_steps times; then it goes first (age bound).
@@ -81,8 +82,8 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.enable_chunked_prefill
         # Unchunked, a prompt of max_model_len tokens must fit one prefill step, or it could never run.
-        self.max_num_batched_tokens = (config.max_num_batched_tokens if self.chunked else
-                                       max(config.max_num_batched_tokens, config.max_model_len or 0))
+        budget = config.step_token_budget()  # the engine resolved it for its device
+        self.max_num_batched_tokens = budget if self.chunked else max(budget, config.max_model_len or 0)
         self.max_model_len = config.max_model_len
         self.max_loras = adapters.max_loras if adapters is not None else 0
         self.max_wait_steps = config.max_wait_steps
@@ -101,6 +102,11 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_decoding(self) -> int:
+        """Running requests past their prompt: each takes a decode row in the next step."""
+        return sum(not s.is_prefilling for s in self.running)
 
     def waiting_adapters(self) -> set[str]:
         """Adapter names waiting requests ask for."""
@@ -146,34 +152,49 @@ class Scheduler:
         seq.finish_reason = reason
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self) -> ScheduledBatch:
-        """The next step: a prefill of newly admitted requests if any fit, else a decode of all running."""
+    def schedule(self, prefill_allowance: int | None = None) -> ScheduledBatch:
+        """The next step: a prefill of newly admitted requests if any fit, else a decode of all running.
+        Chunked: one mixed step; prefill_allowance bounds its prompt tokens (None: the token budget alone)."""
         failed = self._fail_unloaded()
         if self.chunked:
-            return self._schedule_chunked(failed)
+            return self._schedule_chunked(failed, prefill_allowance)
         admitted = self._admit()
         if admitted:
             return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=[], failed=failed)
         seqs, preempted = self._schedule_running()
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed)
 
-    def _schedule_chunked(self, failed: list[Sequence]) -> ScheduledBatch:
-        """Decodes first (all of them, one token each), then prompt chunks of running requests in admission
-        order, then new admissions, within max_num_batched_tokens."""
-        seqs, preempted = self._schedule_running()
-        spans, budget = [], self.max_num_batched_tokens
-        for seq in seqs:
-            start = seq.num_computed_tokens
-            end = len(seq) if not seq.is_prefilling else start + max(0, min(len(seq) - start, budget))
-            spans.append((start, end))
-            budget -= end - start
-        keep = [i for i, (start, end) in enumerate(spans) if end > start]  # prefills the budget did not reach wait
-        seqs, spans = [seqs[i] for i in keep], [spans[i] for i in keep]
-        for seq in self._admit(budget=budget):
-            spans.append((0, min(len(seq), budget)))
-            budget -= spans[-1][1]
-            seqs.append(seq)
+    def _schedule_chunked(self, failed: list[Sequence], allowance: int | None) -> ScheduledBatch:
+        """Every decoding request one token; then prompt work within the step's budget (max_num_batched_tokens
+        less the decode rows, and at most `allowance` prompt tokens: the engine's bound on a step's time):
+        running prefills and new admissions, shortest remaining prompt first, so a short request is not held
+        behind a long prompt; a prefill passed over max_wait_steps times goes first."""
+        running, preempted = self._schedule_running()
+        decodes = [s for s in running if not s.is_prefilling]
+        budget = self.max_num_batched_tokens - len(decodes)
+        if allowance is not None:
+            budget = min(budget, allowance)
+        prefills = [s for s in running if s.is_prefilling] + self._admit(budget=budget)
+        chunks = self._chunks(prefills, budget)
+        seqs = decodes + [seq for seq, _ in chunks]
+        spans = [(s.num_computed_tokens, len(s)) for s in decodes] + [span for _, span in chunks]
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed, spans=spans)
+
+    def _chunks(self, prefills: list[Sequence], budget: int) -> list[tuple[Sequence, tuple[int, int]]]:
+        """Each prefill's chunk this step, in the order they get the budget (those it does not reach wait)."""
+        def remaining(seq: Sequence) -> int:
+            return len(seq) - seq.num_computed_tokens
+
+        order = sorted(prefills, key=lambda s: (s.waited_steps < self.max_wait_steps, remaining(s)))
+        chunks = []
+        for seq in order:
+            take = min(remaining(seq), max(0, budget))
+            if take:
+                chunks.append((seq, (seq.num_computed_tokens, seq.num_computed_tokens + take)))
+                seq.waited_steps, budget = 0, budget - take
+            else:
+                seq.waited_steps += 1
+        return chunks
 
     def _admit(self, budget: int | None = None) -> list[Sequence]:
         """Scan the waiting queue in FIFO order; starving requests, if any, must go first. budget (chunked
@@ -204,6 +225,7 @@ class Scheduler:
             return _Verdict.NO_SLOT
         self.waiting.remove(seq)
         self.block_manager.allocate(seq)
+        seq.waited_steps = 0  # from now on it counts the steps its prefill is passed over
         if ref is not None:
             if seq.adapter_ref is None:  # from now on, through any preemption, it runs on this identity
                 seq.adapter_ref = ref

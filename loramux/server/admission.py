@@ -1,7 +1,8 @@
 """Admission: bounded work in flight. No torch.
 
 Every engine request the front end has sent and not seen finish counts against three limits: requests,
-tokens (prompt + max_tokens, the most it can cost) and, optionally, requests per client. An HTTP request
+tokens (prompt + max_tokens, the most it can cost; a prompt scored for its logprobs counts twice: see
+frontend.work_tokens) and, optionally, requests per client. A request with n choices is n engine requests. An HTTP request
 that would pass one is refused whole with 429 and a Retry-After estimate (the tokens ahead of it over the
 recent output rate), so that one client's burst cannot queue hours of work in front of everyone.
 """

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loramux.config import EngineConfig, ServerConfig
@@ -198,8 +199,12 @@ def _add_generation_routes(app: FastAPI, server: Frontend) -> None:
         if request.stream:
             return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw, discard=chunks.discard)
-        body = [chunks.choice(c) for c in choices]
-        return p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+
+        def answer() -> dict:
+            body = [chunks.choice(c) for c in choices]
+            return p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+
+        return await _json_off_the_loop(answer)
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
@@ -208,12 +213,25 @@ def _add_generation_routes(app: FastAPI, server: Frontend) -> None:
         if request.stream:
             return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw)
-        body = [chunks.choice(c) for c in choices]
-        response = p.chat_response(chunks.rid, request.model, body, *_usage(choices, request.n))
-        if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
-            response["prompt_logprobs"] = server.logprobs.vllm_prompt(choices[0].prompt_logprobs or Logprobs(),
-                                                                      request.skip_special_tokens)
-        return response
+
+        def answer() -> dict:
+            body = [chunks.choice(c) for c in choices]
+            response = p.chat_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+            if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
+                response["prompt_logprobs"] = server.logprobs.vllm_prompt(choices[0].prompt_logprobs or Logprobs(),
+                                                                          request.skip_special_tokens)
+            return response
+
+        return await _json_off_the_loop(answer)
+
+
+async def _json_off_the_loop(answer) -> Response:
+    """A whole response, built and encoded in a worker thread: with logprobs of long prompts it is megabytes
+    of JSON, and the event loop must keep serving every other client meanwhile."""
+    def encode() -> bytes:
+        return json.dumps(answer(), ensure_ascii=False, separators=(",", ":")).encode()
+
+    return Response(await run_in_threadpool(encode), media_type="application/json")
 
 
 def _usage(choices: list[Choice], n: int) -> tuple[int, int]:

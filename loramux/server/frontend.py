@@ -274,8 +274,7 @@ class Frontend:
     def admit(self, requests: list[AddRequest], raw: Request) -> Ticket:
         """Count the requests in (TooBusy -> 429 past a limit); release the ticket when they are done."""
         client = raw.headers.get("authorization") or (raw.client.host if raw.client else "?")
-        tokens = sum(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
-        return self.admission.admit(client, len(requests), tokens)
+        return self.admission.admit(client, len(requests), sum(map(work_tokens, requests)))
 
     def timers(self, choices: list[Choice]) -> list[RequestTimer]:
         model = choices[0].request.adapter or self.model_name
@@ -361,6 +360,19 @@ class Frontend:
         self.metrics.engine_restarts.set(self.client.restarts)
         self.metrics.frontend_restarts.set(self.restarts)
         return self.metrics.render(stats, self.admission)
+
+
+PROMPT_LOGPROBS_WEIGHT = 2
+"""A prompt token scored with its logprobs costs about twice a plain one (the output head's logits and a
+log-softmax over the vocabulary at every position: +60-100% on the default model)."""
+
+
+def work_tokens(request: AddRequest) -> int:
+    """What an engine request may cost, in tokens, as admission counts it: its prompt (twice when its prompt
+    logprobs are asked for) and max_tokens. The n choices of a request are n engine requests."""
+    prompt = len(request.prompt_token_ids)
+    weight = PROMPT_LOGPROBS_WEIGHT if request.params.prompt_logprobs is not None else 1
+    return weight * prompt + request.params.max_tokens
 
 
 async def _until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:

@@ -30,8 +30,8 @@ def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget):  # noqa
     mixed = []
     original = llm.engine.scheduler.schedule
 
-    def spy():  # record that steps really mixed decode rows with prompt chunks
-        scheduled = original()
+    def spy(*args):  # record that steps really mixed decode rows with prompt chunks
+        scheduled = original(*args)
         if scheduled.spans:
             kinds = {end - start == 1 for start, end in scheduled.spans}
             mixed.append(kinds == {True, False})
@@ -75,26 +75,54 @@ def test_structured_and_sampled_requests_in_chunked_steps(checkpoints):  # noqa:
     assert got[0].text in ("yes", "no")
 
 
-def test_the_chunked_scheduler_decodes_first_then_continues_then_admits():
-    config = EngineConfig(model="x", lora=None, enable_chunked_prefill=True, max_num_batched_tokens=6,
-                          max_model_len=64)
-    sched = Scheduler(config, BlockManager(64, 4), None)
-    a, b, c = (Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in (10, 3, 2))
-    for seq in (a, b, c):
+def chunked_scheduler(budget: int, max_wait_steps: int = 64) -> Scheduler:
+    config = EngineConfig(model="x", lora=None, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                          max_model_len=64, max_wait_steps=max_wait_steps)
+    return Scheduler(config, BlockManager(64, 4), None)
+
+
+def run_step(sched, allowance=None):
+    batch = sched.schedule(allowance)
+    for seq, (_, end) in zip(batch.seqs, batch.spans):
+        seq.num_computed_tokens = end
+        if end == len(seq):
+            seq.append_token(7)
+    return [(s, span) for s, span in zip(batch.seqs, batch.spans)]
+
+
+def add(sched, *lengths):
+    seqs = [Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in lengths]
+    for seq in seqs:
         sched.add(seq)
+    return seqs
 
-    def step():
-        batch = sched.schedule()
-        for seq, (_, end) in zip(batch.seqs, batch.spans):
-            seq.num_computed_tokens = end
-            if end == len(seq):
-                seq.append_token(7)
-        return [(s, span) for s, span in zip(batch.seqs, batch.spans)]
 
-    assert step() == [(a, (0, 6))]  # the first chunk takes the whole budget
-    assert step() == [(a, (6, 10)), (b, (0, 2))]  # a's rest, then b starts
-    assert step() == [(a, (10, 11)), (b, (2, 3)), (c, (0, 2))]  # a decodes, b finishes its prompt, c whole
-    assert step() == [(a, (11, 12)), (b, (3, 4)), (c, (2, 3))]  # all decode
+def test_the_chunked_scheduler_decodes_first_then_shortest_prompts_first():
+    sched = chunked_scheduler(budget=6)
+    a, b, c = add(sched, 10, 3, 2)
+    assert run_step(sched) == [(a, (0, 6))]  # the first chunk takes the whole budget
+    assert run_step(sched) == [(c, (0, 2)), (b, (0, 3)), (a, (6, 7))]  # short prompts are not held behind a
+    assert run_step(sched) == [(b, (3, 4)), (c, (2, 3)), (a, (7, 10))]  # decodes first, then a's rest
+    assert run_step(sched) == [(a, (10, 11)), (b, (4, 5)), (c, (3, 4))]  # all decode
+
+
+def test_the_engines_allowance_bounds_the_prompt_tokens_of_a_step():
+    sched = chunked_scheduler(budget=100)
+    a, b = add(sched, 30, 40)
+    assert run_step(sched, allowance=None) == [(a, (0, 30)), (b, (0, 40))]
+    c = add(sched, 50)[0]
+    assert run_step(sched, allowance=16) == [(a, (30, 31)), (b, (40, 41)), (c, (0, 16))]
+
+
+def test_a_long_prompt_passed_over_max_wait_steps_times_goes_first():
+    sched = chunked_scheduler(budget=4, max_wait_steps=2)
+    long = add(sched, 20)[0]
+    run_step(sched)  # long: (0, 4)
+    spans = []
+    for _ in range(4):  # a short prompt arrives every step and would take the budget first
+        add(sched, 4)
+        spans.append(dict((id(s), span) for s, span in run_step(sched)).get(id(long)))
+    assert spans[:2] == [None, None] and spans[2] is not None  # passed over twice, then first
 
 
 def test_batch_invariant_and_chunked_prefill_are_exclusive():

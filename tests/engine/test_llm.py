@@ -47,8 +47,8 @@ def record_preemptions(scheduler) -> list:
     """The sequences `scheduler` preempts from now on (its schedule() is wrapped)."""
     preempted, schedule = [], scheduler.schedule
 
-    def spy():
-        scheduled = schedule()
+    def spy(*args):
+        scheduled = schedule(*args)
         preempted.extend(scheduled.preempted)
         return scheduled
 

@@ -20,6 +20,7 @@ def make(max_loras=2, adapters="abc", pinned="", num_blocks=64, block_size=4, lo
     """A scheduler over a fresh block manager and AdapterCache holding one adapter per letter. Each letter is
     its own identity here; an adapter removed from the cache no longer resolves (an unload)."""
     engine.setdefault("max_wait_steps", 4)
+    engine.setdefault("enable_chunked_prefill", False)  # the unchunked policy (chunked steps: test_chunked_prefill)
     config = EngineConfig(lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=8) if lora else None,
                           block_size=block_size, **engine)
     cache = AdapterCache(max_loras, 8) if lora else None
