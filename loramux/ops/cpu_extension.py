@@ -6,6 +6,7 @@ their pure-torch reference instead.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import glob
 import hashlib
@@ -51,8 +52,6 @@ def load_extension(name: str):
     if missing:
         logger.info("CPU kernel %s off: this CPU lacks %s", name, ", ".join(missing))
         return None
-    from torch.utils.cpp_extension import load
-
     _put_ninja_on_path()
     source = os.path.join(CSRC, f"{name}.cpp")
     cflags = ["-O3", "-march=native", "-fopenmp", *KERNEL_CFLAGS.get(name, [])]
@@ -63,10 +62,28 @@ def load_extension(name: str):
     digest = digest.hexdigest()[:12]
     root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
     build_dir = os.path.join(root, "loramux", "torch_extensions", f"{name}_{digest}")
-    os.makedirs(build_dir, exist_ok=True)
     try:
-        return load(name=f"loramux_{name}_{digest}", sources=[source], build_directory=build_dir,
-                    extra_cflags=cflags, extra_ldflags=["-fopenmp"])
+        return _build(f"loramux_{name}_{digest}", source, build_dir, cflags)
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
         logger.warning("CPU kernel %s could not be built (%s); using the torch path", name, e)
         return None
+
+
+def _build(module: str, source: str, build_dir: str, cflags: list[str]):
+    """torch's load() under an flock on the build directory. torch guards a build with a `lock` file and
+    waits, forever, while one exists; a build that was killed (Ctrl-C on a first start, a killed test run)
+    leaves it behind. Every loramux build holds the flock, which the kernel releases when its holder dies, so
+    a `lock` file found while holding it belongs to no live build and is removed."""
+    from torch.utils.cpp_extension import load
+
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "loramux.flock"), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing %s, left by a kernel build that did not finish", stale)
+            os.remove(stale)
+        if not glob.glob(os.path.join(build_dir, f"{module}*.so")):
+            logger.warning("building the CPU kernel %s (first start only; about a minute)", module)
+        return load(name=module, sources=[source], build_directory=build_dir, extra_cflags=cflags,
+                    extra_ldflags=["-fopenmp"])

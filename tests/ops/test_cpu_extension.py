@@ -1,0 +1,41 @@
+"""Building the C++ kernels: a build that was killed never makes later starts wait forever."""
+import os
+import subprocess
+import sys
+import time
+
+import torch.utils.cpp_extension
+
+from loramux.ops import cpu_extension
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_goes_on(tmp_path, monkeypatch):
+    build_dir = tmp_path / "kernel"
+    build_dir.mkdir()
+    (build_dir / "lock").write_text("")  # what torch leaves when its build is killed: it would wait forever
+    seen = []
+
+    def load(name, sources, build_directory, **kwargs):
+        seen.append(os.path.exists(os.path.join(build_directory, "lock")))
+        return name
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    assert cpu_extension._build("loramux_k", "k.cpp", str(build_dir), []) == "loramux_k"
+    assert seen == [False]
+
+
+def test_a_live_build_is_waited_for_not_broken_into(tmp_path, monkeypatch):
+    build_dir = tmp_path / "kernel"
+    build_dir.mkdir()
+    (build_dir / "lock").write_text("")  # a live build's lock, under the flock its process holds
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"f = open({str(build_dir / 'loramux.flock')!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); time.sleep(1.0)\n"
+        f"os.remove({str(build_dir / 'lock')!r})\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    started = time.monotonic()
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, **kwargs: name)
+    assert cpu_extension._build("loramux_k", "k.cpp", str(build_dir), []) == "loramux_k"
+    assert time.monotonic() - started > 0.5  # it waited for the live build to finish
+    assert holder.wait() == 0  # whose lock was still there for it to remove itself
