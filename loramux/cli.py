@@ -60,6 +60,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                         help="mix decode rows and prompt chunks in every step (as vLLM V1; on by default, off with "
                              "--batch-invariant): running requests keep streaming while long prompts start")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="share full KV blocks between requests of the same adapter whose prompts start alike "
+                             "(as vLLM V1; on by default, off with --batch-invariant)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per step at most (default: 256 on a CPU, 2048 on a GPU; unchunked: 4096)")
     parser.add_argument("--batch-invariant", action="store_true",
@@ -81,6 +84,7 @@ def _engine_config(args) -> EngineConfig:
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                         prefill_slowdown_cap=getattr(args, "prefill_slowdown_cap", None),
+                        enable_prefix_caching=args.enable_prefix_caching,
                         batch_invariant=args.batch_invariant, **budget)
 
 
@@ -161,9 +165,14 @@ def _server_config(args) -> ServerConfig:
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     if args.enable_auto_tool_choice and parser is None:
         sys.exit("--enable-auto-tool-choice needs --tool-call-parser (one of: hermes)")
-    return ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                        api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
-                        tool_call_parser=parser, **limits)
+    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                          api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
+                          lora_resolver_dirs=tuple(args.lora_resolver_dir), lora_resolver_hf=args.lora_resolver_hf,
+                          lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser, **limits)
+    from loramux.server.on_demand import build_resolvers
+
+    build_resolvers(config)  # a directory that is not one, a plugin that does not import: ValueError naming it
+    return config
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -173,6 +182,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
                    help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
+    p.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
+                   help="adapters on demand: a `model` that names no registered adapter is loaded from DIR/<model> "
+                        "on its first request (repeatable; asked in order)")
+    p.add_argument("--lora-resolver-hf", action="store_true",
+                   help="adapters on demand from the local Hugging Face cache (a Hub id, org/name), downloaded there "
+                        "first unless HF_HUB_OFFLINE=1")
+    p.add_argument("--lora-resolver", action="append", default=[], metavar="MODULE:ATTR",
+                   help="an adapter resolver plugin (an object with resolve(base_model, name) -> directory or None, "
+                        "or a class making one); those in the entry-point group loramux.lora_resolvers are used too")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice "auto": parse tool calls from the model\'s text (needs --tool-call-parser)')
@@ -181,7 +199,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "SmolLM3)")
     for flag, kind, field, help_text in _SERVER_LIMITS:
         p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
-    p.add_argument("--prefill-slowdown-cap", type=_float_or_none, default=3.0,
+    p.add_argument("--prefill-slowdown-cap", type=_float_or_none, default=2.0,
                    help="a step takes prompt tokens up to about this many times the time of a decode step (learned "
                         "as it runs), so that streams and arriving requests are not held behind long prompts; none "
                         "= only --max-num-batched-tokens bounds a step (more prefill throughput)")

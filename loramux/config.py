@@ -155,11 +155,15 @@ class EngineConfig:
     """As vLLM V1's (on by default; None: on unless batch_invariant): a step runs every decoding request plus
     prompt chunks up to max_num_batched_tokens, shortest prompt first, so a long prompt no longer stalls
     running requests for a whole prefill, and a request aborted mid-prefill stops at the next chunk."""
+    enable_prefix_caching: bool | None = None
+    """Automatic prefix caching (as vLLM V1; None: on unless batch_invariant): full KV blocks are shared
+    between requests of the same adapter identity whose tokens up to them are equal (engine/block_manager.py);
+    a request's prefill starts after its cached blocks."""
     prefill_slowdown_cap: float | None = None
     """With chunked prefill, a step takes prompt tokens only up to about this many times the time of a
     decode-only step (learned from the steps run: engine/step_cost.py), so that running streams keep their
     pace and a request that arrives is not held behind long prompts; a long prompt alone is prefilled in
-    smaller chunks. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 3."""
+    smaller chunks. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 2."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None
@@ -186,6 +190,11 @@ class EngineConfig:
                              "is not batch-invariant")
         if self.enable_chunked_prefill is None:
             object.__setattr__(self, "enable_chunked_prefill", not self.batch_invariant)
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", not self.batch_invariant)
+        if self.batch_invariant and self.enable_prefix_caching:
+            raise ValueError("batch_invariant computes every prompt whole; it cannot be combined with "
+                             "enable_prefix_caching (a cached prefix's K/V came from another request's batch)")
         if self.batch_invariant and self.enable_chunked_prefill:
             raise ValueError("batch_invariant prefills each sequence whole; it cannot be combined with "
                              "enable_chunked_prefill")
@@ -233,6 +242,14 @@ class ServerConfig:
     """When set, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
     allowed_adapter_dirs: tuple[str, ...] = ()
     """Runtime loads (/v1/load_lora_adapter) only from under these directories; none = runtime loads off."""
+    lora_resolver_dirs: tuple[str, ...] = ()
+    """A `model` that names no registered adapter is loaded from DIR/<model> on its first request, if there."""
+    lora_resolver_hf: bool = False
+    """... or from the local Hugging Face cache (a Hub id, org/name; downloaded first unless HF_HUB_OFFLINE)."""
+    lora_resolvers: tuple[str, ...] = ()
+    """... or by these resolver plugins, `module:attribute` (loramux.adapters.resolvers)."""
+    lora_resolver_plugins: bool = True
+    """... and by those installed packages declare (entry-point group loramux.lora_resolvers)."""
     max_body_bytes: int = 1 << 20
     max_n: int = 8
     max_stop: int = 4
@@ -256,7 +273,8 @@ class ServerConfig:
     None: "auto" is refused ("required" and named functions work without one)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "allowed_adapter_dirs", tuple(self.allowed_adapter_dirs))
+        for name in ("allowed_adapter_dirs", "lora_resolver_dirs", "lora_resolvers"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts_per_request", "max_pending_requests",

@@ -70,6 +70,11 @@ class LLM:
     def pin_adapter(self, name: str) -> LoRAResult:
         return self.engine.pin_adapter(name)
 
+    def reset_prefix_cache(self) -> int:
+        """vLLM's LLM.reset_prefix_cache: forget every cached prefix block (say, after changing weights outside
+        loramux); returns how many were cached."""
+        return self.engine.reset_prefix_cache()
+
     def unpin_adapter(self, name: str) -> LoRAResult:
         return self.engine.unpin_adapter(name)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,18 @@ class Source:
 
     def same_place(self, other: Source) -> bool:
         return os.path.realpath(self.path) == os.path.realpath(other.path)
+
+
+def refusal(name: str, error: Exception) -> LoRAResult:
+    """Why a load failed, as a LoRAResult: a broken adapter must never take the caller down."""
+    if isinstance(error, AdapterPathError):
+        return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(error))
+    if isinstance(error, InvalidAdapterError):
+        return LoRAResult(LoRAStatus.LOAD_INVALID_ADAPTER, str(error))
+    if isinstance(error, CacheFullError):
+        return LoRAResult(LoRAStatus.LOAD_ERROR, str(error))
+    logger.error("loading adapter %r failed: %s: %s", name, type(error).__name__, error)
+    return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {name!r} failed: {type(error).__name__}: {error}")
 
 
 class AdapterStore:
@@ -86,15 +97,38 @@ class AdapterStore:
 
     # ---- loading ---------------------------------------------------------------------------------
     def load(self, name: str, source: Source, replace: bool = False, pinned: bool = False) -> LoRAResult:
-        """Load a PEFT adapter directory as a new identity of `name`. A loaded name from the same directory
-        answers SUCCESS (as MAX: loading is idempotent; pinned pins it), from another LOAD_NAME_EXISTS unless
-        `replace` (vLLM's load_inplace): then the new identity takes the name (and its pin) at once, and the
-        old one retires. pinned: pin it too; if that fails, nothing is loaded or replaced."""
+        """Load a PEFT adapter directory as a new identity of `name` (read, then install, here). A loaded name
+        from the same directory answers SUCCESS (as MAX: loading is idempotent; pinned pins it), from another
+        LOAD_NAME_EXISTS unless `replace` (vLLM's load_inplace): then the new identity takes the name (and its
+        pin) at once, and the old one retires. pinned: pin it too; if that fails, nothing is loaded or
+        replaced."""
+        if not self.needs_read(name, source, replace):
+            return self.install(name, source, None, replace, pinned)
+        try:
+            weights = self.read(name, source)
+        except Exception as e:
+            return refusal(name, e)
+        return self.install(name, source, weights, replace, pinned)
+
+    def needs_read(self, name: str, source: Source, replace: bool) -> bool:
+        """Whether loading `name` from `source` reads files (not: the same directory again, or a refusal)."""
+        return name not in self._current or replace
+
+    def read(self, name: str, source: Source) -> AdapterWeights:
+        """Read and check an adapter directory into host tensors. Touches nothing of the store's, so it runs on
+        a loader thread, off the step loop. Raises the reason it is refused."""
+        config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
+                                           self.slots.max_weight_bytes())
+        return self._build(name, config, tensors, source.path)
+
+    def install(self, name: str, source: Source, weights: AdapterWeights | None, replace: bool = False,
+                pinned: bool = False) -> LoRAResult:
+        """A read adapter becomes `name`'s new identity (between steps); weights None: nothing was read."""
         old = self._current.get(name)
         if old is not None and not replace:
             return self._load_again(old, source, pinned)
         ref = AdapterRef(name)
-        result = self._guarded_load(ref, lambda: self._read(ref, source), source)
+        result = self._guarded_install(ref, weights, source)
         if result and (pinned or (old is not None and self.cache.is_pinned(old))):
             result = self._pin_or_drop(ref, old)
         if not result:
@@ -135,7 +169,11 @@ class AdapterStore:
         if name in self._current:
             return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
         ref = AdapterRef(name)
-        result = self._guarded_load(ref, lambda: self._build(name, peft_config, tensors, None), None)
+        try:
+            weights = self._build(name, peft_config, tensors, None)
+        except Exception as e:
+            return refusal(name, e)
+        result = self._guarded_install(ref, weights, None)
         if result:
             self._publish(ref, None)
         return result
@@ -145,21 +183,13 @@ class AdapterStore:
         if old is not None:
             self._retire_later(old)
 
-    def _guarded_load(self, ref: AdapterRef, read: Callable[[], AdapterWeights], source: Source | None) -> LoRAResult:
-        """Read and register one identity; every failure becomes a LoRAResult."""
+    def _guarded_install(self, ref: AdapterRef, weights: AdapterWeights, source: Source | None) -> LoRAResult:
+        """Register one identity's weights; a refusal (the budgets) becomes a LoRAResult."""
         try:
-            weights = read()
             self._check_copies_budget(ref.name, weights)
             self._apply(self.cache.add(ref, on_disk=source is not None, nbytes=weights.nbytes))
-        except AdapterPathError as e:
-            return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
-        except InvalidAdapterError as e:
-            return LoRAResult(LoRAStatus.LOAD_INVALID_ADAPTER, str(e))
-        except CacheFullError as e:
-            return LoRAResult(LoRAStatus.LOAD_ERROR, str(e))
-        except Exception as e:  # a broken adapter must never take the caller down
-            logger.exception("loading adapter %r failed", ref.name)
-            return LoRAResult(LoRAStatus.LOAD_ERROR, f"loading adapter {ref.name!r} failed: {type(e).__name__}: {e}")
+        except Exception as e:
+            return refusal(ref.name, e)
         self._weights[ref] = weights
         self._modules[ref] = frozenset(weights.modules)
         self._copies_bytes[ref] = weights.copies_nbytes
@@ -167,11 +197,6 @@ class AdapterStore:
         if source is not None:
             self._sources[ref] = source
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded")
-
-    def _read(self, ref: AdapterRef, source: Source) -> AdapterWeights:
-        config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
-                                           self.slots.max_weight_bytes())
-        return self._build(ref.name, config, tensors, source.path)
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
         slots = self.slots
@@ -254,10 +279,21 @@ class AdapterStore:
         if ref not in self.cache:
             raise KeyError(f"adapter {ref.name!r} is not loaded")
         if not self.cache.in_host(ref):
-            weights = self._read(ref, self._sources[ref])  # the disk tier, under the rules it was loaded with
-            self._apply(self.cache.add(ref))
-            self._weights[ref] = weights
-            self.stats["loads"] += 1
+            self.restore(ref, self.read_back(ref))
+
+    def read_back(self, ref: AdapterRef) -> AdapterWeights:
+        """Read an identity evicted from host memory from disk again, under the rules it was loaded with (a
+        loader thread may run this; KeyError if it has no disk copy)."""
+        return self.read(ref.name, self._sources[ref])
+
+    def restore(self, ref: AdapterRef, weights: AdapterWeights) -> None:
+        """Put read-back weights in host memory (CacheFullError if nothing can make room now). A no-op if the
+        identity is gone or back already."""
+        if ref not in self.cache or self.cache.in_host(ref):
+            return
+        self._apply(self.cache.add(ref))
+        self._weights[ref] = weights
+        self.stats["loads"] += 1
 
     def _apply(self, changes: Changes) -> None:
         refilled = {u.slot for u in changes.slots if u.adapter is not None}

@@ -23,8 +23,10 @@ from dataclasses import replace
 import torch
 
 from loramux.adapters.manager import LoRAManager
+from loramux.adapters.store import Source
 from loramux.adapters.status import LoRAResult
 from loramux.config import EngineConfig
+from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.grammar import GrammarCompiler
 from loramux.engine.input_processor import EngineLimits
@@ -38,6 +40,7 @@ from loramux.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 GRAMMAR_WAIT_S = 0.05  # an idle step waits this long at most for a grammar being compiled
+LOAD_WAIT_S = 0.05  # and for an adapter being read
 NON_FINITE = ("the model produced NaN or Inf logits for this request (check its adapter's weights and "
               "scaling); it was stopped")
 
@@ -63,11 +66,16 @@ class EngineCore:
         self.eos_token_ids = self._eos_token_ids()
         slots = self.adapters.slots if self.adapters else None
         self.runner = ModelRunner(loaded, self.config, self.device, slots, frozenset(self.eos_token_ids))
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.loader: AdapterLoader | None = None
         if self.adapters is None:
             self.scheduler = Scheduler(self.config, self.block_manager)
         else:
-            self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.identity)
+            lora = self.config.lora
+            self.loader = AdapterLoader(self.adapters.store, max_prefetch=(lora.max_cpu_loras - lora.max_loras) // 2)
+            self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.identity,
+                                       self.loader.ready)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),
                                    grammar=self.config.grammar_limits)
@@ -171,8 +179,10 @@ class EngineCore:
     # ---- the step loop ---------------------------------------------------------------------------
     def step(self) -> list[CoreOutput]:
         """One scheduler step: an output for every request that progressed or finished."""
-        outputs = self._queue_compiled()
+        outputs = self._queue_compiled() + self.install_loaded()
         batch = self.scheduler.schedule(self.step_cost.prompt_allowance())
+        if not batch.seqs and self.loading:
+            self.loader.wait(LOAD_WAIT_S)  # the queue waits for adapters being read: do not spin meanwhile
         outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",
                                 404) for s in batch.failed]
         spans = dict(zip(map(id, batch.seqs), batch.spans)) if batch.spans is not None else None
@@ -184,6 +194,7 @@ class EngineCore:
                     outputs.append(self._fail(seq, result))
                     continue
                 seq.num_computed_tokens = spans[id(seq)][1] if spans is not None else len(seq)
+                self.block_manager.cache_computed(seq)  # its full blocks of computed K/V can be shared now
                 if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
                     outputs.append(self._append(seq, result))
         return outputs
@@ -195,9 +206,26 @@ class EngineCore:
         results = self._run(seqs, slots, is_prefill, spans)
         if spans is not None:
             decode_rows = sum(not s.is_prefilling for s in seqs)
-            prompt_tokens = sum(end - start for s, (start, end) in zip(seqs, spans) if s.is_prefilling)
+            prompt_tokens = sum((end - start) * s.prompt_token_cost for s, (start, end) in zip(seqs, spans)
+                                if s.is_prefilling)
             self.step_cost.observe(decode_rows, prompt_tokens, time.perf_counter() - started)
         return results
+
+    def install_loaded(self) -> list[CoreOutput]:
+        """Install the adapters the loader thread has read (between steps); fail the waiting requests of one
+        that could not be read back."""
+        if self.loader is None:
+            return []
+        outputs = []
+        for ref, error in self.loader.install_ready():
+            logger.warning("%s", error)
+            outputs += [self._ended(seq, "error", error, 400) for seq in self.scheduler.fail_waiting_on(ref)]
+        return outputs
+
+    @property
+    def loading(self) -> bool:
+        """Adapter files are being read on the loader thread."""
+        return self.loader is not None and self.loader.busy
 
     def _queue_compiled(self) -> list[CoreOutput]:
         """Queue the structured requests whose grammar is ready (in arrival order); fail those whose grammar
@@ -263,8 +291,9 @@ class EngineCore:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget(seq)
+        cached = seq.num_cached_tokens or 0 if seq.num_output_tokens == 1 else 0
         return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
-                          prompt_logprobs=result.prompt_logprobs)
+                          prompt_logprobs=result.prompt_logprobs, num_cached_tokens=cached)
 
     def _ended(self, seq: Sequence, reason: str, error: str, status: int = 0) -> CoreOutput:
         """The output of a request the scheduler has already finished."""
@@ -284,8 +313,16 @@ class EngineCore:
 
     # ---- adapters (between steps) ----------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
-        """LoRAManager.load_adapter: "name=path", a bare path, or (name, path)."""
+        """LoRAManager.load_adapter: "name=path", a bare path, or (name, path); read here (at start-up, offline)."""
         return self.lora_manager.load_adapter(spec, path, **kwargs)
+
+    def load_adapter_async(self, name: str, path: str, allowed_dirs: tuple[str, ...] = (), replace: bool = False,
+                           pinned: bool = False) -> Future:
+        """A runtime load (safetensors only, every file inside allowed_dirs): read on the loader thread, so the
+        running streams keep stepping; the future's LoRAResult comes once it is installed between steps."""
+        if self.loader is None:
+            raise RuntimeError("this engine was built with lora=None; adapters are off")
+        return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """The name goes now: its requests that have not started end with an error at the next step; the
@@ -297,6 +334,10 @@ class EngineCore:
 
     def unpin_adapter(self, name: str) -> LoRAResult:
         return self.lora_manager.unpin_adapter(name)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache); how many there were."""
+        return self.block_manager.reset_cache()
 
     @property
     def lora_manager(self) -> LoRAManager:

@@ -148,6 +148,9 @@ class LLMEngine:
     def pin_adapter(self, name: str) -> LoRAResult:
         return self.core.pin_adapter(name)
 
+    def reset_prefix_cache(self) -> int:
+        return self.core.reset_prefix_cache()
+
     def unpin_adapter(self, name: str) -> LoRAResult:
         return self.core.unpin_adapter(name)
 

@@ -27,6 +27,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     status: int = 0  # for a request refused when added: the HTTP status to answer with (400, 404)
     logprobs: Logprobs | None = None  # of new_token_ids, when the request asked for them
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1, once, in the request's first output
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache held, in the request's first output
 
     @property
     def finished(self) -> bool:

@@ -19,6 +19,7 @@ starts ends with an error.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ class _Verdict(enum.Enum):
     ADMITTED = "admitted"
     NO_ROOM = "no room"  # max_num_seqs, token budget or KV blocks: stop scanning (FIFO for memory)
     NO_SLOT = "no slot"  # only the adapter rule: skip, later requests may fit
+    IN_FLIGHT = "in flight"  # another request is computing its prefix's blocks: it waits to share them
+    NOT_READY = "not ready"  # its adapter is being read back into host memory (off the step loop)
 
 
 @dataclass
@@ -74,11 +77,14 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None = None,
-                 current: Callable[[str], Hashable | None] | None = None):
+                 current: Callable[[str], Hashable | None] | None = None,
+                 ready: Callable[[Hashable], bool] | None = None):
         """adapters: the engine's AdapterCache (None: base model only); current(name): the identity requests
-        for `name` start on now, None once it is unloaded (the adapter store's)."""
+        for `name` start on now, None once it is unloaded (the adapter store's); ready(identity): whether it
+        is in host memory — if not, its read starts, off the step loop (the engine's AdapterLoader; None:
+        always ready)."""
         self.block_manager = block_manager
-        self.adapters, self.current = adapters, current
+        self.adapters, self.current, self.ready = adapters, current, ready
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.enable_chunked_prefill
         # Unchunked, a prompt of max_model_len tokens must fit one prefill step, or it could never run.
@@ -156,11 +162,14 @@ class Scheduler:
         """The next step: a prefill of newly admitted requests if any fit, else a decode of all running.
         Chunked: one mixed step; prefill_allowance bounds its prompt tokens (None: the token budget alone)."""
         failed = self._fail_unloaded()
+        self._prefetch()
         if self.chunked:
             return self._schedule_chunked(failed, prefill_allowance)
         admitted = self._admit()
-        if admitted:
-            return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=[], failed=failed)
+        if admitted:  # spans: where cached prefixes let prefills start later
+            spans = [(s.num_computed_tokens, len(s)) for s in admitted]
+            spans = spans if any(start for start, _ in spans) else None
+            return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=[], failed=failed, spans=spans)
         seqs, preempted = self._schedule_running()
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed)
 
@@ -187,11 +196,12 @@ class Scheduler:
 
         order = sorted(prefills, key=lambda s: (s.waited_steps < self.max_wait_steps, remaining(s)))
         chunks = []
-        for seq in order:
-            take = min(remaining(seq), max(0, budget))
+        for seq in order:  # a prompt token scored for its logprobs takes two of the budget
+            cost = seq.prompt_token_cost
+            take = min(remaining(seq), max(0, budget) // cost)
             if take:
                 chunks.append((seq, (seq.num_computed_tokens, seq.num_computed_tokens + take)))
-                seq.waited_steps, budget = 0, budget - take
+                seq.waited_steps, budget = 0, budget - take * cost
             else:
                 seq.waited_steps += 1
         return chunks
@@ -202,7 +212,10 @@ class Scheduler:
         step = _Pass(needed=self.running_adapters() | self._pinned())
         step.budget = budget
         while (head := self._head_of_line()) is not None:
-            if self._try_admit(head, step) is not _Verdict.ADMITTED:
+            verdict = self._try_admit(head, step)
+            if verdict in (_Verdict.IN_FLIGHT, _Verdict.NOT_READY):
+                break  # it waits for its prefix or its adapter a step or two: the others go on meanwhile
+            if verdict is not _Verdict.ADMITTED:
                 # Hold everything else back so running requests drain and free a slot for its adapter.
                 return step.admitted
         for seq in list(self.waiting):
@@ -217,14 +230,23 @@ class Scheduler:
         return step.admitted
 
     def _try_admit(self, seq: Sequence, step: _Pass) -> _Verdict:
+        ref = self._ref(seq)
+        salt = b"base" if ref is None else repr(ref).encode()  # its K/V are this identity's alone
+        if salt != seq.cache_salt:  # its name moved to another identity since it was last looked at
+            seq.cache_salt, seq.block_hashes = salt, []
         # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).
         if not self._has_room(seq, step):
             return _Verdict.NO_ROOM
-        ref = self._ref(seq)
         if ref is not None and not self._slot_fits(ref, step.needed):
             return _Verdict.NO_SLOT
+        if ref is not None and self.ready is not None and not self.ready(ref):
+            return _Verdict.NOT_READY
+        if self.block_manager.in_flight(seq):
+            return _Verdict.IN_FLIGHT
         self.waiting.remove(seq)
-        self.block_manager.allocate(seq)
+        seq.num_computed_tokens = self.block_manager.allocate(seq)  # its cached prefix: the prefill starts after
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
         seq.waited_steps = 0  # from now on it counts the steps its prefill is passed over
         if ref is not None:
             if seq.adapter_ref is None:  # from now on, through any preemption, it runs on this identity
@@ -234,7 +256,8 @@ class Scheduler:
             step.needed.add(ref)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        step.num_tokens += len(seq) if step.budget is None else min(len(seq), step.budget - step.num_tokens)
+        left = len(seq) - seq.num_computed_tokens
+        step.num_tokens += left if step.budget is None else min(left, step.budget - step.num_tokens)
         step.admitted.append(seq)
         return _Verdict.ADMITTED
 
@@ -289,6 +312,23 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway
         self.waiting.appendleft(seq)
+
+    def _prefetch(self) -> None:
+        """Start reading the adapters of the next waiting requests back into host memory (S-LoRA's prefetch):
+        by the time they reach the head of the queue they are ready."""
+        if self.ready is None:
+            return
+        for seq in itertools.islice(self.waiting, self.max_num_seqs):
+            ref = self._ref(seq)
+            if ref is not None:
+                self.ready(ref)
+
+    def fail_waiting_on(self, ref: Hashable) -> list[Sequence]:
+        """Finish (with "error") the waiting requests that would run on `ref`: it cannot be read any more."""
+        failed = [s for s in self.waiting if s.adapter is not None and self._ref(s) == ref]
+        for seq in failed:
+            self.finish(seq, "error")
+        return failed
 
     def _fail_unloaded(self) -> list[Sequence]:
         """Finish waiting requests whose adapter was unloaded before they started (started ones hold theirs)."""

@@ -38,6 +38,13 @@ class Sequence:
         self.bad_words_ids: list[tuple[int, ...]] = []  # SamplingParams.bad_words as token ids (set by the engine)
         self.prompt_logprobs = None  # a chunked prefill's prompt logprobs so far (engine.output.Logprobs)
         self.grammar = None  # structured outputs: its llguidance matcher (engine.grammar), fed every token it samples
+        # the prefix cache (BlockManager): the chain of its full blocks' hashes, their salt (its adapter identity,
+        # set at admission), blocks already cached, hashes it is computing, and what its first admission found
+        self.block_hashes: list[bytes] = []
+        self.cache_salt: bytes | None = None
+        self.num_registered_blocks = 0
+        self.claims: list[tuple[int, bytes]] = []
+        self.num_cached_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -58,6 +65,18 @@ class Sequence:
     def is_prefilling(self) -> bool:
         """More than the last token still lacks K/V: the next step runs (a chunk of) a prefill."""
         return self.num_computed_tokens < len(self.token_ids) - 1
+
+    @property
+    def prompt_token_cost(self) -> int:
+        """What one of its prompt tokens costs a step, in plain prompt tokens: 2 in a first prefill whose prompt
+        logprobs are asked for (the output head's logits and a log-softmax over the vocabulary per position)."""
+        return 2 if self.params.prompt_logprobs is not None and self.num_output_tokens == 0 else 1
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether its prefill may start from cached blocks: not a first prefill whose prompt logprobs are asked
+        for (they need every prompt position computed; as vLLM, such a request bypasses the cache)."""
+        return self.params.prompt_logprobs is None or self.num_output_tokens > 0
 
     @property
     def is_finished(self) -> bool:

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.config import ServerConfig
 from loramux.server import protocol as p
-from loramux.server.frontend import HTTPError
+from loramux.server.errors import HTTPError
 
 ADD, REPLACE, AGAIN = "added", "reloaded", "already loaded"  # what a load does (and says it did)
 

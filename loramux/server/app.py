@@ -25,7 +25,8 @@ from loramux.server import protocol as p
 from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
-from loramux.server.frontend import Frontend, HTTPError, ShuttingDown
+from loramux.server.errors import HTTPError, model_not_found
+from loramux.server.frontend import Frontend, ShuttingDown
 from loramux.logprobs import Logprobs
 from loramux.server.generation import Choice, new_choices, run_choices
 from loramux.server.logprobs import merge_completion
@@ -234,9 +235,12 @@ async def _json_off_the_loop(answer) -> Response:
     return Response(await run_in_threadpool(encode), media_type="application/json")
 
 
-def _usage(choices: list[Choice], n: int) -> tuple[int, int]:
-    """(prompt tokens, completion tokens); the prompt of a request with n choices counts once."""
-    return sum(c.prompt_tokens for c in choices[::n]), sum(c.num_tokens for c in choices)
+def _usage(choices: list[Choice], n: int) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens, cached prompt tokens); the prompt of a request with n choices counts
+    once (its first choice's cache hit with it)."""
+    firsts = choices[::n]
+    return (sum(c.prompt_tokens for c in firsts), sum(c.num_tokens for c in choices),
+            sum(c.cached_tokens for c in firsts))
 
 
 class _Chunks:
@@ -437,7 +441,7 @@ def _add_model_routes(app: FastAPI, server: Frontend) -> None:
             return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
         if model_id in server.registry:
             return p.model_card(model_id, server.registry[model_id].path, server.model_name)
-        raise HTTPError(404, f"The model `{model_id}` does not exist.", "not_found_error", "model_not_found")
+        raise model_not_found(model_id)
 
     @app.post("/tokenize")
     async def tokenize(request: p.TokenizeRequest):
@@ -448,7 +452,7 @@ def _add_model_routes(app: FastAPI, server: Frontend) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: p.DetokenizeRequest):
-        return {"prompt": server.detokenize(request)}
+        return {"prompt": await server.detokenize(request)}
 
 
 # ---- admin --------------------------------------------------------------------------------------------
@@ -488,6 +492,12 @@ def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
     @app.get("/version")
     async def version():
         return {"version": VERSION}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's route: forget every cached prefix block (requests running keep theirs)."""
+        await server.reset_prefix_cache()
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():

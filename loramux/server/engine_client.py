@@ -28,7 +28,7 @@ from loramux.config import EngineConfig
 from loramux.engine.output import CoreOutput
 from loramux.server.engine_process import run_engine
 from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
-                                 ControlFailed, EngineStats, GetStats, Outputs, Ready, StartupFailed,
+                                 ControlFailed, EngineStats, GetStats, Outputs, PrefixCacheReset, Ready, StartupFailed,
                                  decode_from_engine, encode)
 
 logger = logging.getLogger("loramux.server")
@@ -248,7 +248,7 @@ class EngineClient:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
-        elif isinstance(msg, (AdapterResult, EngineStats, ControlFailed)):
+        elif isinstance(msg, (AdapterResult, EngineStats, PrefixCacheReset, ControlFailed)):
             future = self._controls.pop(msg.control_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)

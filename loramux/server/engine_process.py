@@ -22,11 +22,12 @@ import zmq
 from loramux.config import EngineConfig
 from loramux.server import prctl
 from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
-                                 LoadAdapter, Outputs, PinAdapter, Ready, StartupFailed, UnloadAdapter,
-                                 decode_to_engine, encode)
+                                 LoadAdapter, Outputs, PinAdapter, PrefixCacheReset, Ready, ResetPrefixCache,
+                                 StartupFailed, UnloadAdapter, decode_to_engine, encode)
 
 logger = logging.getLogger("loramux.engine")
 IDLE_POLL_MS = 50  # an idle engine blocks this long on its inbox at most (a message wakes it at once)
+LOAD_POLL_MS = 5  # while adapters are read on the loader thread: their results are installed this often
 HEARTBEAT_S = 0.25
 
 
@@ -47,7 +48,7 @@ def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str
         raise SystemExit(1) from e
     try:
         while True:
-            if inbox.poll(0 if loop.busy else IDLE_POLL_MS):
+            if inbox.poll(loop.poll_ms):
                 while inbox.poll(0):
                     loop.handle(decode_to_engine(inbox.recv()))
             loop.step()
@@ -93,11 +94,18 @@ class EngineLoop:
     def __init__(self, core, outbox):
         self.core, self.outbox = core, outbox
         self.unloading: dict = {}  # adapter identity (AdapterRef) -> the UnloadAdapter messages waiting for it
+        self.loading: list = []  # (LoadAdapter, the future of its LoRAResult): read off the step loop
         self._pending: list = []  # outputs of refused requests, sent with the next step's
 
     @property
     def busy(self) -> bool:
+        """Work to step: poll the inbox without waiting."""
         return self.core.has_unfinished_requests() or bool(self.unloading) or bool(self._pending)
+
+    @property
+    def poll_ms(self) -> int:
+        """How long the loop may wait for a message: not at all while busy, a little while adapters load."""
+        return 0 if self.busy else LOAD_POLL_MS if self.loading or self.core.loading else IDLE_POLL_MS
 
     def ready(self, adapters: list[AdapterSource], tokenizer_dir: str) -> Ready:
         """Load the start-up adapters (a failing one is reported, not fatal after a restart) and describe the
@@ -126,6 +134,9 @@ class EngineLoop:
         outputs, self._pending = self._pending, []
         if self.core.has_unfinished_requests():
             outputs += self.core.step()
+        elif self.core.loading:
+            outputs += self.core.install_loaded()
+        self._answer_loads()
         if outputs:
             self.outbox.send(encode(Outputs(outputs)))
 
@@ -157,11 +168,15 @@ class EngineLoop:
         core = self.core
         if isinstance(msg, GetStats):
             return self._stats(msg.control_id)
-        if isinstance(msg, LoadAdapter):
-            # runtime loads: safetensors only, every file inside the allowed directories
-            result = core.load_adapter(msg.name, msg.path, allow_pickle=False, allowed_dirs=msg.allowed_dirs,
-                                       replace=msg.replace, pinned=msg.pinned)
-        elif isinstance(msg, PinAdapter):
+        if isinstance(msg, ResetPrefixCache):
+            return PrefixCacheReset(msg.control_id, core.reset_prefix_cache())
+        if isinstance(msg, LoadAdapter):  # read on the loader thread; answered once installed (_answer_loads)
+            result = core.load_adapter_async(msg.name, msg.path, msg.allowed_dirs, msg.replace, msg.pinned)
+            if result.done():  # nothing to read (the same directory again)
+                return self._result(msg.control_id, msg.name, result.result())
+            self.loading.append((msg, result))
+            return None
+        if isinstance(msg, PinAdapter):
             result = core.pin_adapter(msg.name) if msg.pinned else core.unpin_adapter(msg.name)
         else:
             return self._unload(msg)
@@ -186,6 +201,11 @@ class EngineLoop:
 
         return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
 
+    def _answer_loads(self) -> None:
+        for msg, result in [entry for entry in self.loading if entry[1].done()]:
+            self.loading.remove((msg, result))
+            self.outbox.send(encode(self._result(msg.control_id, msg.name, result.result())))
+
     def _answer_unloads(self) -> None:
         adapters = self.core.adapters if self.core.adapters is not None else ()
         for ref in [r for r in self.unloading if r not in adapters]:
@@ -204,4 +224,5 @@ class EngineLoop:
             lora_slot_evictions=counters.get("slot_evictions", 0), kv_blocks_total=core.block_manager.num_blocks,
             kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
             lora_slot_bytes=adapters.slot_bytes if adapters else 0,
-            lora_host_bytes=adapters.host_bytes if adapters else 0, finished=dict(core.num_finished))
+            lora_host_bytes=adapters.host_bytes if adapters else 0, finished=dict(core.num_finished),
+            prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits)

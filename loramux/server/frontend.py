@@ -25,25 +25,18 @@ from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.server import protocol as p
 from loramux.server.admission import Admission, Ticket
+from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.generation import Choice, new_choices, run_choices
 from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
-from loramux.server.wire import AddRequest, AdapterSource, LoadAdapter, PinAdapter, Ready, UnloadAdapter
+from loramux.server.on_demand import OnDemand
+from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, PinAdapter, Ready, ResetPrefixCache,
+                                 UnloadAdapter)
 from loramux.tokenizer import Tokenizer
 
 logger = logging.getLogger("loramux.server")
-
-
-class HTTPError(Exception):
-    def __init__(self, status_code: int, message: str, err_type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status_code, self.message, self.err_type, self.code, self.headers = status_code, message, err_type, code, headers
-
-    def __reduce__(self):  # pickled whole (a Ray Serve replica raises it to the ingress)
-        return HTTPError, (self.status_code, self.message, self.err_type, self.code, self.headers)
 
 
 class ShuttingDown(Exception):
@@ -80,7 +73,8 @@ class Frontend:
             with open(state_file, "rb") as f:
                 self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
         supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
-        self.client = EngineClient(engine_config, lambda: list(self.registry.values()), self._on_ready, supervision)
+        self.client = EngineClient(engine_config, self._preloaded, self._on_ready, supervision)
+        self.on_demand = OnDemand(config, self._install_resolved)
         self.metrics = Metrics()
         self.admission = Admission(config.max_pending_requests, config.max_pending_tokens,
                                    config.max_pending_per_client)
@@ -126,9 +120,15 @@ class Frontend:
             f.write(msgspec.json.encode(list(self.registry.values())))
         os.replace(tmp, self.state_file)
 
+    def _preloaded(self) -> list[AdapterSource]:
+        """What an engine (re)start loads: the registry, less the adapters resolved on demand (they are
+        resolved again on their next request, rather than all read at once)."""
+        return [source for source in self.registry.values() if not source.resolved]
+
     def _on_ready(self, ready: Ready) -> None:
         """After every engine (re)start: the first one sets the tokenizer and names; a restart's adapters
-        that no longer load are dropped from the registry (their requests get 404 from now on)."""
+        that no longer load are dropped from the registry (their requests get 404 from now on), and so are
+        those resolved on demand, which it did not load."""
         if self.tokenizer is None:
             self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir)
             self.template_shows_tools = self.tokenizer.shows_tools()  # tool_choice "auto" needs it
@@ -140,6 +140,7 @@ class Frontend:
         for name, why in ready.failed_adapters.items():
             logger.error("adapter %r did not load into the engine: %s", name, why)
             self.registry.pop(name, None)
+        self.registry = {name: source for name, source in self.registry.items() if not source.resolved}
         self._save_registry()
 
     def _grammar_source(self, ready: Ready) -> GrammarSource:
@@ -179,13 +180,14 @@ class Frontend:
         return self.client.health()
 
     # ---- requests -------------------------------------------------------------------------------
-    def resolve(self, model: str) -> str | None:
-        """The adapter a `model` field names (None = the base model); 404 for anything else."""
+    async def resolve(self, model: str) -> str | None:
+        """The adapter a `model` field names (None = the base model), loaded first if a resolver has it and it
+        is not registered; 404 for anything else."""
         if model == self.model_name:
             return None
-        if model in self.registry:
-            return model
-        raise HTTPError(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found")
+        if model not in self.registry:
+            await self.on_demand.load(model, self.model_root)
+        return model
 
     async def engine_requests(self, request: p.GenerationRequest, chat: bool) -> list[AddRequest]:
         """One engine request per (prompt, choice), every field checked and every prompt tokenized first."""
@@ -193,7 +195,7 @@ class Frontend:
             raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
         self.require_engine()
         self._check_counts(request)
-        adapter = self.resolve(request.model)
+        adapter = await self.resolve(request.model)
         sources = [request.messages] if chat else self._check(request.prompts)
         if len(sources) * request.n > self.config.max_prompts_per_request:
             raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
@@ -230,7 +232,7 @@ class Frontend:
     async def tokenize(self, request: p.TokenizeRequest) -> list[int]:
         """/tokenize, in the tokenizer thread (the chat template renders as for a chat request)."""
         self.require_engine()
-        self.resolve(request.model)
+        await self.resolve(request.model)
 
         def run():
             if request.messages is not None:
@@ -239,9 +241,9 @@ class Frontend:
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: self._check(run))
 
-    def detokenize(self, request: p.DetokenizeRequest) -> str:
+    async def detokenize(self, request: p.DetokenizeRequest) -> str:
         self.require_engine()
-        self.resolve(request.model)
+        await self.resolve(request.model)
         ids = self._check(lambda: self.inputs.prompt_ids(request.tokens))  # ids inside the vocabulary
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -306,7 +308,7 @@ class Frontend:
 
     # ---- adapters ---------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False,
-                           allowed_dirs: tuple[str, ...] | None = None) -> None:
+                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False) -> None:
         """allowed_dirs: the directories its files must resolve into (None: --allowed-adapter-dir; (): any, as
         for --lora-modules at start). The registry records what the engine answers (a reload in place keeps
         the pin of the adapter it replaces)."""
@@ -315,8 +317,16 @@ class Frontend:
         if result.status is not LoRAStatus.SUCCESS:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
-        self.registry[name] = AdapterSource(name, path, dirs, result.pinned)
+        self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved)
         self._save_registry()
+
+    async def _install_resolved(self, name: str, found) -> None:
+        """An adapter a resolver found (on_demand.py), read under the rule of the resolver's directories."""
+        try:
+            await self.load_adapter(name, found.path, pinned=False, allowed_dirs=found.allowed_dirs, resolved=True)
+        except HTTPError as e:
+            if e.code != "adapter_exists" or name not in self.registry:  # else: loaded meanwhile by the admin route
+                raise
 
     async def unload_adapter(self, name: str) -> None:
         """Answered once the engine has freed the adapter, after the requests running on it; the engine drops
@@ -342,6 +352,10 @@ class Frontend:
         self.registry[name] = AdapterSource(source.name, source.path, source.allowed_dirs, result.pinned)
         self._save_registry()
 
+    async def reset_prefix_cache(self) -> None:
+        self.require_engine()
+        await self._control(ResetPrefixCache(0))
+
     async def _control(self, msg):
         try:
             return await self.client.control(msg)
@@ -362,17 +376,13 @@ class Frontend:
         return self.metrics.render(stats, self.admission)
 
 
-PROMPT_LOGPROBS_WEIGHT = 2
-"""A prompt token scored with its logprobs costs about twice a plain one (the output head's logits and a
-log-softmax over the vocabulary at every position: +60-100% on the default model)."""
-
-
 def work_tokens(request: AddRequest) -> int:
-    """What an engine request may cost, in tokens, as admission counts it: its prompt (twice when its prompt
-    logprobs are asked for) and max_tokens. The n choices of a request are n engine requests."""
-    prompt = len(request.prompt_token_ids)
-    weight = PROMPT_LOGPROBS_WEIGHT if request.params.prompt_logprobs is not None else 1
-    return weight * prompt + request.params.max_tokens
+    """What an engine request may cost, in tokens, as admission counts it: its prompt and max_tokens. A prompt
+    scored for its logprobs counts twice (the output head's logits and a log-softmax over the vocabulary at
+    every position: +60-100% on the default model; the scheduler weighs its chunks so too). The n choices of a
+    request are n engine requests."""
+    weight = 2 if request.params.prompt_logprobs is not None else 1
+    return weight * len(request.prompt_token_ids) + request.params.max_tokens
 
 
 async def _until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:

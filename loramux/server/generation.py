@@ -29,6 +29,7 @@ class Choice:
     logprobs: Logprobs | None = None  # of the tokens so far, when asked for
     prompt_logprobs: Logprobs | None = None
     logprobs_sent: int = 0  # streaming: how many of `logprobs` went out already
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache held
 
     @property
     def text(self) -> str:
@@ -42,6 +43,7 @@ class Choice:
         """Take one engine output; returns (new text, a stop string ended it here)."""
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
+        self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
         if self.discard:  # the token is not part of the answer; zero tokens were asked for: "length"
             reason = out.finish_reason
             self.finish_reason = "length" if reason in ("stop", "length") else reason

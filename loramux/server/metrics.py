@@ -23,7 +23,9 @@ class _EngineCounters:
     def collect(self):
         for key, help_text in (("lora_loads", "Adapter reads from disk (first loads and reloads)"),
                                ("lora_host_evictions", "Adapters evicted from host memory"),
-                               ("lora_slot_evictions", "Adapters evicted from device slots")):
+                               ("lora_slot_evictions", "Adapters evicted from device slots"),
+                               ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (as vLLM's)"),
+                               ("prefix_cache_hits", "Prompt tokens found in the prefix cache (as vLLM's)")):
             family = CounterMetricFamily(f"loramux:{key}", help_text)
             family.add_metric([], getattr(self.stats, key, 0))
             yield family

@@ -393,14 +393,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                        cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None,
@@ -415,9 +417,10 @@ def completion_chunk(rid: str, model: str, choice: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": [choice]}
 
 
-def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: list | None = None,

@@ -39,7 +39,8 @@ from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
 from loramux.server import adapter_admin as admin
 from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge
-from loramux.server.frontend import HTTPError
+from loramux.server.errors import HTTPError, model_not_found
+from loramux.server.on_demand import OnDemand
 from loramux.server.ray_replica import AdapterEntry, EngineReplica
 
 logger = logging.getLogger("loramux.server")
@@ -52,14 +53,15 @@ class AdapterRegistry:
         self.entries: dict[str, AdapterEntry] = {}
         for spec in lora_modules:
             name, path = parse_adapter_arg(spec)
-            self.entries[name] = AdapterEntry(name, os.path.realpath(path), next(self._versions), at_start=True)
+            self.entries[name] = AdapterEntry(name, os.path.realpath(path), next(self._versions), allowed_dirs=())
         self.reports: dict[str, tuple[float, dict]] = {}
         self.generation = 0  # grows with every change; replicas report the one they have applied
 
-    def register(self, name: str, path: str, pinned: bool) -> tuple[AdapterEntry, AdapterEntry | None]:
+    def register(self, name: str, path: str, pinned: bool,
+                 allowed_dirs: tuple[str, ...] | None = None) -> tuple[AdapterEntry, AdapterEntry | None]:
         """(the new entry, the one it replaces)."""
         old = self.entries.get(name)
-        self.entries[name] = AdapterEntry(name, path, next(self._versions), pinned)
+        self.entries[name] = AdapterEntry(name, path, next(self._versions), pinned, allowed_dirs)
         self.generation += 1
         return self.entries[name], old
 
@@ -113,6 +115,7 @@ class Ingress:
         # is asked of the registry, so a copy behind it only costs a call.
         self._entries: dict[str, AdapterEntry] = {}
         self._changes = 0  # bumped at each change made here: a lookup begun before one is not kept
+        self.on_demand = OnDemand(config, self._install_resolved)  # the replicas' own resolvers are off
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="loramux (Ray Serve)")
@@ -137,8 +140,9 @@ class Ingress:
         model = _model_of(body) if request.method == "POST" else None
         entry = await self._entry(model) if model is not None else None
         if model is not None and entry is None and model != (await self._base())["model_name"]:
-            # not registered (or being unloaded, while replicas still hold it): as one server answers
-            return _json_error(404, f"The model `{model}` does not exist.", "not_found_error", "model_not_found")
+            # not registered (or being unloaded, while replicas still hold it): resolved, or 404 as one server
+            await self.on_demand.load(model, (await self._base())["model_root"])
+            entry = await self._entry(model)
         handle = self.replica.options(stream=True, multiplexed_model_id=entry.name if entry else "")
         client = request.client.host if request.client else "unknown"
         headers = [*request.headers.raw, (b"x-forwarded-for", client.encode())]
@@ -179,7 +183,7 @@ class Ingress:
             return p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
         entry = await self.registry.get.remote(model_id)
         if entry is None:
-            raise HTTPError(404, f"The model `{model_id}` does not exist.", "not_found_error", "model_not_found")
+            raise model_not_found(model_id)
         return p.model_card(model_id, entry.path, base["model_name"])
 
     # ---- admin ----------------------------------------------------------------------------------
@@ -194,7 +198,16 @@ class Ingress:
                 await self._pin(name, True)
             return admin.loaded(name, kind)
         keep_pin = kind == admin.REPLACE and existing.pinned  # a reload in place keeps the pin
-        entry, old = await self.registry.register.remote(name, path, request.pinned or keep_pin)
+        await self._register(name, path, request.pinned or keep_pin)
+        return admin.loaded(name, kind)
+
+    async def _install_resolved(self, name: str, found) -> None:
+        """An adapter a resolver found: registered cluster-wide and loaded on one replica, as an admin load."""
+        await self._register(name, found.path, False, found.allowed_dirs)
+
+    async def _register(self, name: str, path: str, pinned: bool, allowed_dirs: tuple[str, ...] | None = None):
+        """Registered cluster-wide and loaded on one replica now; unregistered again if it does not load there."""
+        entry, old = await self.registry.register.remote(name, path, pinned, allowed_dirs)
         self._changed(name)
         try:
             await self.replica.options(multiplexed_model_id=name).warm.remote(entry)
@@ -202,7 +215,6 @@ class Ingress:
             await self.registry.restore.remote(name, old)
             self._changed(name)
             raise _from_replica(e) from None
-        return admin.loaded(name, kind)
 
     async def unload(self, request: p.UnloadLoRAAdapterRequest) -> Response:
         """Removed from the registry; answered once every replica has applied that (each unloads it when its
@@ -326,7 +338,10 @@ def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None
     ingress = serve.deployment(Ingress, name="Ingress", max_ongoing_requests=server_config.max_pending_requests,
                                ray_actor_options={"num_cpus": 0})
     registry_app = registry.bind(list(lora_modules))
-    replicas_app = replica.bind(engine_config, server_config, registry_app, max_adapters_per_replica)
+    # the ingress resolves adapters on demand and registers them cluster-wide; a replica serves the registry
+    local = replace(server_config, lora_resolver_dirs=(), lora_resolver_hf=False, lora_resolvers=(),
+                    lora_resolver_plugins=False)
+    replicas_app = replica.bind(engine_config, local, registry_app, max_adapters_per_replica)
     return ingress.bind(replicas_app, registry_app, server_config)
 
 

@@ -25,7 +25,7 @@ from ray import serve
 
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server.app import build_app
-from loramux.server.frontend import HTTPError
+from loramux.server.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 REPORT_INTERVAL_S = 0.5
@@ -39,7 +39,9 @@ class AdapterEntry:
     path: str
     version: int
     pinned: bool = False
-    at_start: bool = False  # from --lora-modules: read without the --allowed-adapter-dir rule, as one server does
+    allowed_dirs: tuple[str, ...] | None = None
+    """Where its files must resolve: None = under --allowed-adapter-dir (an admin load); () = anywhere (from
+    --lora-modules, as one server does); else the directories of the resolver that found it."""
 
 
 class LoadedAdapter:
@@ -127,13 +129,13 @@ class EngineReplica:
         """This engine holds the registry's current version of `name` (loads, or reloads in place)."""
         entry = self.entries.get(name)
         if entry is None:
-            raise HTTPError(404, f"The model `{name}` does not exist.", "not_found_error", "model_not_found")
+            raise model_not_found(name)
         async with self._locks.setdefault(name, asyncio.Lock()):
             if self.loaded.get(name) == entry.version:
                 return
             replace = name in self.server.registry
-            allowed = () if entry.at_start else None
-            await self.server.load_adapter(name, entry.path, entry.pinned, replace=replace, allowed_dirs=allowed)
+            await self.server.load_adapter(name, entry.path, entry.pinned, replace=replace,
+                                           allowed_dirs=entry.allowed_dirs)
             self.loaded[name] = entry.version
 
     def release(self, name: str) -> None:

@@ -87,6 +87,9 @@ def _frontend_main(sock: socket.socket, engine_config: EngineConfig, config: Ser
     prctl.die_with_parent(signal.SIGKILL)
     prctl.set_name("loramux-http")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor passes Ctrl-C on as SIGTERM
+    # A worker thread building a large response holds the GIL for up to the switch interval at a time; the
+    # event loop, which every other client's request goes through, should wait 1 ms for it, not 5.
+    sys.setswitchinterval(0.001)
     from loramux.cli import log_to_stderr
     from loramux.server.app import build_app, run_server
 

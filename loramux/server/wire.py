@@ -1,8 +1,10 @@
 """The messages between the HTTP front end and the engine process: typed msgspec structs, sent as
 MessagePack over ZMQ. No torch, and no pickle (a message is data, never code).
 
-front end -> engine: AddRequest, Abort; control: LoadAdapter, UnloadAdapter, PinAdapter, GetStats
-engine -> front end: Ready, StartupFailed, Outputs; control answers: AdapterResult, EngineStats, ControlFailed
+front end -> engine: AddRequest, Abort; control: LoadAdapter, UnloadAdapter, PinAdapter, GetStats,
+ResetPrefixCache
+engine -> front end: Ready, StartupFailed, Outputs; control answers: AdapterResult, EngineStats,
+PrefixCacheReset, ControlFailed
 
 The engine sends each request's new tokens per step (CoreOutput deltas), never cumulative state; the
 front end, which tokenized the prompt, keeps the totals. Control requests are handled between engine steps,
@@ -58,6 +60,15 @@ class GetStats(msgspec.Struct, tag="get_stats"):
     control_id: int
 
 
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    control_id: int
+
+
+class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset"):
+    control_id: int
+    num_blocks: int  # cached blocks forgotten
+
+
 class AdapterSource(msgspec.Struct, array_like=True):
     """An adapter the engine loads at start: after a restart, every adapter the front end had registered."""
 
@@ -65,6 +76,7 @@ class AdapterSource(msgspec.Struct, array_like=True):
     path: str
     allowed_dirs: tuple[str, ...] = ()  # runtime loads were read under these; a reload reads under them again
     pinned: bool = False
+    resolved: bool = False  # loaded on its first request (server/on_demand.py): after a restart, on the next one
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -115,6 +127,8 @@ class EngineStats(msgspec.Struct, tag="engine_stats"):
     lora_slot_bytes: int
     lora_host_bytes: int
     finished: dict[str, int]  # finish reason -> requests
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # and found there
 
 
 class ControlFailed(msgspec.Struct, tag="control_failed"):
@@ -124,10 +138,10 @@ class ControlFailed(msgspec.Struct, tag="control_failed"):
     message: str
 
 
-Control = Union[LoadAdapter, UnloadAdapter, PinAdapter, GetStats]
-ControlAnswer = Union[AdapterResult, EngineStats, ControlFailed]
-ToEngine = Union[AddRequest, Abort, LoadAdapter, UnloadAdapter, PinAdapter, GetStats]
-FromEngine = Union[Ready, StartupFailed, Outputs, AdapterResult, EngineStats, ControlFailed]
+Control = Union[LoadAdapter, UnloadAdapter, PinAdapter, GetStats, ResetPrefixCache]
+ControlAnswer = Union[AdapterResult, EngineStats, PrefixCacheReset, ControlFailed]
+ToEngine = Union[AddRequest, Abort, LoadAdapter, UnloadAdapter, PinAdapter, GetStats, ResetPrefixCache]
+FromEngine = Union[Ready, StartupFailed, Outputs, AdapterResult, EngineStats, PrefixCacheReset, ControlFailed]
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode

@@ -82,7 +82,7 @@ def test_has_weight_for_is_a_predicate(adapter_dirs, monkeypatch):
     def no_reads(*_):
         raise AssertionError("has_weight_for read an adapter")
 
-    monkeypatch.setattr(manager.store, "_read", no_reads)
+    monkeypatch.setattr(manager.store, "read", no_reads)
     assert manager.has_weight_for("model.layers.0.self_attn.q_proj")
     assert not manager.has_weight_for("model.layers.0.self_attn.k_proj")
     assert (manager.cache.host, manager.cache.active) == (host, active)  # nothing moved between tiers

@@ -59,6 +59,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.world = world
         self.engine = world.llm.engine
         self.adapters = self.engine.adapters
+        self.engine.reset_prefix_cache()  # each example starts from the same state: no base blocks cached before
         self.loaded: dict[str, int] = {}  # name -> path index, in first-load order (as `loras` lists them)
         self.pinned: set[str] = set()
         self.current = {}  # name -> the identity it points to now
@@ -235,8 +236,9 @@ def test_the_adapter_lifecycle_against_a_reference(world):
     chosen = settings.default  # `--hypothesis-profile=slow`: thousands of examples; by default a few hundred
     if chosen.max_examples < 1000:
         chosen = settings(chosen, max_examples=300, stateful_step_count=40)
+    # database=None: examples share one engine, so a failure is kept as a plain test below, not replayed
     run_state_machine_as_test(lambda: Lifecycle(world), settings=settings(
-        chosen, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
+        chosen, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]))
 
 
 # ---- sequences found once, kept as plain tests -----------------------------------------------------
@@ -260,3 +262,25 @@ def test_reload_unload_load_while_the_first_version_runs(world):
     assert outs[r1].token_ids == hf_greedy(world.base, a0, [5, 6, 7], 8)
     assert llm.is_lora("x") and llm.generate([9, 3, 11, 4, 8], PARAMS, adapters="x")[0].token_ids == outs[r2].token_ids
     assert llm.unload_adapter("x") and len(engine.adapters.cache) == 0
+
+
+def test_a_request_that_waited_through_a_reload_reads_no_block_of_the_old_identity(world):
+    """Found by the state machine: a request looked at for admission under one identity (its block hashes
+    computed with that identity's salt) and admitted after a reload in place must not read the blocks the
+    old identity cached for the same prompt."""
+    llm, (a0, a1, a2, a3) = world.llm, world.paths
+    engine, prompt = llm.engine, (9, 3, 11, 4, 8)  # one full block of 4 tokens
+    for name, path in (("x", a0), ("y", a2), ("z", a3)):
+        assert llm.load_adapter(name, path)
+    assert llm.generate(list(prompt), PARAMS, adapters="x")[0].token_ids == world.alone(0, prompt)  # cached now
+    assert llm.pin_adapter("y") and llm.pin_adapter("z")  # both slots: x's next request must wait
+    waiting = engine.add_request(list(prompt), PARAMS, "x")
+    engine.step()
+    assert engine.core.sequence(waiting).adapter_ref is None  # looked at, not admitted
+    assert llm.load_adapter("x", a1, replace=True) and llm.unpin_adapter("y")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs[waiting].token_ids == world.alone(1, prompt)
+    for name in ("x", "y", "z"):
+        assert llm.unload_adapter(name)

@@ -1,5 +1,7 @@
 """Chunked prefill (EngineConfig.enable_chunked_prefill): mixed steps of decode rows and prompt chunks give
 every row the tokens of HF + PEFT running its adapter alone, and the same logprobs as unchunked steps."""
+import itertools
+
 import pytest
 import torch
 
@@ -85,13 +87,18 @@ def run_step(sched, allowance=None):
     batch = sched.schedule(allowance)
     for seq, (_, end) in zip(batch.seqs, batch.spans):
         seq.num_computed_tokens = end
+        sched.block_manager.cache_computed(seq)
         if end == len(seq):
             seq.append_token(7)
     return [(s, span) for s, span in zip(batch.seqs, batch.spans)]
 
 
+_PROMPTS = itertools.count(1)
+
+
 def add(sched, *lengths):
-    seqs = [Sequence(list(range(1, n + 1)), SamplingParams(max_tokens=4)) for n in lengths]
+    """Prompts of these lengths, no two alike (alike ones would share their prefix's blocks)."""
+    seqs = [Sequence([1000 * next(_PROMPTS) + j for j in range(n)], SamplingParams(max_tokens=4)) for n in lengths]
     for seq in seqs:
         sched.add(seq)
     return seqs

@@ -33,7 +33,11 @@ def make_files(tmp_path_factory, **model_overrides):
     runtime = {name: save_peft_adapter(base, allowed / name, seed=400 + i, r=8)
                for i, name in enumerate(["new", "other", "v2"])}
     save_peft_adapter(base, allowed / "huge", r=64)
-    return {"root": root, "model": model, "served": served, "allowed": str(allowed), "runtime": runtime}
+    resolvable = root / "resolvable"  # for --lora-resolver-dir: adapters nobody registers
+    on_demand = {name: save_peft_adapter(base, resolvable / name, seed=500 + i, r=8)
+                 for i, name in enumerate(["cold", "acme/legal"])}
+    return {"root": root, "model": model, "served": served, "allowed": str(allowed), "runtime": runtime,
+            "resolvable": str(resolvable), "on_demand": on_demand}
 
 
 def offline_llm(files, adapters: dict[str, str], max_model_len: int = MAX_MODEL_LEN):

@@ -81,7 +81,9 @@ def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(loop
     loop.handle(add("running", max_tokens=30))
     loop.step()
     control(loop, UnloadAdapter(1, "a"))
-    control(loop, LoadAdapter(2, "a", path))
+    control(loop, LoadAdapter(2, "a", path))  # read on the loader thread while "running" keeps stepping
+    while not any(m.control_id == 2 for m in loop.outbox.results()):
+        loop.step()
     loop.handle(add("new"))
     for _ in range(40):
         loop.step()
@@ -119,7 +121,10 @@ def test_a_reload_in_place_answers_that_the_pin_carried_over(loop):
     path = loop.core.adapters.paths["a"]
     control(loop, PinAdapter(1, "a", True))
     control(loop, LoadAdapter(2, "a", path, replace=True))
-    control(loop, LoadAdapter(3, "a", path))  # the same path again: a success that reads nothing
+    control(loop, LoadAdapter(3, "a", path))  # the same path again: a success that reads nothing, answered at once
+    assert [m.control_id for m in loop.outbox.results()] == [1, 3]  # the reload is read off the step loop
+    while len(loop.outbox.results()) < 3:
+        loop.step()
     results = {m.control_id: m for m in loop.outbox.results()}
     assert results[2].status is LoRAStatus.SUCCESS and results[2].pinned
     assert results[3].status is LoRAStatus.SUCCESS and "already loaded" in results[3].message

@@ -38,7 +38,8 @@ def oracle(files):
 
 @pytest.fixture(scope="module")
 def server(files, oracle):
-    proc, url = start_server(files, "--replicas", "2", "--max-adapters-per-replica", "8", "--api-key", KEY)
+    proc, url = start_server(files, "--replicas", "2", "--max-adapters-per-replica", "8", "--api-key", KEY,
+                             "--lora-resolver-dir", files["resolvable"])
     yield url
     stop(proc)
 
@@ -164,3 +165,16 @@ def test_a_killed_replica_gives_503_and_serve_starts_another(http, oracle):
     assert complete(http, prompt, adapter)[2]["choices"][0]["text"] == expected
     wait_until(lambda: len(replicas(http)) == 2 and replica not in replicas(http), 120, "a new replica in its place",
                interval=0.5)
+
+
+def test_an_adapter_nobody_registered_is_resolved_by_the_ingress_and_served(http, files):
+    prompts = ["cold 1", "cold 2", "cold 3"]
+    llm = offline_llm(files, {"acme/legal": files["on_demand"]["acme/legal"]})
+    expected = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0),
+                                             adapters=["acme/legal"] * 3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda p: complete(http, p, "acme/legal"), prompts))
+    assert [a[2]["choices"][0]["text"] for a in answers] == expected, answers
+    assert "acme/legal" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    status, _, body = complete(http, "x", "nobody")
+    assert status == 404 and "no adapter resolver has it" in body["error"]["message"], body

@@ -457,3 +457,18 @@ def test_reload_unload_load_while_the_first_version_runs_over_http(files, http, 
     assert client.completions.create(model="x", prompt="hi", max_tokens=8, temperature=0).choices[0].text == \
         offline("hi", "v2")
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+
+
+def test_prefix_cache_usage_metrics_and_reset(server, http, client):
+    prompt = "the same system prompt, sent twice: " + "x" * 10  # 46 characters: 2 full blocks of 16 before the last
+    first = client.completions.create(model="s1", prompt=prompt, max_tokens=4, temperature=0)
+    hits = metric(server, "loramux:prefix_cache_hits_total", http.headers)
+    second = client.completions.create(model="s1", prompt=prompt, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens == 32 and second.choices[0].text == first.choices[0].text
+    assert metric(server, "loramux:prefix_cache_hits_total", http.headers) == hits + 32
+    assert metric(server, "loramux:prefix_cache_queries_total", http.headers) > 0
+    other = client.completions.create(model="s2", prompt=prompt, max_tokens=4, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # another adapter reads nothing of s1's
+    assert http.post("/reset_prefix_cache").status_code == 200
+    third = client.completions.create(model="s1", prompt=prompt, max_tokens=4, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0

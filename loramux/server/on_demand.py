@@ -1,0 +1,83 @@
+"""Adapters loaded on their first request: a `model` that is neither the base model nor a registered adapter
+is asked of the adapter resolvers (loramux.adapters.resolvers), and the adapter found is loaded and
+registered before the request goes on (LoRAX's dynamic adapters; vLLM's LoRAResolver). Used by the single
+server (frontend.py) and the Ray Serve ingress. No torch.
+
+- Many requests for one cold name at once: one resolution and one load; the others wait for it.
+- Resolving runs in a thread (a resolver may download); the load is the engine's, read off its step loop.
+- A name no resolver knows: 404, naming the resolvers asked. An adapter found that does not load (broken,
+  unsupported, outside its resolver's directory): 400 with the engine's reason, answered again without a
+  second read for FAILURE_TTL_S (a client retrying a broken adapter costs nothing), then tried afresh.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from loramux.adapters import resolvers
+from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
+from loramux.config import ServerConfig
+from loramux.server.errors import HTTPError, model_not_found
+
+logger = logging.getLogger("loramux.server")
+FAILURE_TTL_S = 10.0
+
+Install = Callable[[str, resolvers.Resolved], Awaitable[None]]
+
+
+def build_resolvers(config: ServerConfig) -> list:
+    """The server's resolvers (ValueError naming a bad --lora-resolver-dir or --lora-resolver)."""
+    return resolvers.build(config.lora_resolver_dirs, config.lora_resolver_hf, config.lora_resolvers,
+                           plugins=config.lora_resolver_plugins)
+
+
+class OnDemand:
+    def __init__(self, config: ServerConfig, install: Install):
+        """install(name, resolved): load and register it (HTTPError with the refusal if it does not load)."""
+        self.resolvers = build_resolvers(config)
+        self._install = install
+        self._pending: dict[str, asyncio.Future] = {}
+        self._failed: dict[str, tuple[float, HTTPError]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.resolvers)
+
+    async def load(self, name: str, base_model: str) -> None:
+        """`name` resolved and installed, once for all who ask at the same time; 404 if it is not a valid
+        adapter name or no resolver has it, the refusal if it does not load."""
+        if not self.resolvers:
+            raise model_not_found(name)
+        failed = self._failed.get(name)
+        if failed is not None and time.monotonic() - failed[0] < FAILURE_TTL_S:
+            raise failed[1]
+        future = self._pending.get(name)
+        if future is None:
+            future = self._pending[name] = asyncio.ensure_future(self._resolve_and_install(name, base_model))
+            future.add_done_callback(lambda _: self._pending.pop(name, None))
+        await asyncio.shield(future)  # a waiter that disconnects does not cancel the others' load
+
+    async def _resolve_and_install(self, name: str, base_model: str) -> None:
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterNameError:
+            raise model_not_found(name) from None
+        try:
+            found = await asyncio.to_thread(resolvers.resolve, self.resolvers, base_model, name)
+        except Exception as e:  # a resolver that fails, or answers a directory with no adapter in it
+            logger.error("resolving adapter %r failed: %s", name, e)
+            raise HTTPError(502, f"resolving adapter '{name}' failed: {e}", "server_error") from e
+        if found is None:
+            raise model_not_found(name, f" It is not registered, and no adapter resolver has it "
+                                        f"({resolvers.describe(self.resolvers)}).")
+        logger.info("adapter %r resolved to %s; loading it", name, found.path)
+        try:
+            await self._install(name, found)
+        except HTTPError as e:
+            if e.status_code == 400:
+                e = HTTPError(400, f"adapter '{name}' (resolved to {found.path}) does not load: {e.message}",
+                              code=e.code or "invalid_adapter")
+                self._failed[name] = (time.monotonic(), e)
+            raise e from None
+        self._failed.pop(name, None)
