@@ -48,12 +48,18 @@ def start_server(args, path, adapters) -> tuple[subprocess.Popen, str]:
            "--max-loras", "8", "--max-lora-rank", "16", "--max-num-seqs", str(args.concurrency),
            "--max-model-len", str(args.prompt_len + args.new_tokens + 16), "--served-model-name", "base",
            "--log-level", "warning", "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()], *args.serve_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    return serve(cmd, port)
+
+
+def serve(cmd: list[str], port: int, timeout_s: float = 600, env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Start `cmd` (a `loramux serve`, or a peer's server, listening on `port`) and wait until /health answers
+    200."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("loramux serve exited during start-up")
+            raise RuntimeError(f"{' '.join(cmd[:3])} exited during start-up")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
@@ -61,15 +67,17 @@ def start_server(args, path, adapters) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise TimeoutError("loramux serve did not start")
+    raise TimeoutError(f"{' '.join(cmd[:3])} did not start")
 
 
-def bench_serve(args, url, path, adapters, workdir, label, extra) -> dict:
-    """One `vllm bench serve` run; its result JSON, with its percentiles under our names."""
+def bench_serve(args, url, path, adapters, workdir, label, extra, dataset: list[str] | None = None) -> dict:
+    """One `vllm bench serve` run; its result JSON, with its percentiles under our names. dataset: its dataset
+    options (default: random prompts of --prompt-len tokens, --new-tokens new ones)."""
     tool = os.path.join(args.vllm_venv, "bin", "vllm")
+    dataset = dataset or ["--dataset-name", "random", "--random-input-len", str(args.prompt_len),
+                          "--random-output-len", str(args.new_tokens)]
     cmd = [tool, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
-           "--model", "base", "--tokenizer", path, "--dataset-name", "random", "--random-input-len",
-           str(args.prompt_len), "--random-output-len", str(args.new_tokens), "--ignore-eos", "--temperature", "0",
+           "--model", "base", "--tokenizer", path, *dataset, "--ignore-eos", "--temperature", "0",
            "--lora-modules", *adapters, "--lora-assignment", "random", "--seed", "0", "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", workdir, "--result-filename", f"{label}.json", *extra]
