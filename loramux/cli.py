@@ -242,6 +242,26 @@ def bench(args) -> None:
     runpy.run_path(script)["main"](["--sweep", *args.args])
 
 
+def prepare(args) -> None:
+    """Build the C++ CPU kernels and read the embedded default's config and tokenizer now, so that a first
+    start takes seconds (`make` runs this when it makes the venv)."""
+    import glob
+    import time
+
+    from loramux.ops.cpu_extension import CSRC, load_extension
+
+    for source in sorted(glob.glob(os.path.join(CSRC, "*.cpp"))):
+        name, started = os.path.basename(source)[:-4], time.monotonic()
+        built = load_extension(name) is not None
+        print(f"CPU kernel {name}: {'ready' if built else 'not used on this machine (the torch path runs)'} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
+    if not args.skip_model:
+        from loramux.models.loader import prepare_default_gguf
+
+        started = time.monotonic()
+        print(f"embedded default model: {prepare_default_gguf()} ({time.monotonic() - started:.0f} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="loramux", description="One base LLM, many LoRA adapters, one batch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -261,6 +281,10 @@ def main(argv: list[str] | None = None) -> None:
                             description="Arguments are passed to benchmarks/throughput.py --sweep: --model, --dtypes, "
                                         "--batch-sizes, --distinct, --prompt-len, --new-tokens, --chart PATH.")
     b.set_defaults(func=bench)
+    r = commands.add_parser("prepare", help="build the CPU kernels and prepare the embedded default model ahead of "
+                                           "a first start (make does it with the venv)")
+    r.add_argument("--skip-model", action="store_true", help="the kernels only")
+    r.set_defaults(func=prepare)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -112,3 +112,16 @@ def test_serve_replicas_runs_the_ray_serve_app_with_its_flags(monkeypatch):
     assert (modules, replicas, address, per_replica, server.port) == (["a=/x/a"], 3, "10.0.0.1:6379", 5, 8124)
     with pytest.raises(SystemExit, match="--replicas must be >= 1"):
         main(["serve", "--replicas", "-1"])
+
+
+def test_prepare_builds_every_cpu_kernel_and_the_default_models_files(capsys):
+    import glob
+    import os
+
+    from loramux.ops.cpu_extension import CSRC
+
+    main(["prepare"])
+    out = capsys.readouterr().out
+    for source in glob.glob(os.path.join(CSRC, "*.cpp")):
+        assert f"CPU kernel {os.path.basename(source)[:-4]}: " in out
+    assert "embedded default model: " in out and ".gguf" in out

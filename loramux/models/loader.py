@@ -82,6 +82,13 @@ def default_model_path() -> str:
     return target
 
 
+def prepare_default_gguf() -> str:
+    """The embedded default's GGUF, with what a start reads besides its tensors (config and tokenizer) cached."""
+    path = default_gguf_path()
+    _gguf_config_and_tokenizer(path)
+    return path
+
+
 def convert_gguf(gguf_path: str, target: str) -> None:
     """Dequantize a GGUF into an HF directory (config.json, model.safetensors, tokenizer), atomically."""
     import tempfile
