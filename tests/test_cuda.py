@@ -126,3 +126,29 @@ def test_a_quantized_gguf_on_cuda_is_dequantized_at_load(tmp_path):
     assert not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in modules)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 4
+
+
+def test_prefix_cache_on_cuda_gives_the_tokens_of_hf_peft(tmp_path):
+    prefix_cache_equals_hf_peft(tmp_path, "cuda")
+
+
+def prefix_cache_equals_hf_peft(tmp_path, device: str) -> None:
+    """Prompts sharing 40 tokens under two adapters and the base, run twice (the second time from cached
+    blocks, chunked prefill on): each row's greedy tokens are HF + PEFT's, and the cache was hit."""
+    base = tiny_llama()
+    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i) for i, name in enumerate(("a", "b"))}
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), lora=LoRAConfig(max_loras=2, max_lora_rank=8),
+              dtype="float32", device=device, kv_cache_memory=2**24, block_size=16)
+    for name, path in adapters.items():
+        assert llm.load_adapter(f"{name}={path}")
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 128, (40,), generator=gen).tolist()
+    prompts = [shared + torch.randint(3, 128, (1 + i,), generator=gen).tolist() for i in range(6)]
+    rows = ["a", None, "b", "a", None, "b"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = llm.generate(prompts, params, adapters=rows)
+    again = llm.generate(prompts, params, adapters=rows)
+    assert llm.engine.core.block_manager.hits >= 6 * 32  # every row's two full shared blocks, the second time
+    for prompt, adapter, one, two in zip(prompts, rows, first, again):
+        want = hf_greedy(base, adapters.get(adapter), prompt, params.max_tokens)
+        assert one.token_ids == want and two.token_ids == want, adapter
