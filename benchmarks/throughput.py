@@ -42,8 +42,8 @@ from loramux.sampling_params import SamplingParams, StructuredOutputsParams
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
-def write_adapter(path: str, hf_config, rank: int, seed: int) -> str:
-    """A random PEFT adapter on all 7 projections, in PEFT's own file format."""
+def write_adapter(path: str, hf_config, rank: int, seed: int, projections: tuple[str, ...] | None = None) -> str:
+    """A random PEFT adapter on all 7 projections (or those named), in PEFT's own file format."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter, head_dim = hf_config.hidden_size, hf_config.intermediate_size, head_dim_of(hf_config)
     kv = hf_config.num_key_value_heads * head_dim
@@ -52,7 +52,7 @@ def write_adapter(path: str, hf_config, rank: int, seed: int) -> str:
     tensors = {}
     for layer in range(hf_config.num_hidden_layers):
         for block, names in PROJECTIONS.items():
-            for name in names:
+            for name in names if projections is None else [n for n in names if n in projections]:
                 n_in, n_out = shapes[name]
                 key = f"base_model.model.model.layers.{layer}.{block}.{name}"
                 tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=gen) / n_in**0.5
@@ -60,7 +60,8 @@ def write_adapter(path: str, hf_config, rank: int, seed: int) -> str:
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
-              "target_modules": [n for names in PROJECTIONS.values() for n in names], "lora_dropout": 0.0}
+              "target_modules": [n for names in PROJECTIONS.values() for n in names if n in (projections or names)],
+              "lora_dropout": 0.0}
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
         json.dump(config, f)
     return path

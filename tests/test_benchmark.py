@@ -93,3 +93,16 @@ def test_vs_vllm_runs_every_case_on_both_sides_and_reports_ratios(tmp_path, caps
     assert all(runs[0] > 0 for runs in report["loramux"].values())
     ratio = report["ratios"]["mixed8 loramux/vllm"]
     assert abs(ratio - report["best"]["loramux"]["mixed8"] / 10.0) < 1e-9
+
+
+def test_the_chat_workload_resends_each_conversation_turn_after_turn(tmp_path):
+    spec = importlib.util.spec_from_file_location("prefix_bench", SCRIPT.parent / "prefix.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--chats", "3", "--turns", "4", "--new-tokens", "5"])
+    rows = [json.loads(line) for line in open(module.chat_dataset(str(tmp_path / "chat.jsonl"), args))]
+    assert len(rows) == 12 and all(r["output_tokens"] == 5 for r in rows)
+    for i, row in enumerate(rows[3:], start=3):  # turn t of a chat starts with its turn t - 1, 3 rows before
+        earlier = rows[i - 3]["prompt"]
+        assert row["prompt"].startswith(earlier.removesuffix("\nAssistant:")) and len(row["prompt"]) > len(earlier)
+    assert len({r["prompt"].split("\n")[0] for r in rows}) == 1  # one system prompt, shared by every chat
