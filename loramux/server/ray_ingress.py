@@ -355,7 +355,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
 
     # Ray runs its workers at nice 15, below its own daemons and anything else on the machine: an engine there
     # loses its cores to the load generator or the HTTP proxy, and its threads wait for each other at every op.
-    system = {"worker_niceness": 0} if address is None else None  # joined clusters: see the README
+    system = {"worker_niceness": 0} if address is None else None  # joined clusters: see docs/scale-out.md
     ray.init(address=address, include_dashboard=False, configure_logging=False, _system_config=system)
     replica_cpus = 1.0
     resources = ray.cluster_resources()
