@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from loramux.ops import (attention_cpu, attention_triton, lora_cpu, lora_triton, moe_cpu, moe_torch, moe_triton,
-                         pointwise_cpu, pointwise_torch, quant_cpu, quant_torch)
+                         pointwise_cpu, pointwise_torch, quant_cpu, quant_torch, triton_common)
 from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -64,9 +64,9 @@ def _choose(what: str, backends: dict, cpu_available, name: str, device) -> Call
 
 def _triton_on_cuda(what: str, name: str, device) -> str:
     """"auto" on a CUDA device is "triton" where triton is installed; "triton" where it cannot run is refused."""
-    if name == "auto" and torch.device(device).type == "cuda" and lora_triton.available(device):
+    if name == "auto" and torch.device(device).type == "cuda" and triton_common.available(device):
         return "triton"
-    if name == "triton" and not lora_triton.available(device):
+    if name == "triton" and not triton_common.available(device):
         raise ValueError(f"the 'triton' {what} backend needs the triton package and a CUDA device (or TRITON_INTERPRET=1 "
                          f"before loramux is imported); the device is {device}")
     return name

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from loramux.ops import lora_triton
 from loramux.ops.attention_torch import store_kv_torch
-from loramux.ops.lora_triton import INTERPRET, triton
+from loramux.ops.triton_common import INTERPRET, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from loramux.ops.lora_triton import _dot, _rounded
+    from loramux.ops.triton_common import dot as _dot
+    from loramux.ops.triton_common import rounded as _rounded
 
-available = lora_triton.available
 store_kv_triton = store_kv_torch
 
 

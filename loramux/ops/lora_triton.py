@@ -12,34 +12,26 @@ empty programs. An expand block reads h and B only for the slices its columns me
 beyond a slot's real rank (slot_ranks) are never read; tokens of slot -1 get no programs. h is kept in x's
 dtype, as the reference's shrink result is.
 
-Under Triton's interpreter (TRITON_INTERPRET=1, set before this module is imported) the kernels run on CPU
-tensors: that is how CI checks them against the reference on a machine without a GPU.
+Under Triton's interpreter (ops/triton_common.py) the kernels run on CPU tensors: that is how CI checks them
+against the reference on a machine without a GPU.
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from loramux.ops.lora_torch import slices_of
 from loramux.ops.mapping import LoRAMapping
+from loramux.ops.triton_common import INTERPRET, available, triton
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # the CPU paths never need it
-    triton = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+    from loramux.ops.triton_common import dot as _dot
+    from loramux.ops.triton_common import rounded as _rounded
+
 MAX_SLICES = 3  # q|k|v; the expand's slice lookup is unrolled over at most this many
-
-
-def available(device: str | torch.device = "cuda") -> bool:
-    """Triton importable and able to run on `device` (a CUDA device, or any device under the interpreter)."""
-    if triton is None:
-        return False
-    return INTERPRET or (torch.device(device).type == "cuda" and torch.cuda.is_available())
 
 
 def add_lora_triton(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
@@ -120,24 +112,6 @@ def _bounds(ends: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _dot(p, q, acc, IEEE: tl.constexpr):
-        """acc + p @ q, in fp32 at full precision (the reference's, not TF32) where IEEE, else on the inputs'
-        dtype (bf16 / fp16 tensor cores, fp32 sums)."""
-        if IEEE:
-            return tl.dot(p.to(tl.float32), q.to(tl.float32), acc, input_precision="ieee")
-        return tl.dot(p, q, acc)
-
-    @triton.jit
-    def _rounded(v, dtype: tl.constexpr, EMULATE: tl.constexpr):
-        """fp32 v in `dtype`, rounded to nearest even; EMULATE: bf16 by integer ops (the interpreter's
-        conversion truncates, triton 3.9; a GPU's rounds)."""
-        if EMULATE and dtype == tl.bfloat16:
-            bits = v.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return v.to(dtype)
 
     @triton.jit
     def _shrink(x, a, h, work, order, counts, starts, ranks, n_in, rank,

@@ -11,13 +11,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loramux.ops import lora_triton
+from loramux.ops import lora_triton, triton_common
 from loramux.ops.mapping import LoRAMapping
 from loramux.ops.moe_torch import ExpertLoRA
 
 
 def available(device: str | torch.device = "cuda") -> bool:
-    return lora_triton.available(device)
+    return triton_common.available(device)
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
