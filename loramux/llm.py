@@ -89,4 +89,4 @@ class LLM:
 
     @property
     def loras(self) -> list[str]:
-        return self.engine.adapters.loras if self.engine.adapters else []
+        return self.engine.adapters.loras if self.engine.adapters is not None else []

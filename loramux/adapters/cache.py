@@ -148,6 +148,17 @@ class AdapterCache:
         del self._known[key]
         return changes
 
+    def evict_oldest(self) -> Changes | None:
+        """Drop the least recently used identity that may leave host memory (not pinned, used, held by a
+        request, or without a disk copy), and its slot; None if none may."""
+        victim = next((k for k in self._host if self._evictable(k) and not self._holds[k]
+                       and k not in self._memory_only), None)
+        if victim is None:
+            return None
+        changes = Changes()
+        self._drop_from_host(victim, changes)
+        return changes
+
     # ---- slot tier -----------------------------------------------------------------------
     def activate(self, key: Key) -> tuple[int, Changes]:
         """Give `key` a device slot (touching it if it has one). Its weights must be host-resident."""

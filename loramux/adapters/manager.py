@@ -112,6 +112,45 @@ class LoRAManager:
                 self.cache.release(ref)
             self.retire()
 
+    # ---- vLLM's manager names (keyed by adapter name; vLLM keys by its int id) -------------------------------
+    def remove_adapter(self, name: str) -> bool:
+        """vLLM's remove_adapter: unload_adapter, True if it was loaded."""
+        return bool(self.unload_adapter(name))
+
+    def remove_all_adapters(self) -> None:
+        """Unload every adapter (each goes after the requests running on it, as unload_adapter)."""
+        for name in self.loras:
+            self.unload_adapter(name)
+
+    def remove_oldest_adapter(self) -> bool:
+        """vLLM's LRU manager: drop the least recently used adapter from host memory (and its slot). It stays
+        loaded under its name and is read back from disk on next use; pinned adapters, adapters requests use
+        and adapters with no disk copy are never dropped. False if none could go."""
+        return self.store.evict_oldest()
+
+    def list_adapters(self) -> dict[str, AdapterRef]:
+        """name -> the identity (load) requests for it start on now."""
+        return {name: self.store.current(name) for name in self.store.names}
+
+    def get_adapter(self, name: str) -> AdapterRef | None:
+        return self.identity(name)
+
+    def __len__(self) -> int:
+        """How many adapters are loaded (named), in host memory or not."""
+        return len(self.store.names)
+
+    @property
+    def capacity(self) -> int:
+        """Adapters host memory holds at most (max_cpu_loras; max_cpu_lora_bytes may hold fewer)."""
+        return self.config.max_cpu_loras
+
+    @property
+    def lora_slots(self) -> int:
+        """Device slots (max_loras)."""
+        return self.config.max_loras
+
+    adapter_slots = lora_slots
+
     # ---- queries ---------------------------------------------------------------------------------
     def is_lora(self, name: str) -> bool:
         return self.store.current(name) is not None

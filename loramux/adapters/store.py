@@ -275,6 +275,14 @@ class AdapterStore:
     def deactivate(self, ref: AdapterRef) -> None:
         self._apply(self.cache.deactivate(ref))
 
+    def evict_oldest(self) -> bool:
+        """Drop the least recently used adapter that may go from host memory (its name stays: it is read back
+        on next use); False if none may."""
+        changes = self.cache.evict_oldest()
+        if changes is not None:
+            self._apply(changes)
+        return changes is not None
+
     def _ensure_in_host(self, ref: AdapterRef) -> None:
         if ref not in self.cache:
             raise KeyError(f"adapter {ref.name!r} is not loaded")

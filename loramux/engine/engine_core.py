@@ -64,7 +64,7 @@ class EngineCore:
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         self.adapters = self._adapter_system(loaded.model)
         self.eos_token_ids = self._eos_token_ids()
-        slots = self.adapters.slots if self.adapters else None
+        slots = self.adapters.slots if self.adapters is not None else None
         self.runner = ModelRunner(loaded, self.config, self.device, slots, frozenset(self.eos_token_ids))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)

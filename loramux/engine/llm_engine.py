@@ -76,7 +76,7 @@ class LLMEngine:
         try:
             self.core.add_request(request_id, token_ids, params, adapter)
         except LookupError as e:
-            loaded = ", ".join(self.adapters.loras) if self.adapters else "none (LoRA is off)"
+            loaded = ", ".join(self.adapters.loras) if self.adapters is not None else "none (LoRA is off)"
             raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {loaded or 'none'}") from e
         detokenizer = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         self._requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, token_ids, adapter,

@@ -214,15 +214,16 @@ class EngineLoop:
 
     def _stats(self, control_id: int) -> EngineStats:
         core, scheduler, adapters = self.core, self.core.scheduler, self.core.adapters
-        counters = adapters.stats if adapters else {}
+        counters = adapters.stats if adapters is not None else {}
         return EngineStats(
             control_id, scheduler.num_running, scheduler.num_waiting,
             running_adapters=sorted({ref.name for ref in scheduler.running_adapters()}),
             waiting_adapters=sorted(scheduler.waiting_adapters()), max_loras=scheduler.max_loras,
-            num_adapters=len(adapters.loras) if adapters else 0, pinned=adapters.pinned if adapters else [],
+            num_adapters=len(adapters.loras) if adapters is not None else 0,
+            pinned=adapters.pinned if adapters is not None else [],
             lora_loads=counters.get("loads", 0), lora_host_evictions=counters.get("host_evictions", 0),
             lora_slot_evictions=counters.get("slot_evictions", 0), kv_blocks_total=core.block_manager.num_blocks,
             kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
-            lora_slot_bytes=adapters.slot_bytes if adapters else 0,
-            lora_host_bytes=adapters.host_bytes if adapters else 0, finished=dict(core.num_finished),
+            lora_slot_bytes=adapters.slot_bytes if adapters is not None else 0,
+            lora_host_bytes=adapters.host_bytes if adapters is not None else 0, finished=dict(core.num_finished),
             prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits)

@@ -82,7 +82,7 @@ def test_unknown_and_invalid_names_are_404_and_invalid_ones_never_reach_a_resolv
         demand = on_demand.OnDemand(plugin(resolver), Installs())
         with pytest.raises(HTTPError) as unknown:
             await demand.load("ghost", "base")
-        for bad in ("../etc", "a" * 300, "sp ace", ""):
+        for bad in ("../etc", "a" * 300, "sp ace", "", "x=/etc", "/abs"):
             with pytest.raises(HTTPError) as invalid:
                 await demand.load(bad, "base")
             assert invalid.value.status_code == 404
