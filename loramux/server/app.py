@@ -205,7 +205,7 @@ def _add_generation_routes(app: FastAPI, server: Frontend) -> None:
             body = [chunks.choice(c) for c in choices]
             return p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
 
-        return await _json_off_the_loop(answer)
+        return await json_off_the_loop(answer)
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
@@ -223,10 +223,10 @@ def _add_generation_routes(app: FastAPI, server: Frontend) -> None:
                                                                           request.skip_special_tokens)
             return response
 
-        return await _json_off_the_loop(answer)
+        return await json_off_the_loop(answer)
 
 
-async def _json_off_the_loop(answer) -> Response:
+async def json_off_the_loop(answer) -> Response:
     """A whole response, built and encoded in a worker thread: with logprobs of long prompts it is megabytes
     of JSON, and the event loop must keep serving every other client meanwhile."""
     def encode() -> bytes:
@@ -430,9 +430,9 @@ def _add_model_routes(app: FastAPI, server: Frontend) -> None:
     @app.get("/v1/models")
     async def models():
         server.require_engine()
-        cards = [p.model_card(server.model_name, server.model_root, None, server.max_model_len)]
-        cards += [p.model_card(name, source.path, server.model_name) for name, source in server.registry.items()]
-        return {"object": "list", "data": cards}
+        base = p.model_card(server.model_name, server.model_root, None, server.max_model_len)
+        adapters = [(name, source.path) for name, source in server.registry.items()]
+        return await json_off_the_loop(lambda: p.model_list(base, adapters, server.model_name))  # 10,000s of them
 
     @app.get("/v1/models/{model_id:path}")  # adapter names may hold "/" (org/adapter)
     async def model(model_id: str):

@@ -439,6 +439,14 @@ def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str
                          "finish_reason": finish_reason}]}
 
 
+def model_list(base: dict, adapters, base_name: str) -> dict:
+    """/v1/models: the base model's card, then one per (name, path) of `adapters`."""
+    created = int(time.time())
+    cards = [base] + [{"id": name, "object": "model", "created": created, "owned_by": "loramux", "root": path,
+                       "parent": base_name, "permission": []} for name, path in adapters]
+    return {"object": "list", "data": cards}
+
+
 def model_card(name: str, root: str, parent: str | None, max_model_len: int | None = None) -> dict:
     card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "loramux", "root": root,
             "parent": parent, "permission": []}

@@ -38,7 +38,7 @@ from loramux.adapters.names import parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
 from loramux.server import adapter_admin as admin
-from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge
+from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge, json_off_the_loop
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.on_demand import OnDemand
 from loramux.server.ray_replica import AdapterEntry, EngineReplica
@@ -171,11 +171,11 @@ class Ingress:
             self._info = await self.replica.info.remote()
         return self._info
 
-    async def models(self) -> dict:
+    async def models(self) -> Response:
         base, entries = await self._base(), await self.registry.all.remote()
-        cards = [p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])]
-        cards += [p.model_card(name, e.path, base["model_name"]) for name, e in entries.items()]
-        return {"object": "list", "data": cards}
+        card = p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
+        adapters = [(name, e.path) for name, e in entries.items()]
+        return await json_off_the_loop(lambda: p.model_list(card, adapters, base["model_name"]))
 
     async def model(self, model_id: str) -> dict:
         base = await self._base()
