@@ -32,7 +32,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from served import VLLM_CPU_ENV, bench_serve, check_load_generator, free_port, serve, stop  # noqa: E402
+from served import VLLM_CPU_ENV, bench_serve, check_load_generator, free_port, print_rows, serve, stop  # noqa: E402
 from throughput import cpu_load, write_adapter  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -195,12 +195,7 @@ def ratios(runs: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"\n{'run':<28}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
-    for run, r in report["runs"].items():
-        print(f"{run:<28}{r['output_throughput']:>10.1f}{r['p50_ttft_ms']:>10.0f}{r['p99_ttft_ms']:>10.0f}"
-              f"{r['p50_tpot_ms']:>10.1f}{r['p99_tpot_ms']:>10.1f}")
-    for name, value in report["ratios"].items():
-        print(f"{name:<60}{value:>8.2f}x")
+    print_rows(report["runs"], report["ratios"])
     if "registry" in report:
         r = report["registry"]
         print(f"registry: {r['ok']}/{r['adapters']} loaded on demand in {r['load_s']:.0f} s; /v1/models "

@@ -24,13 +24,11 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from served import bench_serve, check_load_generator, free_port, serve  # noqa: E402
+from served import VLLM_CPU_ENV, bench_serve, check_load_generator, free_port, print_rows, serve, stop  # noqa: E402
 from throughput import cpu_load, write_adapter  # noqa: E402
 
 SIDES = ("loramux", "loramux, no cache", "vllm", "vllm, no cache")
@@ -92,7 +90,7 @@ def start(side: str, args, model: str, adapters: dict[str, str]):
     max_len = str(max(args.prefix_len + args.suffix_len, 200 + args.turns * (40 + args.new_tokens)) + args.new_tokens + 64)
     lora = [f"{n}={p}" for n, p in adapters.items()]
     if side.startswith("vllm"):
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        env = {**os.environ, **VLLM_CPU_ENV}
         caching = "--no-enable-prefix-caching" if side == "vllm, no cache" else "--enable-prefix-caching"
         cmd = [os.path.join(args.vllm_venv, "bin", "vllm"), "serve", model, "--port", str(port), "--dtype", args.dtype,
                "--served-model-name", "base", "--enable-lora", "--max-loras", "8", "--max-lora-rank", "16",
@@ -116,11 +114,7 @@ def run_side(side: str, args, model: str, adapters: dict[str, str], workdir: str
             found[name] = bench_serve(bench, url, model, list(adapters)[:used], workdir, f"{side}-{name}", run, dataset)
         return found
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def main(argv=None) -> None:
@@ -161,13 +155,8 @@ def ratios(sides: dict) -> dict:
 
 
 def print_report(report: dict) -> None:
-    print(f"\n{'side':<20}{'workload':<14}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
-    for side, found in report["sides"].items():
-        for workload, r in found.items():
-            print(f"{side:<20}{workload:<14}{r['output_throughput']:>10.1f}{r['p50_ttft_ms']:>10.0f}"
-                  f"{r['p99_ttft_ms']:>10.0f}{r['p50_tpot_ms']:>10.1f}{r['p99_tpot_ms']:>10.1f}")
-    for name, value in report["ratios"].items():
-        print(f"{name:<45}{value:>8.2f}x")
+    rows = {f"{side}: {workload}": r for side, found in report["sides"].items() for workload, r in found.items()}
+    print_rows(rows, report["ratios"], "side: workload")
     print(json.dumps(report))
 
 

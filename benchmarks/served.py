@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +71,18 @@ def serve(cmd: list[str], port: int, timeout_s: float = 600, env: dict | None = 
     raise TimeoutError(f"{' '.join(cmd[:3])} did not start")
 
 
+VLLM_CPU_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}  # both cores; 2 GiB of KV cache
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM a server, then SIGKILL it if it has not exited within a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def bench_serve(args, url, path, adapters, workdir, label, extra, dataset: list[str] | None = None) -> dict:
     """One `vllm bench serve` run; its result JSON, with its percentiles under our names. dataset: its dataset
     options (default: random prompts of --prompt-len tokens, --new-tokens new ones)."""
@@ -88,3 +101,14 @@ def bench_serve(args, url, path, adapters, workdir, label, extra, dataset: list[
     return {"output_throughput": raw["output_throughput"], "duration_s": raw["duration"],
             "completed": raw["completed"], "request_rate": raw.get("request_rate"),
             **{f"p{q}_{m}_ms": raw[f"p{q}_{m}_ms"] for q in (50, 99) for m in ("ttft", "tpot", "itl", "e2el")}}
+
+
+def print_rows(rows: dict[str, dict], ratios: dict[str, float], label: str = "run") -> None:
+    """A table of bench_serve results (label -> result): throughput, TTFT and TPOT; then the ratios."""
+    width = max([len(label), *map(len, rows)]) + 2
+    print(f"\n{label:<{width}}{'out tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}")
+    for name, r in rows.items():
+        print(f"{name:<{width}}{r['output_throughput']:>10.1f}{r['p50_ttft_ms']:>10.0f}{r['p99_ttft_ms']:>10.0f}"
+              f"{r['p50_tpot_ms']:>10.1f}{r['p99_tpot_ms']:>10.1f}")
+    for name, value in ratios.items():
+        print(f"{name:<60}{value:>8.2f}x")
