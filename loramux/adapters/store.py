@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +105,7 @@ class AdapterStore:
         replaced."""
         if not self.needs_read(name, source, replace):
             return self.install(name, source, None, replace, pinned)
-        try:
-            weights = self.read(name, source)
-        except Exception as e:
-            return refusal(name, e)
-        return self.install(name, source, weights, replace, pinned)
+        return self.install_read(name, source, lambda: self.read(name, source), replace, pinned)
 
     def needs_read(self, name: str, source: Source, replace: bool) -> bool:
         """Whether loading `name` from `source` reads files (not: the same directory again, or a refusal)."""
@@ -120,6 +117,16 @@ class AdapterStore:
         config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
                                            self.slots.max_weight_bytes())
         return self._build(name, config, tensors, source.path)
+
+    def install_read(self, name: str, source: Source, read: Callable[[], AdapterWeights], replace: bool = False,
+                     pinned: bool = False) -> LoRAResult:
+        """install() what `read` returns (here, or the result of a loader thread's read); what it raises is the
+        refusal."""
+        try:
+            weights = read()
+        except Exception as e:
+            return refusal(name, e)
+        return self.install(name, source, weights, replace, pinned)
 
     def install(self, name: str, source: Source, weights: AdapterWeights | None, replace: bool = False,
                 pinned: bool = False) -> LoRAResult:

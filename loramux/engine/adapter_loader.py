@@ -14,8 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from loramux.adapters.cache import CacheFullError
 from loramux.adapters.names import AdapterRef
-from loramux.adapters.status import LoRAResult
-from loramux.adapters.store import AdapterStore, Source, refusal
+from loramux.adapters.store import AdapterStore, Source
 
 
 class AdapterLoader:
@@ -63,15 +62,8 @@ class AdapterLoader:
         for entry in [e for e in self._loads if e[0].done()]:
             self._loads.remove(entry)
             read, (name, source, replace, pinned), result = entry
-            result.set_result(self._installed(read, name, source, replace, pinned))
+            result.set_result(self.store.install_read(name, source, read.result, replace, pinned))
         return failed
-
-    def _installed(self, read: Future, name: str, source: Source, replace: bool, pinned: bool) -> LoRAResult:
-        try:
-            weights = read.result()
-        except Exception as e:
-            return refusal(name, e)
-        return self.store.install(name, source, weights, replace, pinned)
 
     @property
     def busy(self) -> bool:

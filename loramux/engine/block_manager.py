@@ -51,9 +51,7 @@ class BlockManager:
 
     # ---- prompts ---------------------------------------------------------------------------------
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._lookup(seq)
-        fresh = seq.num_blocks_needed(self.block_size) - len(hits)
-        return fresh + sum(self._refs[b] == 0 for b in hits) <= len(self._free)
+        return self._fits(seq, self._lookup(seq))
 
     def allocate(self, seq: Sequence) -> int:
         """Give `seq` blocks for all len(seq) tokens, its cached leading blocks shared; returns how many of its
@@ -62,7 +60,7 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.seq_id} already holds {len(seq.block_table)} blocks; "
                                "deallocate it before allocating again")
         hits = self._lookup(seq)
-        if not self.can_allocate(seq):
+        if not self._fits(seq, hits):
             raise RuntimeError(f"sequence {seq.seq_id} needs {seq.num_blocks_needed(self.block_size)} blocks for "
                                f"{len(seq)} tokens ({len(hits)} cached) but only {len(self._free)} are free; check "
                                "can_allocate first")
@@ -82,7 +80,7 @@ class BlockManager:
     def in_flight(self, seq: Sequence) -> bool:
         """Whether the first block `seq` would have to compute is being computed by another sequence now (it
         then waits a step or two and shares it, rather than computing it too)."""
-        if not self.caching or seq.cache_salt is None or not seq.reads_cache:
+        if not self._reads(seq):
             return False
         hashes = self._prompt_hashes(seq)
         index = len(self._lookup(seq))
@@ -108,7 +106,7 @@ class BlockManager:
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: the full blocks whose K/V are now all computed become cached (prompt and output
         alike: a chat's next turn resends this one's answer)."""
-        if not self.caching or seq.cache_salt is None:
+        if not self._caches(seq):
             return
         full = seq.num_computed_tokens // self.block_size
         if full <= seq.num_registered_blocks:
@@ -150,10 +148,23 @@ class BlockManager:
         return count
 
     # ---- internals -------------------------------------------------------------------------------
+    def _caches(self, seq: Sequence) -> bool:
+        """Whether `seq`'s computed blocks join the cache (caching on, and its salt set at admission)."""
+        return self.caching and seq.cache_salt is not None
+
+    def _reads(self, seq: Sequence) -> bool:
+        """Whether `seq` may also start from cached blocks (not a prefill that scores its whole prompt)."""
+        return self._caches(seq) and seq.reads_cache
+
+    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether the free queue holds `seq`'s fresh blocks and its cached ones that nobody uses now."""
+        fresh = seq.num_blocks_needed(self.block_size) - len(hits)
+        return fresh + sum(self._refs[b] == 0 for b in hits) <= len(self._free)
+
     def _lookup(self, seq: Sequence) -> list[int]:
         """The cached blocks `seq` can start with: its leading full prompt blocks found in the cache, never the
-        block of its last token. None for a sequence that does not read the cache."""
-        if not self.caching or seq.cache_salt is None or not seq.reads_cache:
+        block of its last token; none for a sequence that does not read the cache."""
+        if not self._reads(seq):
             return []
         blocks = []
         for digest in self._prompt_hashes(seq):
@@ -179,7 +190,7 @@ class BlockManager:
 
     def _claim(self, seq: Sequence) -> None:
         """The full prompt blocks `seq` will compute are in flight until they are cached or it lets go."""
-        if self.caching and seq.cache_salt is not None:
+        if self._caches(seq):
             hashes = self._prompt_hashes(seq)
             seq.claims = list(enumerate(hashes))[seq.num_registered_blocks:]
             self._in_flight.update(digest for _, digest in seq.claims)

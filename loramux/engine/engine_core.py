@@ -291,7 +291,7 @@ class EngineCore:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget(seq)
-        cached = seq.num_cached_tokens or 0 if seq.num_output_tokens == 1 else 0
+        cached = (seq.num_cached_tokens or 0) if seq.num_output_tokens == 1 else 0  # in its first output only
         return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
                           prompt_logprobs=result.prompt_logprobs, num_cached_tokens=cached)
 

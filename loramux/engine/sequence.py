@@ -7,6 +7,11 @@ import time
 
 from loramux.sampling_params import SamplingParams
 
+PROMPT_LOGPROBS_WEIGHT = 2
+"""A prompt token scored with its logprobs costs about twice a plain one (the output head's logits and a
+log-softmax over the vocabulary at every position: +60-100% on the default model). The scheduler weighs such
+a prefill's chunks by it, and the server's admission its prompt."""
+
 _ids = itertools.count()
 
 
@@ -67,16 +72,20 @@ class Sequence:
         return self.num_computed_tokens < len(self.token_ids) - 1
 
     @property
+    def scores_prompt(self) -> bool:
+        """A first prefill whose prompt logprobs are asked for: every prompt position is computed and scored."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
     def prompt_token_cost(self) -> int:
-        """What one of its prompt tokens costs a step, in plain prompt tokens: 2 in a first prefill whose prompt
-        logprobs are asked for (the output head's logits and a log-softmax over the vocabulary per position)."""
-        return 2 if self.params.prompt_logprobs is not None and self.num_output_tokens == 0 else 1
+        """What one of its prompt tokens costs a step, in plain prompt tokens."""
+        return PROMPT_LOGPROBS_WEIGHT if self.scores_prompt else 1
 
     @property
     def reads_cache(self) -> bool:
-        """Whether its prefill may start from cached blocks: not a first prefill whose prompt logprobs are asked
-        for (they need every prompt position computed; as vLLM, such a request bypasses the cache)."""
-        return self.params.prompt_logprobs is None or self.num_output_tokens > 0
+        """Whether its prefill may start from cached blocks: not when it scores its prompt (every position must
+        be computed; as vLLM, such a request bypasses the cache)."""
+        return not self.scores_prompt
 
     @property
     def is_finished(self) -> bool:

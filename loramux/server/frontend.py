@@ -23,6 +23,7 @@ from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, 
 from loramux.adapters.status import LoRAStatus
 from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
+from loramux.engine.sequence import PROMPT_LOGPROBS_WEIGHT
 from loramux.server import protocol as p
 from loramux.server.admission import Admission, Ticket
 from loramux.server.errors import HTTPError, model_not_found
@@ -377,11 +378,10 @@ class Frontend:
 
 
 def work_tokens(request: AddRequest) -> int:
-    """What an engine request may cost, in tokens, as admission counts it: its prompt and max_tokens. A prompt
-    scored for its logprobs counts twice (the output head's logits and a log-softmax over the vocabulary at
-    every position: +60-100% on the default model; the scheduler weighs its chunks so too). The n choices of a
-    request are n engine requests."""
-    weight = 2 if request.params.prompt_logprobs is not None else 1
+    """What an engine request may cost, in tokens, as admission counts it: its prompt (weighed as the scheduler
+    weighs its chunks when its prompt logprobs are asked for) and max_tokens. The n choices of a request are n
+    engine requests."""
+    weight = PROMPT_LOGPROBS_WEIGHT if request.params.prompt_logprobs is not None else 1
     return weight * len(request.prompt_token_ids) + request.params.max_tokens
 
 

@@ -441,10 +441,7 @@ def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str
 
 def model_list(base: dict, adapters, base_name: str) -> dict:
     """/v1/models: the base model's card, then one per (name, path) of `adapters`."""
-    created = int(time.time())
-    cards = [base] + [{"id": name, "object": "model", "created": created, "owned_by": "loramux", "root": path,
-                       "parent": base_name, "permission": []} for name, path in adapters]
-    return {"object": "list", "data": cards}
+    return {"object": "list", "data": [base] + [model_card(name, path, base_name) for name, path in adapters]}
 
 
 def model_card(name: str, root: str, parent: str | None, max_model_len: int | None = None) -> dict:
