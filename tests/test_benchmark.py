@@ -106,3 +106,21 @@ def test_the_chat_workload_resends_each_conversation_turn_after_turn(tmp_path):
         earlier = rows[i - 3]["prompt"]
         assert row["prompt"].startswith(earlier.removesuffix("\nAssistant:")) and len(row["prompt"]) > len(earlier)
     assert len({r["prompt"].split("\n")[0] for r in rows}) == 1  # one system prompt, shared by every chat
+
+
+def test_the_combined_trace_keeps_each_session_on_one_adapter_with_zipf_popularity(tmp_path):
+    spec = importlib.util.spec_from_file_location("multitenant_bench", SCRIPT.parent / "multitenant.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse_args(["--trace-requests", "400", "--new-tokens", "5", "--open-sessions", "4"])
+    names = [f"t{i}" for i in range(1000)]
+    adapters = module.trace_dataset(str(tmp_path / "trace.jsonl"), args, names)
+    rows = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
+    assert len(rows) == len(adapters) == 400 and all(r["output_tokens"] == 5 for r in rows)
+    counts = {name: adapters.count(name) for name in set(adapters)}
+    assert counts.get("t0", 0) > 3 * statistics.mean(counts.values())  # the most popular tenant far above the mean
+    assert len({r["prompt"].split("\n")[0] for r in rows}) <= args.system_prompts  # system prompts shared
+    for i, row in enumerate(rows):  # a later turn resends its conversation, on the conversation's adapter
+        earlier = [j for j in range(i) if row["prompt"].startswith(rows[j]["prompt"].removesuffix("\nAssistant:") + "\n")]
+        assert all(adapters[j] == adapters[i] for j in earlier)
+    assert sum(r["prompt"].count("User:") > 1 for r in rows) > 100  # many requests are later turns of a chat

@@ -4,7 +4,8 @@ registered before the request goes on (LoRAX's dynamic adapters; vLLM's LoRAReso
 server (frontend.py) and the Ray Serve ingress. No torch.
 
 - Many requests for one cold name at once: one resolution and one load; the others wait for it.
-- Resolving runs in a thread (a resolver may download); the load is the engine's, read off its step loop.
+- Resolving runs in a thread of its own pool (a resolver may download, and one tenant's cold adapter must not
+  queue behind other tenants' copies); the load is the engine's, read off its step loop.
 - A name no resolver knows: 404, naming the resolvers asked. An adapter found that does not load (broken,
   unsupported, outside its resolver's directory): 400 with the engine's reason, answered again without a
   second read for FAILURE_TTL_S (a client retrying a broken adapter costs nothing), then tried afresh.
@@ -15,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from loramux.adapters import resolvers
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
@@ -23,6 +25,9 @@ from loramux.server.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 FAILURE_TTL_S = 10.0
+# Resolvers wait on stores and networks, not on the CPU: as many copies at once as cold names (asyncio's default
+# pool, cpu_count + 4 threads, made 32 cold names wait behind each other's copies on 2 cores).
+RESOLVE_THREADS = 64
 
 Install = Callable[[str, resolvers.Resolved], Awaitable[None]]
 
@@ -40,6 +45,7 @@ class OnDemand:
         self._install = install
         self._pending: dict[str, asyncio.Future] = {}
         self._failed: dict[str, tuple[float, HTTPError]] = {}
+        self._pool = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="loramux-resolve")  # threads made as needed
 
     def __bool__(self) -> bool:
         return bool(self.resolvers)
@@ -64,7 +70,8 @@ class OnDemand:
         except InvalidAdapterNameError:
             raise model_not_found(name) from None
         try:
-            found = await asyncio.to_thread(resolvers.resolve, self.resolvers, base_model, name)
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._pool, resolvers.resolve, self.resolvers, base_model, name)
         except Exception as e:  # a resolver that fails, or answers a directory with no adapter in it
             logger.error("resolving adapter %r failed: %s", name, e)
             raise HTTPError(502, f"resolving adapter '{name}' failed: {e}", "server_error") from e
