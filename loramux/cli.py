@@ -9,7 +9,7 @@ import runpy
 import sys
 
 from loramux.adapters.names import parse_adapter_arg
-from loramux.config import EngineConfig, GrammarLimits, LoRAConfig, ServerConfig
+from loramux.config import LORA_DTYPES, EngineConfig, GrammarLimits, LoRAConfig, ServerConfig
 
 # structured outputs' limits: (flag, type, GrammarLimits field, help); the default is the field's
 _GRAMMAR_LIMITS = (
@@ -35,7 +35,7 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
                              "least recently used leave until a new one fits")
     parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
                         help="the LoRA weights' dtype (default: the activations'); bfloat16 on a float32 model (a "
                              "GGUF's default) halves what an adapter costs a decode step at batch 1")
     parser.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
@@ -218,7 +218,8 @@ def generate(args) -> None:
     from loramux.llm import LLM
     from loramux.sampling_params import SamplingParams
 
-    config = _engine_config(args)
+    startup = tuple(parse_adapter_arg(spec)[1] for spec in args.lora_modules)  # what they need is wrapped
+    config = dataclasses.replace(_engine_config(args), startup_adapters=startup)
     llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})  # every engine flag
     for spec in args.lora_modules:
         result = llm.load_adapter(spec)

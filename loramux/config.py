@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
-LORA_DTYPES = ("auto", "float32", "bfloat16")
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -38,8 +38,10 @@ class LoRAConfig:
     lora_dtype: str = "auto"
     """The linear layers' LoRA A/B in their slots (vLLM's lora_dtype): "auto" = the activations' dtype (exact);
     "bfloat16" on a float32 model (a GGUF's default) halves the adapter bytes each decode step reads, and with
-    them most of an adapter's cost at batch 1; the math stays fp32 on the bf16-rounded weights. Embedding and
-    expert LoRA keep the activations' dtype."""
+    them most of an adapter's cost at batch 1; the math stays fp32 on the bf16-rounded weights. "float16" is the
+    same on CUDA (float16 weights under float32 or float16 activations); on CPU, which has no fast float16, it runs
+    as bfloat16 with a warning, as the model's dtype does. Embedding and expert LoRA keep the activations'
+    dtype."""
 
     def __post_init__(self) -> None:
         _check_positive("max_loras", self.max_loras)
@@ -116,6 +118,10 @@ class EngineConfig:
     """"auto" = cuda when available, else cpu."""
     lora: LoRAConfig | None = LoRAConfig()
     """Adapter limits; None serves the base model only."""
+    startup_adapters: tuple[str, ...] = ()
+    """Paths of the adapters loaded at start (the server's --lora-modules, LLM(adapters=...)): whatever of
+    embed_tokens, lm_head and the MoE experts they have LoRA on is wrapped too, beyond lora.target_modules
+    (adapters loaded later that need an unwrapped module are refused, saying which)."""
     lora_backend: str = "auto"
     """LoRA op backend (loramux.ops.BACKENDS); "auto" picks the fastest for the device."""
     attention_backend: str = "auto"
@@ -183,6 +189,7 @@ class EngineConfig:
     Costs speed: see benchmarks/README.md."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "startup_adapters", tuple(self.startup_adapters))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.batch_invariant and self.lora_backend not in ("auto", "torch-fixed-rows"):

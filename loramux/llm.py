@@ -1,10 +1,11 @@
 """LLM: the offline API. `LLM(model=path).generate(prompts, SamplingParams(...), adapters=[...])`."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tqdm.auto import tqdm
 
+from loramux.adapters.names import parse_adapter_arg
 from loramux.adapters.status import LoRAResult
 from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.llm_engine import LLMEngine
@@ -23,12 +24,22 @@ def _per_request(value, count: int, what: str) -> list:
 
 class LLM:
     def __init__(self, model: str | None = None, lora: LoRAConfig | None = LoRAConfig(), dtype: str = "auto",
-                 max_num_seqs: int = 64, **engine_kwargs):
+                 max_num_seqs: int = 64, adapters: Mapping[str, str] | Sequence[str] = (), **engine_kwargs):
         """model: an HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
+        adapters: loaded at construction, {name: path} or ["name=path", ...]; whatever of embed_tokens, lm_head
+        and the MoE experts they have LoRA on is wrapped too (EngineConfig.startup_adapters). A refused one
+        raises ValueError with the reason.
         engine_kwargs: any other EngineConfig field (max_model_len, kv_cache_memory, device, ...)."""
-        config = EngineConfig(model=model, lora=lora, dtype=dtype, max_num_seqs=max_num_seqs, **engine_kwargs)
+        specs = [f"{n}={p}" for n, p in adapters.items()] if isinstance(adapters, Mapping) else list(adapters)
+        paths = (*engine_kwargs.pop("startup_adapters", ()), *(parse_adapter_arg(spec)[1] for spec in specs))
+        config = EngineConfig(model=model, lora=lora, dtype=dtype, max_num_seqs=max_num_seqs, startup_adapters=paths,
+                              **engine_kwargs)
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
+        for spec in specs:
+            result = self.load_adapter(spec)
+            if not result:
+                raise ValueError(f"adapter {spec!r}: {result.message}")
 
     def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence | None = None,
                  adapters: str | Sequence | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:

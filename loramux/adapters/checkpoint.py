@@ -1,31 +1,26 @@
-"""PEFT adapter directories -> per-module (A, B) tensors in the model's module names.
+"""An adapter's tensors and PEFT config -> per-module (A, B) tensors in the model's module names.
 
 A PEFT checkpoint stores `base_model.model.<module>.lora_A.weight` ([r, in]) and `.lora_B.weight`
-([out, r]). `read_adapter_dir` reads the files (each one resolved inside the allowed directories, the
-safetensors header checked before any tensor is read); `build_adapter` checks the tensors against the
-model's LoRA-able modules and folds the scaling into B once, so the hot path never multiplies by it.
+([out, r]) (adapters/files.py reads them). `build_adapter` checks the tensors against the model's LoRA-able
+modules and folds the scaling into B once, so the hot path never multiplies by it; `config_from_tensors`
+makes the PEFT config of a lone weights file from its tensors' names and shapes.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from loramux.adapters.names import parse_adapter_arg  # noqa: F401  (the "name=path" form; re-exported)
 from loramux.adapters.peft_config import AdapterSpec, InvalidAdapterError, saved_modules, unsupported_features
 
-CONFIG_FILE = "adapter_config.json"
-SAFETENSORS_FILE = "adapter_model.safetensors"
-PICKLE_FILE = "adapter_model.bin"
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_ABS_WEIGHT = 1e4
 """Largest |value| of A or of B with its scaling folded in. Trained LoRA weights are O(1); values near
 this would overflow the activations into NaN logits (found with weights x1e18)."""
-MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 
 # `.lora_A.weight`, or `.lora_A.<adapter name>.weight` as some trainers save it; an embedding's
 # `.lora_embedding_A` ([r, vocab]) and `.lora_embedding_B` ([hidden, r]) have no `.weight`.
@@ -36,10 +31,6 @@ _ODD_KEY = re.compile(r"lora_magnitude_vector|\.lora_[AB].*\.bias$")
 # writes a saved module's whole weight
 _BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
 _WHOLE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.weight$")
-
-
-class AdapterPathError(FileNotFoundError):
-    """The path is not a readable PEFT adapter directory, or leads outside the allowed directories."""
 
 
 @dataclass(frozen=True)
@@ -89,118 +80,6 @@ class AdapterWeights:
         return replace(self, modules=modules, copies={k: pin(t) for k, t in self.copies.items()})
 
 
-# ---- reading ----------------------------------------------------------------------------------------
-def read_adapter_dir(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
-                     max_weight_bytes: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read adapter_config.json and the weights. Pickle only when asked, and then weights_only.
-
-    allowed_dirs: when given, every file read must resolve (symlinks and `..` followed) inside one of them.
-    max_weight_bytes: a weights file larger than this is refused before it is read."""
-    _check_dir(path)
-    config_path = _resolve(os.path.join(path, CONFIG_FILE), allowed_dirs)
-    if not os.path.isfile(config_path):
-        raise AdapterPathError(f"adapter path {path!r} has no {CONFIG_FILE}")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidAdapterError(f"{CONFIG_FILE} in {path!r}: not valid JSON ({e})") from e
-    if not isinstance(config, dict):
-        raise InvalidAdapterError(f"{CONFIG_FILE} in {path!r}: expected a JSON object, got {type(config).__name__}")
-    return config, _read_weights(path, allow_pickle, allowed_dirs, max_weight_bytes)
-
-
-def _check_dir(path: str) -> None:
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise AdapterPathError(f"invalid adapter path {path!r}")
-    if not os.path.exists(path):
-        raise AdapterPathError(f"adapter path {path!r} does not exist")
-    if not os.path.isdir(path):
-        raise AdapterPathError(f"adapter path {path!r} is a file; give the adapter's directory (the one that "
-                               f"holds {CONFIG_FILE})")
-
-
-def _resolve(file: str, allowed_dirs: tuple[str, ...]) -> str:
-    """The real path of `file`, refused when it leads outside every allowed directory (checked per file:
-    a directory inside may hold a symlink to a file outside)."""
-    real = os.path.realpath(file)
-    roots = [os.path.realpath(d) for d in allowed_dirs]
-    if roots and not any(os.path.commonpath([real, root]) == root for root in roots):
-        raise AdapterPathError(f"{file} resolves to {real}, outside the allowed adapter directories "
-                               f"({', '.join(roots)})")
-    return real
-
-
-def _read_weights(path: str, allow_pickle: bool, allowed_dirs, max_bytes) -> dict[str, torch.Tensor]:
-    st_path, bin_path = os.path.join(path, SAFETENSORS_FILE), os.path.join(path, PICKLE_FILE)
-    if os.path.lexists(st_path):
-        return _read_safetensors(_resolve(st_path, allowed_dirs), max_bytes)
-    if os.path.lexists(bin_path):
-        if not allow_pickle:
-            raise InvalidAdapterError(
-                f"{bin_path} is a pickle file; refusing to unpickle it. Convert it to "
-                f"{SAFETENSORS_FILE}, or pass allow_pickle=True to read it with torch.load(weights_only=True)"
-            )
-        real = _resolve(bin_path, allowed_dirs)
-        _check_size(real, max_bytes)
-        try:
-            tensors = torch.load(real, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for bad files
-            raise InvalidAdapterError(f"{bin_path}: cannot be read with weights_only=True ({e})") from e
-        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
-            raise InvalidAdapterError(f"{bin_path}: expected a dict of tensors")
-        return tensors
-    raise AdapterPathError(f"adapter path {path!r} has neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
-
-
-def _check_size(file: str, max_bytes: int | None) -> int:
-    if not os.path.isfile(file):
-        raise AdapterPathError(f"{file} is not a regular file")
-    size = os.path.getsize(file)
-    if max_bytes is not None and size > max_bytes:
-        raise InvalidAdapterError(f"{file} is {size} bytes; LoRA weights for this model's wrapped modules at "
-                                  f"max_lora_rank take at most {max_bytes}")
-    return size
-
-
-def _read_safetensors(file: str, max_bytes: int | None) -> dict[str, torch.Tensor]:
-    """The header is parsed here first: the safetensors library takes the last of two equal keys and reads
-    any length prefix; then the library reads the tensors (and checks offsets and sizes).
-
-    The file is read whole (its size is bounded above) and decoded with `safetensors.torch.load`: its
-    `load_file` / `safe_open(...).get_tensor` keep ~1.5 KB of Python objects alive per call in safetensors
-    0.8 (measured with tracemalloc: +3 MB over 2,000 loads), which adapter churn turns into a leak."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    size = _check_size(file, max_bytes)
-    with open(file, "rb") as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
-            raise InvalidAdapterError(f"{file}: not a safetensors file (a {size}-byte file whose header length "
-                                      f"field reads {length})")
-        data = prefix + f.read()
-    try:
-        header = json.loads(data[8:8 + length], object_pairs_hook=_unique_keys)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise InvalidAdapterError(f"{file}: malformed safetensors header ({e})") from e
-    if not isinstance(header, dict):
-        raise InvalidAdapterError(f"{file}: malformed safetensors header (not a JSON object)")
-    try:
-        return load(data)
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise InvalidAdapterError(f"{file}: unreadable safetensors file ({e})") from e
-
-
-def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    duplicates = sorted({k for k in keys if keys.count(k) > 1})
-    if duplicates:
-        raise ValueError(f"duplicate keys {duplicates}")
-    return dict(pairs)
-
-
 # ---- building ---------------------------------------------------------------------------------------
 @dataclass
 class _Sorted:
@@ -228,6 +107,29 @@ def _sort_tensors(tensors: dict[str, torch.Tensor], saved: tuple[str, ...]) -> _
         else:
             out.odd.append(key)
     return out
+
+
+def config_from_tensors(tensors: dict[str, torch.Tensor], lora_alpha: float | None, path: str) -> dict:
+    """The PEFT config a lone weights file of LoRA pairs implies: r the most common rank of its A tensors
+    (the others in rank_pattern, by module), target_modules the modules' last names, lora_alpha the caller's.
+    Refused when the file holds anything but LoRA pairs (whole modules, DoRA magnitudes, biases: what they
+    need is not in the tensors) or no lora_alpha is given (alpha / r scales every update)."""
+    found = _sort_tensors(tensors, saved=())
+    others = sorted([*found.odd, *found.base_copies, *found.whole])
+    if others:
+        raise InvalidAdapterError(f"{path} holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: a "
+                                  "lone weights file may hold only LoRA pairs (lora_A / lora_B); give the adapter's "
+                                  "directory with its adapter_config.json")
+    if not found.pairs:
+        raise InvalidAdapterError(f"{path} holds no LoRA pairs (<module>.lora_A.weight and .lora_B.weight)")
+    if lora_alpha is None:
+        raise InvalidAdapterError(f"{path} does not say its lora_alpha: pass lora_alpha, or put its PEFT config "
+                                  f"beside it as {os.path.basename(path).removesuffix('.safetensors')}.json")
+    ranks = {module: ab["A"].shape[0] for module, ab in found.pairs.items() if "A" in ab and ab["A"].dim() == 2}
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
+    return {"peft_type": "LORA", "r": r, "lora_alpha": lora_alpha, "bias": "none", "lora_dropout": 0.0,
+            "target_modules": sorted({module.rsplit(".", 1)[-1] for module in found.pairs}),
+            "rank_pattern": {re.escape(module): rank for module, rank in ranks.items() if rank != r}}
 
 
 def _dtype_problems(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from torch import nn
 
 from loramux.adapters.cache import CacheFullError
+from loramux.adapters.checkpoint import ModuleLoRA
 from loramux.adapters.manager import LoRAManager
 from loramux.adapters.names import AdapterRef
 from loramux.adapters.status import LoRAResult
@@ -84,6 +85,15 @@ class LoRAModel:
     def active_adapter_name(self) -> str | None:
         """The name of the adapter switch() selected (TensorRT Edge-LLM's getActiveAdapterName), or None."""
         return None if self._selected is None else self._selected.name
+
+    def get_active_weight(self, binding: str) -> ModuleLoRA | None:
+        """TensorRT Edge-LLM's getActiveWeight: the selected adapter's weights for module `binding` (a PEFT module
+        name, e.g. "model.layers.0.self_attn.q_proj"), as ModuleLoRA(a [r, in], b [out, r] with the scaling
+        folded in: the update is b @ a), the host copies the slots are written from; None when switch() selected
+        no adapter or the selected one has no weights for `binding`."""
+        if self._selected is None:
+            return None
+        return self.manager.store.weights_of(self._selected).modules.get(binding)
 
     def has_weight_for(self, binding: str) -> bool:
         """Whether the adapter switch() selected has weights for `binding` (a PEFT module name). No side

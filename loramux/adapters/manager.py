@@ -32,9 +32,12 @@ class LoRAManager:
 
     # ---- loading ---------------------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, allow_pickle: bool | None = None,
-                     allowed_dirs: Sequence[str] = (), replace: bool = False, pinned: bool = False) -> LoRAResult:
+                     allowed_dirs: Sequence[str] = (), replace: bool = False, pinned: bool = False,
+                     lora_alpha: float | None = None) -> LoRAResult:
         """Load a PEFT adapter directory: `load_adapter("name=path")`, a bare path (named after itself), or
-        `load_adapter(name, path)` (the name is never parsed). allowed_dirs: every file read, now and on a
+        `load_adapter(name, path)` (the name is never parsed). The path may also be one .safetensors file of
+        LoRA pairs (TensorRT Edge-LLM's loadWeights): `load_adapter("name", "x.safetensors", lora_alpha=16)`,
+        rank and targets from its tensors (adapters/files.py). allowed_dirs: every file read, now and on a
         reload from disk, must resolve inside one of them. allow_pickle: None = LoRAConfig.allow_pickle.
         A name already loaded from the same directory answers SUCCESS (from another, LOAD_NAME_EXISTS).
         replace: an adapter of that name is reloaded in place (vLLM's load_inplace): requests starting from
@@ -47,7 +50,7 @@ class LoRAManager:
         except ValueError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(e))
         allow = self.config.allow_pickle if allow_pickle is None else allow_pickle
-        return self.store.load(name, Source(path, allow, tuple(allowed_dirs)), replace, pinned)
+        return self.store.load(name, Source(path, allow, tuple(allowed_dirs), lora_alpha), replace, pinned)
 
     def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
         """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
@@ -116,6 +119,15 @@ class LoRAManager:
     def remove_adapter(self, name: str) -> bool:
         """vLLM's remove_adapter: unload_adapter, True if it was loaded."""
         return bool(self.unload_adapter(name))
+
+    def clone(self, name: str, new_name: str) -> LoRAResult:
+        """A second name for `name`'s current weights, sharing their host memory (AdapterStore.clone); each
+        name then lives on its own."""
+        try:
+            check_adapter_name(new_name)
+        except InvalidAdapterNameError as e:
+            return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
+        return self.store.clone(name, new_name)
 
     def remove_all_adapters(self) -> None:
         """Unload every adapter (each goes after the requests running on it, as unload_adapter)."""

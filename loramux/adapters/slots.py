@@ -11,6 +11,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import logging
+
 import torch
 from torch import nn
 
@@ -21,6 +23,8 @@ from loramux.layers.lora import LoRAContext, LoRAEmbedding, LoRAExperts, LoRAHea
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from loramux.models.moe import FusedExperts
 from loramux.ops import LoRAMapping, select_backend, wants_grouped_tokens
+
+logger = logging.getLogger(__name__)
 
 _OUTPUT_HEADS = ("lm_head", "embed_out", "output")  # PEFT's "all-linear" leaves the output layer out
 
@@ -43,6 +47,16 @@ def _plain_weight(module: nn.Module) -> torch.Tensor:
     return module.weight
 
 
+def _slot_dtype(lora_dtype: str, device: torch.device) -> torch.dtype | None:
+    """LoRAConfig.lora_dtype as the linear layers' slot dtype (None: the activations')."""
+    if lora_dtype == "auto":
+        return None
+    if lora_dtype == "float16" and device.type == "cpu":
+        logger.warning("lora_dtype float16 is not supported on CPU; running the LoRA weights in bfloat16")
+        return torch.bfloat16
+    return getattr(torch, lora_dtype)
+
+
 class AdapterSlots:
     def __init__(self, model: nn.Module, config: LoRAConfig, backend: str = "auto"):
         self.model, self.config = model, config
@@ -54,6 +68,7 @@ class AdapterSlots:
         self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
         self._bindings: dict[str, _Binding] = {}
         self.unwrapped_experts: dict[str, tuple[int, int, int]] = {}  # MoE blocks left without expert LoRA
+        self._lora_dtype = _slot_dtype(config.lora_dtype, next(model.parameters()).device)
         self._wrap_targets()
 
     # ---- wrapping --------------------------------------------------------------------------------
@@ -94,9 +109,8 @@ class AdapterSlots:
         """The LoRA layer that wraps `base`, and the adapter module names it takes weights for."""
         prefix, _, attr = name.rpartition(".")
         config = self.config
-        lora_dtype = None if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
         kw = dict(max_loras=config.max_loras, max_rank=config.max_lora_rank, context=self.context,
-                  add_lora=self._add_lora, dtype=lora_dtype)
+                  add_lora=self._add_lora, dtype=self._lora_dtype)
         if isinstance(base, (nn.Embedding, QuantizedEmbedding)) or attr in _OUTPUT_HEADS:
             self.base_weights[name] = _plain_weight(base)  # (before prepacking) for adapters' copies of it
         if isinstance(base, FusedExperts):  # an MoE block's experts: one layer, both 3D weights
@@ -119,6 +133,11 @@ class AdapterSlots:
     def slot_bytes(self) -> int:
         """Bytes of the LoRA layers' slot buffers, allocated for max_loras x max_lora_rank at start."""
         return sum(buffer.nbytes for layer, _ in self._layers.values() for buffer in layer.buffers())
+
+    def slot_bytes_of(self, targets: Sequence[str]) -> int:
+        """Bytes of the slot buffers of the layers wrapping `targets` (module-name suffixes, as target_modules)."""
+        return sum(buffer.nbytes for name, (layer, _) in self._layers.items() if name.rsplit(".", 1)[-1] in targets
+                   for buffer in layer.buffers())
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """Adapter module name -> (in, out) features, for every wrapped linear module (packed ones by slice)."""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from loramux.adapters.cache import AdapterCache, CacheFullError, Changes
-from loramux.adapters.checkpoint import AdapterPathError, AdapterWeights, build_adapter, read_adapter_dir
+from loramux.adapters.checkpoint import AdapterWeights, build_adapter
+from loramux.adapters.files import AdapterPathError, read_adapter
 from loramux.adapters.names import AdapterRef
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.slots import AdapterSlots
@@ -36,9 +37,11 @@ class Source:
     path: str
     allow_pickle: bool
     allowed_dirs: tuple[str, ...] = ()
+    lora_alpha: float | None = None  # a lone .safetensors file's, from the caller (files.read_adapter_file)
 
     def same_place(self, other: Source) -> bool:
-        return os.path.realpath(self.path) == os.path.realpath(other.path)
+        """The same weights: the same files, and for a lone file the same alpha (it changes the math)."""
+        return os.path.realpath(self.path) == os.path.realpath(other.path) and self.lora_alpha == other.lora_alpha
 
 
 def refusal(name: str, error: Exception) -> LoRAResult:
@@ -92,6 +95,11 @@ class AdapterStore:
     def source(self, ref: AdapterRef) -> Source | None:
         return self._sources.get(ref)
 
+    def weights_of(self, ref: AdapterRef) -> AdapterWeights:
+        """The identity's host copy (read back from disk first if it left host memory)."""
+        self._ensure_in_host(ref)
+        return self._weights[ref]
+
     def modules_of(self, ref: AdapterRef) -> frozenset[str]:
         """The module names `ref` has weights for (recorded at load: no disk read, whichever tier it is in)."""
         return self._modules[ref]
@@ -114,8 +122,8 @@ class AdapterStore:
     def read(self, name: str, source: Source) -> AdapterWeights:
         """Read and check an adapter directory into host tensors. Touches nothing of the store's, so it runs on
         a loader thread, off the step loop. Raises the reason it is refused."""
-        config, tensors = read_adapter_dir(source.path, source.allow_pickle, source.allowed_dirs,
-                                           self.slots.max_weight_bytes())
+        config, tensors = read_adapter(source.path, source.allow_pickle, source.allowed_dirs,
+                                       self.slots.max_weight_bytes(), source.lora_alpha)
         return self._build(name, config, tensors, source.path)
 
     def install_read(self, name: str, source: Source, read: Callable[[], AdapterWeights], replace: bool = False,
@@ -184,6 +192,26 @@ class AdapterStore:
         if result:
             self._publish(ref, None)
         return result
+
+    def clone(self, name: str, new_name: str) -> LoRAResult:
+        """`new_name` becomes an adapter of its own with `name`'s current weights: the same host tensors (no
+        copy; the host tier's budget counts them for each name) and the same disk copy to read back from. From
+        then on each name lives on its own: replacing or unloading one leaves the other."""
+        ref = self._current.get(name)
+        if ref is None:
+            return LoRAResult(LoRAStatus.LOAD_ERROR, f"cannot clone adapter {name!r}: it is not loaded")
+        if new_name in self._current:
+            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {new_name!r} is already loaded")
+        try:
+            weights = self.weights_of(ref)
+        except Exception as e:
+            return refusal(name, e)
+        new = AdapterRef(new_name)
+        result = self._guarded_install(new, weights, self._sources.get(ref))
+        if not result:
+            return result
+        self._publish(new, None)
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {new_name!r} loaded as a clone of {name!r}")
 
     def _publish(self, ref: AdapterRef, old: AdapterRef | None) -> None:
         self._current[ref.name] = ref

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from loramux.adapters.files import modules_to_wrap
 from loramux.adapters.manager import LoRAManager
 from loramux.adapters.store import Source
 from loramux.adapters.status import LoRAResult
@@ -93,9 +94,18 @@ class EngineCore:
         if lora is None:
             return None
         backend = "torch-fixed-rows" if self.config.batch_invariant else self.config.lora_backend
+        needed = {path: modules_to_wrap(path) - set(lora.targets) for path in self.config.startup_adapters}
+        added = sorted(set().union(*needed.values()))
+        if added:
+            lora = replace(lora, target_modules=(*lora.targets, *added))
+            self.config = replace(self.config, lora=lora)
         adapters = LoRAManager(model, lora, backend)
         logger.info("LoRA slot buffers: %.1f MB (%d slots x rank %d)", adapters.slot_bytes / 2**20,
                     lora.max_loras, lora.max_lora_rank)
+        if added:
+            asked = "; ".join(f"{path}: {', '.join(sorted(m))}" for path, m in needed.items() if m)
+            logger.info("wrapped %s for the start-up adapters (%s): %.1f MB of those slot buffers", ", ".join(added),
+                        asked, adapters.slots.slot_bytes_of(added) / 2**20)
         return adapters
 
     def _warm_up(self) -> None:

@@ -40,8 +40,9 @@ class LoRALinear(nn.Module):
         output_slices: Sequence[int] | None = None,
         dtype: torch.dtype | None = None,
     ):
-        """dtype: the slot buffers' (LoRAConfig.lora_dtype); None = the activations'. Only bf16 under fp32
-        activations differs: fp32 weights under bf16 activations would be rounded to bf16 in every product."""
+        """dtype: the slot buffers' (LoRAConfig.lora_dtype); None = the activations'. Only 16-bit weights under
+        fp32 activations differ (widened exactly; the C++ kernel takes bf16 only, so CPU never asks for fp16):
+        fp32 weights under 16-bit activations would be rounded in every product."""
         super().__init__()
         self.base = base
         # True where the engine's own modules (layers.DirectCall) call this one, set by the LoRAManager: forward
@@ -55,9 +56,9 @@ class LoRALinear(nn.Module):
             raise ValueError(f"output slices {self.output_slices} do not add up to {base.out_features}")
         a_rows = len(self.output_slices) * max_rank
         ref = base.weight if isinstance(base, nn.Linear) else base  # a QuantizedLinear says its activations' dtype
-        if dtype not in (None, ref.dtype) and (ref.dtype, dtype) != (torch.float32, torch.bfloat16):
+        if dtype not in (None, ref.dtype) and (ref.dtype != torch.float32 or dtype not in (torch.bfloat16, torch.float16)):
             raise ValueError(f"lora_dtype {str(dtype).removeprefix('torch.')} on a "
-                             f"{str(ref.dtype).removeprefix('torch.')} model: only bfloat16 LoRA weights under "
+                             f"{str(ref.dtype).removeprefix('torch.')} model: only 16-bit LoRA weights under "
                              "float32 activations are supported (or auto: the activations' dtype)")
         self.activation_dtype = ref.dtype  # (the slots' may be bf16 under fp32: LoRAConfig.lora_dtype)
         kw = dict(dtype=dtype or ref.dtype, device=ref.device)

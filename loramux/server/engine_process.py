@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 import traceback
+from dataclasses import replace
 
 import zmq
 
@@ -39,7 +40,8 @@ def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str
     inbox.connect(f"ipc://{ipc_dir}/to_engine")
     outbox.connect(f"ipc://{ipc_dir}/from_engine")
     try:
-        loop = EngineLoop(_build_engine(config), outbox)
+        startup = replace(config, startup_adapters=(*config.startup_adapters, *(a.path for a in adapters)))
+        loop = EngineLoop(_build_engine(startup), outbox)
         outbox.send(encode(loop.ready(adapters, os.path.join(ipc_dir, "tokenizer"))))
     except Exception as e:
         logger.error("the engine failed to start: %s", traceback.format_exc())

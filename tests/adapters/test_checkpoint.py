@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import save_peft_adapter, tiny_llama
-from loramux.adapters.checkpoint import AdapterPathError, build_adapter, read_adapter_dir
+from loramux.adapters.checkpoint import build_adapter
+from loramux.adapters.files import AdapterPathError, read_adapter_dir
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
 from loramux.adapters.peft_config import InvalidAdapterError
 

@@ -176,7 +176,7 @@ def test_an_adapter_in_use_is_never_evicted_and_an_unload_frees_it_when_the_use_
 
 
 def test_add_adapter_from_tensors(adapter_dirs):
-    from loramux.adapters.checkpoint import read_adapter_dir
+    from loramux.adapters.files import read_adapter_dir
 
     base = MODEL_FACTORIES["qwen2"]()
     model, manager = manager_for(base)
@@ -367,3 +367,29 @@ def test_vllms_manager_names(adapter_dirs):
     assert manager.remove_adapter("c") is True and manager.remove_adapter("c") is False
     manager.remove_all_adapters()
     assert len(manager) == 0 and manager.list_adapters() == {}
+
+
+def test_clone_is_a_second_name_for_the_same_host_tensors_and_lives_on_its_own(adapter_dirs):
+    """vLLM's clone(name, new_name): the clone gives the original's logits, shares its host tensors (no copy),
+    reads back from the same disk copy, and outlives a replacement or an unload of the original."""
+    base = MODEL_FACTORIES["llama"]()
+    model, lora_model = manager_for(base, max_loras=2, max_cpu_loras=3)
+    manager = lora_model.manager
+    assert manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
+    assert manager.clone("a", "twin") == LoRAStatus.SUCCESS and manager.loras == ["a", "twin"]
+    a, twin = manager.identity("a"), manager.identity("twin")
+    assert a != twin and manager.store.weights_of(a) is manager.store.weights_of(twin)  # the same host tensors
+    assert manager.paths["twin"] == manager.paths["a"]
+    input_ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad(), lora_model.batch(["twin", "a"]):
+        logits = model(input_ids).logits
+    torch.testing.assert_close(logits, peft_logits(base, adapter_dirs["llama", "r4"], input_ids), atol=ATOL, rtol=1e-4)
+    assert manager.load_adapter("a", adapter_dirs["llama", "r16_patterns"], replace=True)
+    assert manager.unload_adapter("a")
+    with torch.no_grad(), lora_model.batch(["twin"]):
+        torch.testing.assert_close(model(input_ids[:1]).logits,
+                                   peft_logits(base, adapter_dirs["llama", "r4"], input_ids[:1]), atol=ATOL, rtol=1e-4)
+    assert manager.clone("ghost", "x") == LoRAStatus.LOAD_ERROR and "not loaded" in manager.clone("ghost", "x").message
+    assert manager.clone("twin", "twin") == LoRAStatus.LOAD_NAME_EXISTS
+    assert manager.clone("twin", "a=b") == LoRAStatus.LOAD_INVALID_NAME
+    assert manager.loras == ["twin"]

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import save_peft_adapter, tiny_llama
-from loramux.adapters.checkpoint import AdapterPathError, build_adapter, read_adapter_dir
+from loramux.adapters.checkpoint import build_adapter
+from loramux.adapters.files import AdapterPathError, read_adapter_dir
 from loramux.adapters.peft_config import InvalidAdapterError
 
 SHAPES = {f"model.layers.{i}.self_attn.{p}": (64, 64 if p in ("q_proj", "o_proj") else 32)

@@ -127,3 +127,23 @@ def test_bf16_lora_slots_keep_whole_copies_in_the_activations_dtype(setup, tmp_p
     out = llm.generate([[7, 8, 9, 10]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                        adapters=["save_head"])[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_adapters_given_at_start_get_their_embedding_and_head_wrapped(setup, tmp_path, caplog):
+    """LLM(adapters=...) wraps what they have LoRA on beyond target_modules (here the 7 projections only), logs
+    it, and serves them as PEFT does; an adapter loaded later that needs an unwrapped module is refused."""
+    base, adapters, _ = setup
+    model = save_checkpoint(base, tmp_path / "model")
+    with caplog.at_level("INFO", logger="loramux.engine.engine_core"):
+        llm = LLM(model=model, dtype="float32", kv_cache_memory=2**22, max_model_len=64,
+                  lora=LoRAConfig(max_loras=2, max_lora_rank=8), adapters={"emb_head": adapters["emb_head"]})
+    assert "wrapped embed_tokens, lm_head for the start-up adapters" in caplog.text and "MB of those" in caplog.text
+    prompt = [7, 8, 9, 10]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), adapters="emb_head")
+    assert out[0].token_ids == hf_greedy(base, adapters["emb_head"], prompt, 8)
+    plain = LLM(model=model, dtype="float32", kv_cache_memory=2**22, max_model_len=64,
+                lora=LoRAConfig(max_loras=2, max_lora_rank=8), adapters=[f"plain={adapters['plain']}"])
+    refused = plain.load_adapter("emb_head", adapters["emb_head"])
+    assert refused == LoRAStatus.LOAD_INVALID_ADAPTER and "embed_tokens" in refused.message
+    with pytest.raises(ValueError, match="adapter 'x=/nowhere'"):
+        LLM(model=model, dtype="float32", kv_cache_memory=2**22, max_model_len=64, adapters=["x=/nowhere"])

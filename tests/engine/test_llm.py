@@ -118,10 +118,22 @@ def test_bf16_lora_weights_under_fp32_activations_are_fp32_math_on_the_rounded_w
     for prompt, adapter, out in zip(batch[:3], rows, outputs):
         assert out.token_ids == hf_greedy(base, {"bf16": rounded}.get(adapter), prompt, GREEDY.max_tokens)
     with pytest.raises(ValueError, match="lora_dtype"):
-        LoRAConfig(lora_dtype="float16")
-    with pytest.raises(ValueError, match="only bfloat16 LoRA weights under float32"):
+        LoRAConfig(lora_dtype="float8")
+    with pytest.raises(ValueError, match="only 16-bit LoRA weights under float32"):
         LLM(model=path, lora=LoRAConfig(max_loras=1, max_lora_rank=8, lora_dtype="float32"), dtype="bfloat16",
             kv_cache_memory=2**22)
+
+
+def test_float16_lora_weights_run_as_bfloat16_on_cpu_with_a_warning(checkpoints, caplog):
+    from loramux.layers.lora import LoRALinear
+
+    _, path, adapters = checkpoints["llama"]
+    with caplog.at_level("WARNING"):
+        llm = make_llm(path, {"r4": adapters["r4"]}, lora=LoRAConfig(max_loras=1, max_lora_rank=8, lora_dtype="float16"))
+    assert "lora_dtype float16 is not supported on CPU" in caplog.text
+    layers = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(m.lora_a.dtype == torch.bfloat16 for m in layers)
+    assert llm.generate(prompts(1, seed=1), GREEDY, adapters="r4")[0].token_ids
 
 
 def test_rows_keep_their_order_unless_the_lora_op_wants_them_grouped():

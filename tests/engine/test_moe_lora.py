@@ -226,3 +226,13 @@ def test_per_expert_weights_the_config_does_not_target_are_refused(setup, tmp_pa
         json.dump({**config, "target_modules": [m for m in config["target_modules"] if m != down]}, f)
     result = llm.load_adapter("untargeted", str(tmp_path / "a"))
     assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "does not target" in result.message and down in result.message
+
+
+def test_expert_adapters_given_at_start_get_the_experts_wrapped(setup, tmp_path):
+    base, adapters, _ = setup
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22,
+              max_model_len=32, lora=LoRAConfig(max_loras=1, max_lora_rank=8), adapters={"experts": adapters["experts"]})
+    assert "experts" in llm.engine.core.config.lora.targets
+    prompt = [5, 6, 7]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapters="experts")
+    assert out[0].token_ids == hf_greedy(base, adapters["experts"], prompt, 6)

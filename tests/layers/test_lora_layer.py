@@ -27,6 +27,24 @@ def test_matches_merged_weight_per_slot_and_base_rows_untouched():
     assert layer.lora_a.abs().sum() == 0 and layer.lora_b.abs().sum() == 0
 
 
+def test_fp16_weights_under_fp32_activations_widen_exactly_on_the_torch_op():
+    """lora_dtype="float16" as CUDA runs it (the torch / Triton ops; CPU maps it to bfloat16): fp32 math on the
+    fp16 weights widened, so fp16-representable weights give the fp32 layer's output."""
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12)
+    layer = LoRALinear(base, max_loras=2, max_rank=8, context=LoRAContext(), add_lora=select_backend("torch"),
+                       dtype=torch.float16)
+    a, b = torch.randn(4, 16).half().float(), torch.randn(12, 4).half().float()
+    layer.set_slot(1, a, b, scaling=0.5)
+    assert layer.lora_a.dtype == layer.lora_b.dtype == torch.float16
+    x = torch.randn(5, 16)
+    layer.context.mapping = LoRAMapping.from_slots([1] * 5)
+    torch.testing.assert_close(layer(x), x @ (base.weight + 0.5 * b @ a).t() + base.bias)
+    with pytest.raises(ValueError, match="only 16-bit LoRA weights under float32"):
+        LoRALinear(base.bfloat16(), max_loras=2, max_rank=8, context=LoRAContext(), add_lora=select_backend("torch"),
+                   dtype=torch.float16)
+
+
 def test_slot_buffers_have_the_design_shapes_and_b_is_rank_major():
     layer = make(nn.Linear(16, 12), cls=PackedLoRALinear, output_slices=(8, 4))
     assert layer.lora_a.shape == (3, 2 * 8, 16) and layer.lora_b.shape == (3, 12, 8)

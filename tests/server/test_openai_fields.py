@@ -460,6 +460,11 @@ def test_tokenize_detokenize_and_one_model_like_vllm(server, client, offline, fi
     loaded = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "org/new", "lora_path": files["runtime"]["new"]})
     assert loaded.status_code == 200, loaded.text
     assert client.models.retrieve("org/new").id == "org/new"
+    lone = os.path.join(files["runtime"]["new"], "adapter_model.safetensors")  # its config the sidecar beside it
+    assert httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "lone", "lora_path": lone}).status_code == 200
+    texts = [client.completions.create(model=m, prompt="hello", max_tokens=6, temperature=0).choices[0].text
+             for m in ("org/new", "lone")]
+    assert texts[0] == texts[1]
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
 
