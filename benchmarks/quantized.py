@@ -1,5 +1,5 @@
-"""Quantized bases (issue 14): loramux on a 1B-class model as bf16, int8 and Q4_K_M, against llama.cpp on the
-same Q4_K_M GGUF file, in one run.
+"""Quantized bases: loramux on a 1B-class model as bf16, int8, NF4 (bitsandbytes' format) and Q4_K_M, against
+llama.cpp on the same Q4_K_M GGUF file and transformers + bitsandbytes on the same NF4 weights, in one run.
 
 The model: SmolLM2-1.7B's shape (hidden 2048, 24 layers, 32 heads, intermediate 8192, tied 49152-token
 vocabulary; 1.71B parameters) with random weights, SmolLM2's tokenizer. Made once under --workdir: an HF
@@ -8,8 +8,12 @@ and llama.cpp's own Q4_K_M quantization of it (`llama_model_quantize`, Q4_K with
 Phases, each in its own process (resident memory is per process):
   bf16       loramux, the HF checkpoint in bfloat16
   int8       the same with --quantization int8 (per output channel; bf16 activations)
+  nf4        the HF checkpoint with --quantization bitsandbytes (NF4, blocks of 64, as bitsandbytes' load_in_4bit;
+             kept 4-bit; bf16 activations)
   q4_k_m     loramux on the Q4_K_M file, kept as stored (bf16 activations)
   llama_cpp  llama-cpp-python on the Q4_K_M file (one sequence: batch-1 decode and prefill)
+  hf_bnb     transformers + bitsandbytes (its CPU backend) on the checkpoint loaded with load_in_4bit (NF4,
+             bf16 compute): what a QLoRA user runs; decode at batch 1 and 32
   baseline   a process that imports torch and loramux and loads no model
 For each loramux phase: decode tok/s at batch 1, 8 and 32 (--prompt-len prompts, --new-tokens greedy tokens,
 the decode steps timed after the prefill), prefill tok/s of one --prefill-len prompt, the weights' bytes and
@@ -17,7 +21,7 @@ the process's resident memory (against the file, the KV cache and the LoRA slot 
 max_loras=8 x rank 16 at start); q4_k_m and bf16 also with 8 random rank-16 adapters mixed at batch 32.
 Prints ratios for the issue's targets and one JSON line.
 
-  .venv/bin/python benchmarks/quantized.py [--workdir DIR] [--skip-llama-cpp]
+  .venv/bin/python benchmarks/quantized.py [--workdir DIR] [--phases baseline bf16 nf4 hf_bnb ...]
 
 Needs llama-cpp-python (`pip install llama-cpp-python`, a ~10 minute build; on a CPU with AMX, llama.cpp's AMX
 path crashed here: build it with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON ... -DGGML_AMX_INT8=OFF", see
@@ -37,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
              num_key_value_heads=32, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
              rms_norm_eps=1e-5, rope_theta=130000.0)
-PHASES = ("baseline", "bf16", "int8", "q4_k_m", "llama_cpp")
+PHASES = ("baseline", "bf16", "int8", "nf4", "q4_k_m", "llama_cpp", "hf_bnb")
 
 
 def rss_mb() -> float:
@@ -49,12 +53,13 @@ def rss_mb() -> float:
 
 
 # ---- the files ----------------------------------------------------------------------------------------------
-def make_files(workdir: str) -> dict:
+def make_files(workdir: str, phases) -> dict:
+    """The checkpoint, and the Q4_K_M file when a phase reads it (llama.cpp's quantizer makes it)."""
     paths = {"hf": os.path.join(workdir, "hf"), "f16": os.path.join(workdir, "model-f16.gguf"),
              "q4_k_m": os.path.join(workdir, "model-q4_k_m.gguf")}
     if not os.path.isfile(os.path.join(paths["hf"], "model.safetensors")):
         _make_hf(paths["hf"])
-    if not os.path.isfile(paths["q4_k_m"]):
+    if not os.path.isfile(paths["q4_k_m"]) and {"q4_k_m", "llama_cpp"} & set(phases):
         if not os.path.isfile(paths["f16"]):
             _write_f16_gguf(paths["hf"], paths["f16"])
         _quantize(paths["f16"], paths["q4_k_m"])
@@ -145,6 +150,8 @@ def run_phase(name: str, paths: dict, args) -> dict:
         return {"rss_mb": rss_mb()}
     if name == "llama_cpp":
         return _llama_cpp(paths["q4_k_m"], args)
+    if name == "hf_bnb":
+        return _hf_bnb(paths["hf"], args)
     return _loramux(name, paths, args)
 
 
@@ -158,9 +165,9 @@ def _loramux(name: str, paths: dict, args) -> dict:
     model = paths["q4_k_m"] if name == "q4_k_m" else paths["hf"]
     kv_tokens = 32 * (args.prompt_len + args.new_tokens) + args.prefill_len + 64
     kv_bytes = 2 * SHAPE["num_hidden_layers"] * kv_tokens * SHAPE["hidden_size"] * 2
+    quantization = {"int8": "int8", "nf4": "bitsandbytes"}.get(name)
     llm = LLM(model=model, lora=LoRAConfig(max_loras=8, max_lora_rank=16), dtype="bfloat16", max_num_seqs=32,
-              quantization="int8" if name == "int8" else None, max_model_len=args.prefill_len + 16,
-              kv_cache_memory=kv_bytes)
+              quantization=quantization, max_model_len=args.prefill_len + 16, kv_cache_memory=kv_bytes)
     slots = llm.engine.adapters.slot_bytes
     out = {"weight_mb": llm.engine.core.runner.weight_bytes / 2**20, "kv_mb": kv_bytes / 2**20,
            "lora_slots_mb": slots / 2**20, "rss_mb": rss_mb(), "file_mb": _size_mb(model)}
@@ -168,7 +175,7 @@ def _loramux(name: str, paths: dict, args) -> dict:
     for batch in (1, 8, 32):
         out[f"decode_b{batch}_tok_s"] = _decode(llm, batch, args)
     out["rss_run_mb"] = rss_mb()  # after prefill and decode, before any adapter is loaded
-    if name in ("bf16", "q4_k_m"):
+    if name in ("bf16", "nf4", "q4_k_m"):
         hf_config = AutoConfig.from_pretrained(paths["hf"])
         names = [f"a{i}" for i in range(8)]
         for i, adapter in enumerate(names):
@@ -221,6 +228,30 @@ def _decode(llm, batch: int, args, adapters: list | None = None) -> float:
     return tokens / (time.perf_counter() - start)
 
 
+def _hf_bnb(path: str, args) -> dict:
+    """transformers + bitsandbytes: greedy decode tok/s at batch 1 and 32 (generate's steps after the first)."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, device_map="cpu",
+                                                 dtype=torch.bfloat16).eval()
+    out = {"rss_mb": rss_mb(), "file_mb": _size_mb(path)}
+    for batch in (1, 32):
+        ids = torch.tensor(_prompts(batch, args.prompt_len, seed=batch))
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm up; prefill + 1 step
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+            steps = time.perf_counter() - start - prefill
+        out[f"decode_b{batch}_tok_s"] = batch * (args.new_tokens - 1) / steps
+    out["rss_run_mb"] = out["rss_after_mb"] = rss_mb()
+    return out
+
+
 def _llama_cpp(path: str, args) -> dict:
     import llama_cpp
 
@@ -257,11 +288,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=17)
     parser.add_argument("--prefill-len", type=int, default=512)
-    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--phases", nargs="+", default=list(PHASES), choices=PHASES)
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="--phases without llama_cpp")
     parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # (a child process)
     args = parser.parse_args(argv)
     os.makedirs(args.workdir, exist_ok=True)
-    paths = make_files(args.workdir)
+    paths = make_files(args.workdir, [args.phase] if args.phase else args.phases)
     if args.phase:
         print(json.dumps(run_phase(args.phase, paths, args)))
         return
@@ -269,11 +301,11 @@ def main(argv: list[str] | None = None) -> None:
 
     report = {"model": "SmolLM2-1.7B shape, random weights", "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "prefill_len": args.prefill_len, "load_before": cpu_load()}
-    for phase in PHASES:
+    for phase in args.phases:
         if phase == "llama_cpp" and args.skip_llama_cpp:
             continue
         print(f"phase {phase} ...", flush=True)
-        child = subprocess.run([sys.executable, __file__, "--phase", phase, "--workdir", args.workdir,
+        child = subprocess.run([sys.executable, __file__, "--phase", phase, "--workdir", args.workdir, "--phases", phase,
                                 "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
                                 "--prefill-len", str(args.prefill_len)], check=True, capture_output=True, text=True)
         report[phase] = json.loads(child.stdout.strip().splitlines()[-1])
@@ -283,12 +315,23 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def ratios(report: dict) -> dict:
-    q4, bf16, base = report["q4_k_m"], report["bf16"], report["baseline"]["rss_mb"]
-    out = {"q4_k_m/bf16 decode b1": q4["decode_b1_tok_s"] / bf16["decode_b1_tok_s"],
-           "q4_k_m mixed8 b32 / bf16 base b32": q4["decode_b32_mixed8_tok_s"] / bf16["decode_b32_tok_s"],
-           "q4_k_m (rss - baseline) / (file + kv + lora slots)":
-               (q4["rss_run_mb"] - base) / (q4["file_mb"] + q4["kv_mb"] + q4["lora_slots_mb"])}
-    if "llama_cpp" in report:
+    out, bf16, base = {}, report.get("bf16"), report.get("baseline", {}).get("rss_mb")
+    for name in ("nf4", "q4_k_m"):
+        q = report.get(name)
+        if q is None or bf16 is None:
+            continue
+        out[f"{name}/bf16 decode b1"] = q["decode_b1_tok_s"] / bf16["decode_b1_tok_s"]
+        out[f"{name} mixed8 b32 / bf16 base b32"] = q["decode_b32_mixed8_tok_s"] / bf16["decode_b32_tok_s"]
+        if base is not None:  # the GGUF file is its weights; the NF4 run quantizes a bf16 checkpoint at load
+            size, what = (q["file_mb"], "file") if name == "q4_k_m" else (q["weight_mb"], "weights")
+            out[f"{name} (rss - baseline) / ({what} + kv + lora slots)"] = \
+                (q["rss_run_mb"] - base) / (size + q["kv_mb"] + q["lora_slots_mb"])
+    if "nf4" in report and "hf_bnb" in report:
+        for batch in (1, 32):
+            out[f"nf4/transformers+bitsandbytes decode b{batch}"] = \
+                report["nf4"][f"decode_b{batch}_tok_s"] / report["hf_bnb"][f"decode_b{batch}_tok_s"]
+    if "llama_cpp" in report and "q4_k_m" in report:
+        q4 = report["q4_k_m"]
         lc = report["llama_cpp"]
         out["q4_k_m/llama_cpp decode b1"] = q4["decode_b1_tok_s"] / lc["decode_b1_tok_s"]
         out["q4_k_m/llama_cpp prefill"] = q4["prefill_tok_s"] / lc["prefill_tok_s"]
@@ -298,11 +341,12 @@ def ratios(report: dict) -> dict:
 def print_report(report: dict) -> None:
     print(f"\n{report['model']}; decode: {report['prompt_len']} prompt + {report['new_tokens']} new tokens a request; "
           f"prefill: {report['prefill_len']} tokens; load average {report['load_before']:.2f} -> {report['load_after']:.2f}")
-    print(f"baseline process (torch + loramux imported): {report['baseline']['rss_mb']:.0f} MB resident")
+    if "baseline" in report:
+        print(f"baseline process (torch + loramux imported): {report['baseline']['rss_mb']:.0f} MB resident")
     cols = ("decode_b1_tok_s", "decode_b8_tok_s", "decode_b32_tok_s", "decode_b32_mixed8_tok_s", "prefill_tok_s")
     print(f"{'phase':<10}{'b1':>8}{'b8':>8}{'b32':>8}{'b32 mix8':>10}{'prefill':>9}{'weights':>9}{'file':>8}{'rss':>8}  (tok/s, MB; rss: "
           "after the runs, before adapters)")
-    for phase in ("bf16", "int8", "q4_k_m", "llama_cpp"):
+    for phase in ("bf16", "int8", "nf4", "q4_k_m", "llama_cpp", "hf_bnb"):
         if phase not in report:
             continue
         r = report[phase]

@@ -1,6 +1,5 @@
 """`loramux serve` started for a benchmark and driven by vLLM's load generator (`vllm bench serve`), shared by
-serving.py, scaleout.py and latency.py. (Not named serving_*: tests/server/serving.py is a test helper module of that name,
-and a benchmark script imported by a test must not collide with it in sys.modules.)"""
+serving.py, scaleout.py, latency.py, prefix.py and multitenant.py."""
 from __future__ import annotations
 
 import argparse

@@ -45,9 +45,10 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="bytes for adapters' whole copies of embed_tokens / lm_head (PEFT modules_to_save); "
                              "0 = such adapters are refused")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
-                        help="the base model's weights: (not given) as the checkpoint is, a GGUF or GPTQ/AWQ stays "
-                             "quantized; none = dequantized to --dtype; int8 / int4 = quantized at load")
+    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "bitsandbytes"],
+                        help="the base model's weights: (not given) as the checkpoint is, a GGUF, GPTQ/AWQ or "
+                             "bitsandbytes 4-bit checkpoint stays quantized; none = dequantized to --dtype; int8 / "
+                             "int4 / bitsandbytes (NF4) = quantized at load")
     parser.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
                         help="inputs per scale for --quantization int4")
     parser.add_argument("--device", default="auto")

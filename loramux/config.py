@@ -136,10 +136,11 @@ class EngineConfig:
     quantization: str | None = None
     """Weight-only quantization of the base model's linear layers (adapters stay in `dtype`). None = as the
     checkpoint is: a GGUF keeps its quantized tensors (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k; other types are
-    dequantized with a warning), a GPTQ / AWQ int4 checkpoint stays int4, a plain one stays in `dtype`.
-    "none" = everything dequantized to `dtype`. "int8" (per output channel) / "int4" (groups of
-    quantization_group_size inputs): a plain checkpoint quantized at load, round to nearest (a quantized one is
-    dequantized first); the output head stays in `dtype`."""
+    dequantized with a warning), a GPTQ / AWQ int4 checkpoint stays int4, a bitsandbytes 4-bit one (QLoRA's
+    NF4 / FP4) stays 4-bit, a plain one stays in `dtype`. "none" = everything dequantized to `dtype`. "int8"
+    (per output channel) / "int4" (groups of quantization_group_size inputs) / "bitsandbytes" (vLLM's
+    spelling: NF4 in blocks of 64, as bitsandbytes' load_in_4bit): a plain checkpoint quantized at load,
+    round to nearest (a quantized one is dequantized first); the output head stays in `dtype`."""
     quantization_group_size: int = 128
     """Inputs per scale for quantization="int4": 32, 64 or 128."""
     quant_backend: str = "auto"
@@ -208,9 +209,9 @@ class EngineConfig:
         if self.batch_invariant and self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"batch_invariant runs attention in torch; attention_backend={self.attention_backend!r} "
                              "is not batch-invariant")
-        if self.quantization not in (None, "none", "int8", "int4"):
-            raise ValueError(f"quantization must be None (as the checkpoint is), 'none', 'int8' or 'int4', got "
-                             f"{self.quantization!r}")
+        if self.quantization not in (None, "none", "int8", "int4", "bitsandbytes"):
+            raise ValueError(f"quantization must be None (as the checkpoint is), 'none', 'int8', 'int4' or "
+                             f"'bitsandbytes', got {self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got {self.quantization_group_size!r}")
         for name in ("max_num_seqs", "block_size", "max_wait_steps"):

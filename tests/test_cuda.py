@@ -112,7 +112,7 @@ def test_paged_decode_attention_on_cuda(dtype, tol):
 
 def test_a_quantized_gguf_on_cuda_is_dequantized_at_load(tmp_path):
     """No quantized-matmul kernel for CUDA: the torch reference would dequantize every weight at every call."""
-    from gguf_files import write_gguf
+    from support.gguf_files import write_gguf
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear

@@ -8,7 +8,7 @@ the adapters' A and B stay in the activation dtype (LoRALinear), only the base m
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -80,14 +80,14 @@ def fused_parts(parts: Sequence[QuantizedWeight]) -> list[QuantizedWeight]:
     return [run[0] if len(run) == 1 else quant_torch.stack_rows(run) for run in runs]
 
 
-def quantize_linears(model: nn.Module, fmt: str, skip: Sequence[str] = ("lm_head",)) -> int:
-    """Replace every nn.Linear of `model` but `skip` by a QuantizedLinear in `fmt` (round to nearest, see
-    ops.quant_torch.quantize); returns how many. The output head stays in the model's dtype (as GPTQ and AWQ
-    checkpoints keep it: logits are the most sensitive)."""
+def quantize_linears(model: nn.Module, fmt: str | Callable[[int], str], skip: Sequence[str] = ("lm_head",)) -> int:
+    """Replace every nn.Linear of `model` but `skip` by a QuantizedLinear in `fmt` (or fmt(in_features)) (round
+    to nearest, see ops.quant_torch.quantize); returns how many. The output head stays in the model's dtype (as
+    GPTQ and AWQ checkpoints keep it: logits are the most sensitive)."""
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] not in skip]
     for name, linear in targets:
         prefix, _, attr = name.rpartition(".")
-        weight = quant_torch.quantize(linear.weight, fmt)
+        weight = quant_torch.quantize(linear.weight, fmt if isinstance(fmt, str) else fmt(linear.in_features))
         weight.data = weight.data.to(linear.weight.device)
         layer = QuantizedLinear([weight], linear.bias, linear.weight.dtype, getattr(linear, "output_sizes", None))
         (model.get_submodule(prefix) if prefix else model).register_module(attr, layer)

@@ -28,7 +28,8 @@ def check_quantization_config(config: dict) -> tuple[str, int]:
     method = config.get("quant_method")
     if method not in METHODS:
         raise ValueError(f"checkpoints quantized with {method!r} are not supported (quantization_config."
-                         f"quant_method); supported: gptq and awq with 4 bits, or a plain checkpoint")
+                         f"quant_method); supported: gptq and awq with 4 bits, bitsandbytes 4-bit, or a plain "
+                         "checkpoint")
     bits = config.get("bits", config.get("w_bit"))
     if bits != 4:
         raise ValueError(f"{method} checkpoints with {bits} bits are not supported; 4-bit ones are")

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_parts, quantize_linears, weight_bytes
-from loramux.models import gptq_awq
+from loramux.models import bitsandbytes, gptq_awq
 from loramux.models.gguf import read_gguf_tensors
 from loramux.models.moe import MOE_MODEL_TYPES, stack_expert_weights
 from loramux.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, fuse_hf_state_dict, fuse_quantized
@@ -150,12 +150,14 @@ def read_checkpoint(path: str, keep_quantized: bool = False) -> Checkpoint:
         # load_file maps the file: one tensor kept from it (an embedding) would keep every page of it that loading
         # touches resident beside the fused and prepacked copies (a 3.3 GB model took 7 GB). Copies own their memory.
         state.update({name: t.clone() for name, t in load_file(file).items()})
+    quantized = {}
+    config = _quantization_config(hf_config)
+    if config is not None and config["quant_method"] == "bitsandbytes":  # per-expert modules: stacked in float below
+        quantized = bitsandbytes.read_quantized(state, config, keep_quantized)
     if hf_config.model_type in MOE_MODEL_TYPES:
         state = stack_expert_weights(state)
-    quantized = {}
-    method = _quantization_config(hf_config)
-    if method is not None:
-        quantized = gptq_awq.read_quantized(state, method, keep_quantized)
+    if config is not None and config["quant_method"] != "bitsandbytes":
+        quantized = gptq_awq.read_quantized(state, config, keep_quantized)
     return Checkpoint(hf_config, state, quantized, AutoTokenizer.from_pretrained(path))
 
 
@@ -164,7 +166,10 @@ def _quantization_config(hf_config) -> dict | None:
     if config is None:
         return None
     config = config if isinstance(config, dict) else config.to_dict()
-    gptq_awq.check_quantization_config(config)  # ValueError naming an unsupported method
+    if config.get("quant_method") == "bitsandbytes":
+        bitsandbytes.check_quantization_config(config)
+    else:
+        gptq_awq.check_quantization_config(config)  # ValueError naming an unsupported method
     return config
 
 
@@ -303,11 +308,13 @@ def load_model(path: str | None, dtype: str = "auto", device="cpu", max_model_le
     model = build_model(hf_config, checkpoint.state, torch_dtype, device, max_len, checkpoint.quantized)
     if quantization in ("int8", "int4"):
         quantize_linears(model, "i8c" if quantization == "int8" else f"i4g{group_size}")
+    elif quantization == "bitsandbytes":  # bitsandbytes' blocks of 64, inside rows here (of 32 if rows need it)
+        quantize_linears(model, lambda k: "nf4g64" if k % 64 == 0 else "nf4g32")
     tokenizer = checkpoint.tokenizer
     del checkpoint  # the file's tensors, fused or quantized copies of which the model holds
     _return_freed_memory()
     size = weight_bytes(model)
-    logger.info("model weights: %.1f MB (%s)", size / 2**20, _formats(model))
+    logger.info("model weights: %.1f MB (%s)", size / 2**20, weight_formats(model))
     return LoadedModel(model, tokenizer, hf_config, max_len, name=name, dtype=torch_dtype, weight_bytes=size)
 
 
@@ -324,7 +331,7 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _formats(model: nn.Module) -> str:
+def weight_formats(model: nn.Module) -> str:
     """e.g. "q4_1 x210, q8_0 x1, bfloat16 x63": what the weights are stored as."""
     counts: dict[str, int] = {}
     for module in model.modules():

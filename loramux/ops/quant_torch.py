@@ -21,6 +21,10 @@ the decoders below follow gguf-py's arithmetic, which the tests check bit for bi
   i8c    per-channel int8 (a block is a whole row): fp32 scale, int8 q[K]  w = q * scale
   i4g<G> group-wise int4, G in 32/64/128: fp32 a, fp32 b, then G/2 bytes of nibbles (q4_0's layout for
          each run of 32)                                                  w = a * q + b
+  nf4g<G>, fp4g<G>  bitsandbytes' 4-bit NormalFloat / FP4 (QLoRA's formats), blocks of G (a multiple of 32,
+         bitsandbytes' blocksize): fp32 absmax, then G/2 bytes of nibbles as i4g's
+                                                                          w = CODES[q] * absmax
+         (CODES: bitsandbytes' 16-value code book; a table lookup, not a * q + b: dequantize does the lookup)
 """
 from __future__ import annotations
 
@@ -30,6 +34,16 @@ from dataclasses import dataclass
 import torch
 
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+# bitsandbytes' 4-bit code books (bitsandbytes.functional.get_4bit_type), float32.
+LUT4_CODES = {
+    "nf4": torch.tensor([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                         -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                         0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                         0.7229568362236023, 1.0]),
+    "fp4": torch.tensor([0.0, 0.0052083334885537624, 0.6666666865348816, 1.0, 0.3333333432674408, 0.5,
+                         0.1666666716337204, 0.25, 0.0, -0.0052083334885537624, -0.6666666865348816, -1.0,
+                         -0.3333333432674408, -0.5, -0.1666666716337204, -0.25]),
+}
 
 
 @dataclass(frozen=True)
@@ -50,7 +64,12 @@ class QuantFormat:
         if group:
             g = int(group.group(1))
             return QuantFormat(name, g, 8 + g // 2)
-        raise ValueError(f"unknown quantized format {name!r}; known: {', '.join(GGUF_FORMATS)}, i8c, i4g32/64/128")
+        lut = re.fullmatch(r"(nf4|fp4)g(\d+)", name)
+        if lut and int(lut.group(2)) % 32 == 0 and 32 <= int(lut.group(2)) <= 4096:
+            g = int(lut.group(2))
+            return QuantFormat(name, g, 4 + g // 2)
+        raise ValueError(f"unknown quantized format {name!r}; known: {', '.join(GGUF_FORMATS)}, i8c, i4g32/64/128, "
+                         "nf4g<G> and fp4g<G> (G a multiple of 32 up to 4096)")
 
     def row_bytes(self, in_features: int) -> int:
         if in_features % self.block_elems:
@@ -161,6 +180,10 @@ def _decode_i4g(b):
     return _f32(b, 0) * _nibbles(b[:, 8:], 32).float() + _f32(b, 4)
 
 
+def _decode_lut4(b, codes: torch.Tensor):
+    return codes.to(b.device)[_nibbles(b[:, 4:], 32)] * _f32(b, 0)
+
+
 _DECODERS = {"q8_0": _decode_q8_0, "q4_0": _decode_q4_0, "q4_1": _decode_q4_1, "q4_k": _decode_q4_k,
              "q5_k": _decode_q5_k, "q6_k": _decode_q6_k, "i8c": _decode_i8c}
 
@@ -169,6 +192,8 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
     """W as float32 [out_features, in_features]."""
     fmt = weight.format
     blocks = weight.data.reshape(-1, fmt.block_bytes)
+    if fmt.name[:3] in LUT4_CODES:
+        return _decode_lut4(blocks, LUT4_CODES[fmt.name[:3]]).reshape(weight.out_features, weight.in_features)
     decode = _decode_i4g if fmt.name.startswith("i4g") else _DECODERS[fmt.name]
     return decode(blocks).reshape(weight.out_features, weight.in_features)
 
@@ -208,14 +233,17 @@ def embedding_rows(weight: QuantizedWeight, ids: torch.Tensor, dtype: torch.dtyp
     return dequantize(picked).to(dtype).reshape(*ids.shape, weight.in_features)
 
 
-# ---- quantizing a plain weight (the formats loramux writes: i8c, i4g) ---------------------------------------
+# ---- quantizing a plain weight (the formats loramux writes: i8c, i4g, nf4g / fp4g) ----------------------------
 def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
     """Round-to-nearest weight-only quantization of w [N, K]: i8c symmetric per output channel; i4g<G>
-    asymmetric per group of G inputs (min and max of the group map to 0 and 15)."""
+    asymmetric per group of G inputs (min and max of the group map to 0 and 15); nf4g<G> / fp4g<G> as
+    bitsandbytes quantizes (absmax per block of G, the nearest code of w / absmax)."""
     n, k = w.shape
     spec = QuantFormat.parse(fmt, k)
     spec.row_bytes(k)  # K a multiple of the group
     w = w.detach().float().cpu()
+    if fmt[:3] in LUT4_CODES:
+        return _quantize_lut4(w, fmt[:3], spec.block_elems)
     if fmt == "i8c":
         scale = w.abs().amax(dim=1, keepdim=True) / 127
         q = torch.where(scale > 0, torch.round(w / torch.where(scale > 0, scale, 1)), 0).clamp(-127, 127)
@@ -238,6 +266,26 @@ def pack_i4g(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> QuantizedWeig
     heads = [t.float().reshape(-1, 1).contiguous().view(torch.uint8) for t in (a, b)]
     blocks = torch.cat([*heads, packed], dim=1)
     return QuantizedWeight(f"i4g{g}", blocks.reshape(n, -1).contiguous(), n, k)
+
+
+def _quantize_lut4(w: torch.Tensor, kind: str, g: int) -> QuantizedWeight:
+    n, k = w.shape
+    blocks = w.reshape(-1, g)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    scaled = torch.where(absmax > 0, blocks / torch.where(absmax > 0, absmax, 1), 0)
+    values, order = LUT4_CODES[kind].sort(stable=True)  # the nearest code: between two, the midpoint decides
+    q = order[torch.bucketize(scaled, (values[1:] + values[:-1]) / 2)]
+    return pack_lut4(q.reshape(n, k), absmax.reshape(n, -1), kind)
+
+
+def pack_lut4(q: torch.Tensor, absmax: torch.Tensor, kind: str) -> QuantizedWeight:
+    """nf4g<G> / fp4g<G> (kind "nf4" / "fp4") from codes q [N, K] (0..15) and fp32 absmax [N, K / G]."""
+    n, k = q.shape
+    g = k // absmax.shape[1]
+    runs = q.to(torch.uint8).reshape(n * k // g, g // 32, 2, 16)  # each run of 32: elements 0-15 low nibbles
+    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(-1, g // 2)
+    blocks = torch.cat([absmax.float().reshape(-1, 1).contiguous().view(torch.uint8), packed], dim=1)
+    return QuantizedWeight(f"{kind}g{g}", blocks.reshape(n, -1).contiguous(), n, k)
 
 
 def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:

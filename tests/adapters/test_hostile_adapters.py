@@ -5,7 +5,7 @@ import os
 import pytest
 
 from conftest import save_checkpoint, save_peft_adapter, tiny_llama
-from hostile_adapters import BAD_NAMES, build_corpus
+from support.hostile_adapters import BAD_NAMES, build_corpus
 from loramux import LoRAConfig, LoRAStatus, SamplingParams
 from loramux.llm import LLM
 

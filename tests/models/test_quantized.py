@@ -1,6 +1,8 @@
-"""Quantized base models: GGUF files kept quantized, int8 / int4 at load, GPTQ and AWQ checkpoints. Each is
-checked against the same weights dequantized to fp32: transformers' own GGUF loader for GGUF files, and
-for GPTQ / AWQ (packed here, in their layouts) the formula w = s * (q - z) on the integers we packed."""
+"""Quantized base models: GGUF files kept quantized, int8 / int4 / bitsandbytes at load, GPTQ, AWQ and
+bitsandbytes 4-bit checkpoints. Each is checked against the same weights dequantized to fp32: transformers' own
+GGUF loader for GGUF files, for GPTQ / AWQ (packed here, in their layouts) the formula w = s * (q - z) on the
+integers we packed, and for bitsandbytes the model transformers + bitsandbytes (its CPU backend) run, with PEFT
+on top."""
 import json
 import logging
 import os
@@ -11,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, save_checkpoint, save_peft_adapter
-from gguf_files import write_gguf
+from conftest import TINY, hf_greedy, save_checkpoint, save_peft_adapter
+from support.gguf_files import write_gguf
 from loramux import LoRAConfig, SamplingParams
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from loramux.llm import LLM
@@ -293,7 +295,9 @@ def test_act_order_gptq_is_dequantized_with_a_warning(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantized with 'bitsandbytes' are not supported"),
+    ({"quant_method": "bitsandbytes", "load_in_8bit": True}, r"bitsandbytes 8-bit \(LLM.int8\(\)\) checkpoints are not"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "int4"}, "4-bit type 'int4'"),
+    ({"quant_method": "hqq"}, "quantized with 'hqq' are not supported"),
     ({"quant_method": "gptq", "bits": 8, "group_size": 32}, "gptq checkpoints with 8 bits are not supported"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
 ])
@@ -305,3 +309,87 @@ def test_other_quantization_methods_are_refused_naming_them(tmp_path, config, wo
         json.dump({**data, "quantization_config": config}, f)
     with pytest.raises(ValueError, match=words):
         load_model(path, dtype="float32")
+
+
+def bnb_checkpoint(root, kind: str, double: bool, intermediate_size: int = 128) -> str:
+    """A tiny Llama quantized by transformers + bitsandbytes (its CPU backend), saved as transformers saves it."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from conftest import char_tokenizer, tiny_llama
+
+    plain = save_checkpoint(tiny_llama(intermediate_size=intermediate_size), root / "plain")
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double,
+                                bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(plain, quantization_config=config, device_map="cpu")
+    model.save_pretrained(str(root / "bnb"))
+    char_tokenizer().save_pretrained(str(root / "bnb"))
+    return str(root / "bnb")
+
+
+def bnb_dequantized(path: str):
+    """The oracle's base: the checkpoint as transformers + bitsandbytes load it, its weights dequantized by
+    bitsandbytes itself (model.dequantize(); bitsandbytes' own CPU matmul is not fp32-exact: ~2e-3 off here)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, device_map="cpu").dequantize().float().eval()
+
+
+@pytest.mark.parametrize("kind, double", [("nf4", False), ("nf4", True), ("fp4", True)])
+def test_bitsandbytes_4bit_checkpoints_stay_4bit_and_give_bitsandbytes_and_peft_tokens(tmp_path, kind, double):
+    """QLoRA's serving case: a bitsandbytes NF4 / FP4 base (double quantization or not) with adapters, mixed in
+    one batch with base rows: every row gives the greedy tokens of transformers + bitsandbytes + PEFT alone."""
+    from conftest import tiny_llama
+
+    path = bnb_checkpoint(tmp_path, kind, double)
+    base = tiny_llama(intermediate_size=128)
+    adapters = {f"a{i}": save_peft_adapter(base, tmp_path / f"a{i}", seed=i, r=8) for i in range(2)}
+    llm = LLM(model=path, dtype="float32", kv_cache_memory=2**22, lora=LoRAConfig(max_loras=2, max_lora_rank=8),
+              adapters=adapters)
+    layer = llm.engine.core.runner.model.model.layers[0].mlp.down_proj
+    formats = {w.fmt for m in llm.engine.core.runner.model.modules() if isinstance(m, QuantizedLinear) for w in m.weights}
+    assert formats == {f"{kind}g64"}, formats
+    rows, prompts = ["a0", None, "a1"], [[5, 9, 14, 3], [7, 7, 21], [30, 2, 8, 8, 19]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapters=rows)
+    reference = bnb_dequantized(path)
+    for prompt, row, out in zip(prompts, rows, outs):
+        assert out.token_ids == hf_greedy(reference, adapters.get(row), prompt, 6), (row, layer)
+    input_ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        expected = reference(input_ids).logits
+    torch.testing.assert_close(prefill_logits(load_model(path, dtype="float32").model, input_ids), expected,
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_bitsandbytes_blocks_across_rows_are_dequantized_with_a_warning(tmp_path, caplog):
+    """down_proj's rows of 96 inputs in blocks of 64: no 4-bit kernel, so its weight is dequantized at load, to
+    what bitsandbytes' reference dequantization gives (its default backend: its CPU kernel reads such blocks per
+    row, off by 0.036 here, farther from the original weights than the quantization error)."""
+    from bitsandbytes.backends.default.ops import _dequantize_4bit_compute
+    from transformers import AutoModelForCausalLM
+
+    path = bnb_checkpoint(tmp_path, "nf4", True, intermediate_size=96)
+    with caplog.at_level(logging.WARNING):
+        model = load_model(path, dtype="float32").model
+    assert "blocks of 64 over rows of 96 inputs" in caplog.text
+    assert isinstance(model.model.layers[0].self_attn.o_proj, QuantizedLinear)
+    layer = model.model.layers[0].mlp.down_proj
+    weight = AutoModelForCausalLM.from_pretrained(path, device_map="cpu").model.layers[0].mlp.down_proj.weight
+    state = weight.quant_state
+    absmax = state.state2.code[state.absmax.int()] * state.state2.absmax.repeat_interleave(256)[:96] + state.offset
+    expected = _dequantize_4bit_compute(weight.data.reshape(-1), absmax, state.code, 64, state.shape, torch.float32)
+    assert isinstance(layer, torch.nn.Linear) and torch.equal(layer.weight, expected)
+
+
+def test_quantization_bitsandbytes_quantizes_a_plain_checkpoint_as_bitsandbytes_does(tmp_path):
+    """quantization="bitsandbytes" (vLLM's spelling): NF4 in blocks of 64 (32 where the rows need it): the codes
+    and absmax of bitsandbytes' own quantize_4bit, so the weights are the ones it dequantizes."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    base, path = plain_checkpoint(tmp_path)
+    model = load_model(path, dtype="float32", quantization="bitsandbytes").model
+    layer, plain = model.model.layers[0].self_attn.o_proj, base.model.layers[0].self_attn.o_proj.weight
+    assert isinstance(layer, QuantizedLinear) and layer.weights[0].fmt == "nf4g64"
+    packed, state = functional.quantize_4bit(plain.detach(), blocksize=64, quant_type="nf4")
+    assert torch.equal(dequantize(layer.weights[0]), functional.dequantize_4bit(packed, state))
+    down = model.model.layers[0].mlp.down_proj  # 96 inputs: blocks of 32
+    assert down.weights[0].fmt == ("nf4g64" if base.config.intermediate_size % 64 == 0 else "nf4g32")

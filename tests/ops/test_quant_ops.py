@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import backend_params
-from gguf_files import random_blocks
+from support.gguf_files import random_blocks
 from loramux.ops import QUANT_BACKENDS, LoRAMapping, lora_cpu, quant_cpu
 from loramux.ops.cpu_extension import _cpu_flags, load_extension
-from loramux.ops.quant_torch import (GGUF_FORMATS, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
+from loramux.ops.quant_torch import (GGUF_FORMATS, LUT4_CODES, QuantFormat, QuantizedWeight, dequantize, pack_i4g, quantize,
                                      quantized_linear, quantized_linear_lora, stack_rows)
 
-OWN_FORMATS = ("i8c", "i4g32", "i4g64", "i4g128")
+OWN_FORMATS = ("i8c", "i4g32", "i4g64", "i4g128", "nf4g64", "fp4g32")  # nf4 / fp4: bitsandbytes' 4-bit
 
 
 def gguf_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedWeight:
@@ -50,12 +50,34 @@ def test_own_formats_round_to_nearest_within_half_a_step(fmt):
     error = (dequantize(q) - w).abs()
     if fmt == "i8c":
         assert (error <= w.abs().amax(1, keepdim=True) / 127 / 2 + 1e-7).all()
+    elif fmt[:3] in LUT4_CODES:  # the nearest of the 16 codes: no code of the block is nearer to w / absmax
+        g, codes = int(fmt[4:]), LUT4_CODES[fmt[:3]]
+        absmax = w.reshape(8, -1, g).abs().amax(-1, keepdim=True)
+        best = ((w.reshape(8, -1, g) / absmax).unsqueeze(-1) - codes).abs().amin(-1) * absmax
+        assert (error.reshape(8, -1, g) <= best + 1e-6).all()
     else:
         g = int(fmt[3:])
         groups = w.reshape(8, -1, g)
         step = (groups.amax(-1) - groups.amin(-1)) / 15
         assert (error.reshape(8, -1, g) <= step.unsqueeze(-1) / 2 + 1e-6).all()
     assert torch.equal(dequantize(quantize(torch.zeros(4, 256), fmt)), torch.zeros(4, 256))  # no 0/0
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("blocksize", [64, 128])
+def test_nf4_and_fp4_equal_bitsandbytes_codes_and_dequantization(kind, blocksize):
+    """bitsandbytes' own quantize_4bit / dequantize_4bit (its CPU backend) as the oracle: our quantizer picks
+    its codes (a zero's two codes in fp4, +0 and -0, aside) and our decoder gives its weights bit for bit."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(blocksize))
+    packed, state = functional.quantize_4bit(w, blocksize=blocksize, quant_type=kind)
+    ours = quantize(w, f"{kind}g{blocksize}")
+    flat = packed.reshape(-1).int()
+    theirs = torch.stack([flat >> 4, flat & 0xF], dim=1).reshape(24, 256)  # high nibble first
+    codes = LUT4_CODES[kind]
+    mine = dequantize(QuantizedWeight(ours.fmt, ours.data, 24, 256))
+    assert torch.equal(codes[theirs] != 0, mine != 0) and torch.equal(mine, functional.dequantize_4bit(packed, state))
+    assert torch.equal(codes, torch.as_tensor(state.code).float())
 
 
 def test_pack_i4g_and_stack_rows():
@@ -199,7 +221,7 @@ def test_one_fp32_row_keeps_every_bit_of_x(fmt):
 @pytest.mark.skipif(not quant_cpu.available(), reason="needs the C++ quantized-matmul kernel (x86, AVX2)")
 @pytest.mark.parametrize("fmt", GGUF_FORMATS + OWN_FORMATS)
 def test_cpu_dequantize_equals_the_torch_decoders(fmt):
-    weight = any_weight(fmt, 17, 768 if fmt.endswith("_k") or fmt.startswith("i4g") else 224, seed=2)
+    weight = any_weight(fmt, 17, 768 if fmt.endswith("_k") or fmt[:3] in ("i4g", "nf4", "fp4") else 224, seed=2)
     assert torch.equal(quant_cpu.dequantize(weight), dequantize(weight))
     assert torch.equal(quant_cpu.dequantize(weight, torch.bfloat16), dequantize(weight).bfloat16())
 

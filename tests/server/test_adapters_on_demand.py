@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from loramux import SamplingParams
-from serving import NO_KEEPALIVE, engine_pid, make_files, metric, offline_llm, server_log, start_server, stop, wait_until
+from support.serving import NO_KEEPALIVE, engine_pid, make_files, metric, offline_llm, server_log, start_server, stop, wait_until
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"tell me about {w}" for w in ("cats", "ships", "rain", "maps", "tea", "bells", "owls", "kites")]

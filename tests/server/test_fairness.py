@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from serving import NO_KEEPALIVE, make_files, start_server, stop
+from support.serving import NO_KEEPALIVE, make_files, start_server, stop
 
 LONG = 1500
 

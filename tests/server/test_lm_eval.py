@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import make_files, start_server, stop
+from support.serving import make_files, start_server, stop
 
 pytestmark = pytest.mark.slow
 TASKS = Path(__file__).resolve().parents[1] / "lm_eval"

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serving import make_files, metric, start_server, stop, wait_until
+from support.serving import make_files, metric, start_server, stop, wait_until
 
 pytestmark = pytest.mark.slow
 CLIENTS = 200

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loramux import SamplingParams
-from serving import make_files, offline_llm, openai_client, server_log, start_server, stop
+from support.serving import make_files, offline_llm, openai_client, server_log, start_server, stop
 
 MAX_LEN = 256  # a character-level tokenizer: a tool call's JSON is ~60 tokens
 

@@ -13,7 +13,7 @@ import pytest
 
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
-from serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, metric, openai_client,
+from support.serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, metric, openai_client,
                      start_server, stop)
 
 KEY = "test-key"
@@ -389,7 +389,7 @@ def test_hot_swaps_under_traffic_never_serve_a_mix(files, http, client, offline,
 
 
 def test_the_hostile_adapter_corpus_gets_400s_and_changes_nothing(files, http, client):
-    from hostile_adapters import BAD_NAMES, build_corpus
+    from support.hostile_adapters import BAD_NAMES, build_corpus
 
     good = files["runtime"]["new"]
     cases = build_corpus(good, os.path.join(files["allowed"], "hostile"), str(files["root"] / "outside"))

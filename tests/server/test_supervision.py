@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from serving import (engine_pid, frontend_pid, make_files, metric, openai_client, server_log, start_server, stop,
+from support.serving import (engine_pid, frontend_pid, make_files, metric, openai_client, server_log, start_server, stop,
                      wait_until)
 
 

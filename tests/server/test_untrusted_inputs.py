@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from serving import NO_KEEPALIVE, make_files, metric, start_server, stop
+from support.serving import NO_KEEPALIVE, make_files, metric, start_server, stop
 
 
 def chain_lark(rules: int) -> str:

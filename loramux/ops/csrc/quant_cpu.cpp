@@ -1,5 +1,6 @@
 // Weight-only quantized linear layers on CPU: y = x @ W^T (+ bias), W stored as raw blocks (the formats of
-// ops/quant_torch.py: GGUF q8_0, q4_0, q4_1, q4_k, q5_k, q6_k as gguf-py/llama.cpp lay them out; i8c; i4g<G>).
+// ops/quant_torch.py: GGUF q8_0, q4_0, q4_1, q4_k, q5_k, q6_k as gguf-py/llama.cpp lay them out; i8c; i4g<G>;
+// bitsandbytes' nf4 / fp4 as nf4g<G> / fp4g<G>).
 //
 //   qlinear(x [M, K] f32|bf16, data [N, row_bytes] u8, fmt, K, bias [N] | None) -> y [M, N] (x's dtype)
 //   qlinear_lora(x [1, K] f32|bf16, data, fmt, K, bias, lora_a, lora_b, slot_ranks, slot, out_slices) -> y [1, N]:
@@ -7,7 +8,7 @@
 //   dequantize(data, fmt, K, dtype) -> W [N, K] (f32 | bf16)
 //
 // Every block decodes in runs of 32 weights (w = a * q + b, fp32 a and b per group of 16 or 32: the same
-// values gguf-py's dequantize gives); x is widened to fp32 and the sums are fp32, so the result is the
+// values gguf-py's dequantize gives; nf4 / fp4: w = code[q] * absmax, as bitsandbytes dequantizes); x is widened to fp32 and the sums are fp32, so the result is the
 // reference's (dequantize to fp32, then matmul) up to the order of the sums.
 // Few rows (decode, M <= kFusedRows): each weight row is decoded once and dotted with every row of x while
 // its 32 weights sit in registers: the weights stream from memory once per call, the cost at batch 1.
@@ -167,6 +168,29 @@ struct I4G {  // fp32 a, fp32 b, then G/2 bytes: runs of 32 as q4_0
   }
 };
 
+// bitsandbytes' 4-bit code books (bitsandbytes.functional.get_4bit_type), in float32.
+alignas(64) constexpr float kNF4[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
+    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
+    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+alignas(64) constexpr float kFP4[16] = {
+    0.0f, 0.0052083334885537624f, 0.6666666865348816f, 1.0f, 0.3333333432674408f, 0.5f, 0.1666666716337204f, 0.25f,
+    0.0f, -0.0052083334885537624f, -0.6666666865348816f, -1.0f, -0.3333333432674408f, -0.5f, -0.1666666716337204f,
+    -0.25f};
+
+template <const float* Code>
+struct Lut4G {  // fp32 absmax, then G/2 bytes: runs of 32 as q4_0
+  static constexpr int64_t kElems = 0, kBytes = 0;
+  static inline void decode(const uint8_t* p, int r, float* out) {
+    const float s = f32(p);
+    const uint8_t* q = p + 4 + r * 16;
+    for (int i = 0; i < 16; ++i) out[i] = Code[q[i] & 0xF] * s;
+    for (int i = 0; i < 16; ++i) out[i + 16] = Code[q[i] >> 4] * s;
+  }
+};
+using NF4G = Lut4G<kNF4>;
+using FP4G = Lut4G<kFP4>;
+
 #ifdef __AVX512F__
 // AVX-512 decoders: run r of a block -> weights 0-15 (lo) and 16-31 (hi) in registers, the same values as the
 // plain decoders above (the same multiplies and adds, each rounded once).
@@ -272,6 +296,10 @@ static inline W32 decode_v(I8C, const uint8_t* p, int r) {
 }
 static inline W32 decode_v(I4G, const uint8_t* p, int r) {
   return lut32(p + 8 + r * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f32(p)), iota16()), _mm512_set1_ps(f32(p + 4))));
+}
+template <const float* Code>
+static inline W32 decode_v(Lut4G<Code>, const uint8_t* p, int r) {  // the table: code * absmax, as decode's
+  return lut32(p + 4 + r * 16, _mm512_mul_ps(_mm512_load_ps(Code), _mm512_set1_ps(f32(p))));
 }
 // What a block's runs share, worked out once per block (none for most formats).
 template <typename Dec>
@@ -927,6 +955,11 @@ static void with_format(const std::string& fmt, int64_t K, F&& f) {
   else if (fmt.rfind("i4g", 0) == 0) {
     const int64_t g = std::stoll(fmt.substr(3));
     f(I4G{}, Layout{g, 8 + g / 2, K / g * (8 + g / 2)});
+  } else if (fmt.rfind("nf4g", 0) == 0 || fmt.rfind("fp4g", 0) == 0) {
+    const int64_t g = std::stoll(fmt.substr(4));
+    const Layout L{g, 4 + g / 2, K / g * (4 + g / 2)};
+    if (fmt[0] == 'n') f(NF4G{}, L);
+    else f(FP4G{}, L);
   } else {
     TORCH_CHECK(false, "unknown quantized format ", fmt);
   }
