@@ -22,9 +22,8 @@ from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_lo
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
 from loramux.models.moe import FusedExperts
-from loramux.ops import (LoRAMapping, select_attention_backend, select_kv_store_backend, select_pointwise_backend,
-                         select_moe_backend, select_quant_backend)
-from loramux.ops.attention_torch import decode_attention_by_length
+from loramux.ops import (LoRAMapping, bind_ops, select_attention_ops, select_moe_backend, select_pointwise_backend,
+                         select_quant_backend)
 
 INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
 PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs: logits for this many positions at a time ([512, vocab] float32)
@@ -78,12 +77,9 @@ class ModelRunner:
                                  "on the rows the batch routes to it, so a row's result depends on its batch mates")
             fix_linear_rows(self.model, INVARIANT_ROWS)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
-        quant = select_quant_backend(config.quant_backend, device)
-        moe = select_moe_backend(config.moe_backend, device)
-        for module in self.model.modules():  # layers name the ops they run: RMSNorm, SiluAndMul, QuantizedLinear, ...
-            for kind, backend in (("pointwise_ops", pointwise), ("quant_ops", quant), ("moe_ops", moe)):
-                for attr, name in getattr(module, kind, {}).items():
-                    setattr(module, attr, getattr(backend, name))
+        bind_ops(self.model, {"pointwise": pointwise, "quant": select_quant_backend(config.quant_backend, device),
+                              "moe": select_moe_backend(config.moe_backend, device),
+                              "attention": select_attention_ops(config.attention_backend, device, config.batch_invariant)})
         self.argmax = pointwise.argmax  # greedy sampling
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
@@ -102,11 +98,8 @@ class ModelRunner:
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
         cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
         invariant = self.config.batch_invariant
-        decode_op = (decode_attention_by_length if invariant else
-                     select_attention_backend(self.config.attention_backend, self.device))
-        store_op = select_kv_store_backend("torch" if invariant else self.config.attention_backend, self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache, layer.decode_op, layer.store_op = cache[0, i], cache[1, i], decode_op, store_op
+            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
             layer.prefill = layer.prefill_per_sequence if invariant else layer.prefill_padded
         self.kv_cache = cache
         return num_blocks

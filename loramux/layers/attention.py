@@ -2,11 +2,11 @@
 
 The cache of one layer is flat: k_cache / v_cache [num_blocks * block_size, kv_heads, head_dim]; a
 token's K/V live at index block_table[pos // block_size] * block_size + pos % block_size.
-Prefill steps hold only new sequences (recompute preemption, no prefix cache), so they attend within
-their own tokens: padded to [batch, max_len] and run causally. Chunked prefill mixes decode rows and
-prompt chunks in one step; a chunk after a sequence's first reads its earlier keys from the cache. Decode steps call a paged
-decode-attention op, and every step a KV-store op (ops.select_attention_backend and
-select_kv_store_backend, chosen once by the model runner).
+A prompt computed whole attends within its own tokens: padded to [batch, max_len] and run causally. Chunked
+prefill mixes decode rows and prompt chunks in one step; a chunk that starts after a sequence's first token (a
+later chunk, or a prompt whose first blocks the prefix cache holds) reads its earlier keys from the cache.
+Decode steps call a paged decode-attention op, and every step a KV-store op (attention_ops:
+ops.select_attention_ops's, bound once by the model runner with ops.bind_ops).
 """
 from __future__ import annotations
 
@@ -44,13 +44,15 @@ class AttentionMetadata:
 
 
 class Attention(DirectCall, nn.Module):
+    attention_ops = {"decode_op": "decode_attention", "store_op": "store_kv"}  # bound by the model runner (ops.bind_ops)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.k_cache: torch.Tensor | None = None  # assigned by the model runner, with decode_op and store_op
+        self.k_cache: torch.Tensor | None = None  # assigned by the model runner
         self.v_cache: torch.Tensor | None = None
-        self.decode_op = decode_attention_torch
+        self.decode_op = decode_attention_torch  # the references until the model runner binds attention_ops
         self.store_op = store_kv_torch
         self.prefill = self.prefill_padded  # or prefill_per_sequence (batch-invariant); chosen by the model runner
 

@@ -11,12 +11,13 @@ built; nothing in a forward pass branches on it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
 from loramux.ops import (attention_cpu, attention_triton, lora_cpu, lora_triton, moe_cpu, moe_torch, moe_triton,
                          pointwise_cpu, pointwise_torch, quant_cpu, quant_torch, triton_common)
-from loramux.ops.attention_torch import decode_attention_torch, store_kv_torch
+from loramux.ops.attention_torch import decode_attention_by_length, decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
 
@@ -98,6 +99,26 @@ def select_kv_store_backend(name: str = "auto", device: str | torch.device = "cp
     return _choose("attention", KV_STORE_BACKENDS, attention_cpu.available, name, device)
 
 
+def select_attention_ops(name: str = "auto", device: str | torch.device = "cpu", batch_invariant: bool = False):
+    """The attention backend as bind_ops binds it: decode_attention and store_kv (batch_invariant: the decode op
+    that reduces each sequence alone, and torch's store)."""
+    if batch_invariant:
+        return SimpleNamespace(decode_attention=decode_attention_by_length, store_kv=store_kv_torch)
+    return SimpleNamespace(decode_attention=select_attention_backend(name, device),
+                           store_kv=select_kv_store_backend(name, device))
+
+
+def bind_ops(model: torch.nn.Module, backends: dict[str, object]) -> None:
+    """Give every module of `model` its ops from the backends chosen once at start: a module declares
+    `<kind>_ops = {attribute: op name}` (RMSNorm's pointwise_ops, QuantizedLinear's quant_ops, Attention's
+    attention_ops, ...) and gets getattr(backends[kind], op name) as that attribute. (The LoRA op is a LoRA
+    layer's constructor argument instead: which op it is decides how the layer is built, see LoRALinear.)"""
+    for module in model.modules():
+        for kind, backend in backends.items():
+            for attr, name in getattr(module, f"{kind}_ops", {}).items():
+                setattr(module, attr, getattr(backend, name))
+
+
 # weight-only quantized matmul backends: modules with quantized_linear(x, weight, bias) (see quant_torch.py)
 QUANT_BACKENDS = {"torch": quant_torch, "cpu": quant_cpu}
 
@@ -127,5 +148,5 @@ def select_moe_backend(name: str = "auto", device: str | torch.device = "cpu"):
 
 __all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "MOE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS",
            "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend", "select_backend",
-           "fuses_with_quantized", "select_kv_store_backend", "select_moe_backend", "select_pointwise_backend", "select_quant_backend",
+           "fuses_with_quantized", "select_kv_store_backend", "select_attention_ops", "bind_ops", "select_moe_backend", "select_pointwise_backend", "select_quant_backend",
            "wants_grouped_tokens"]

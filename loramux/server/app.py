@@ -26,9 +26,9 @@ from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.frontend import Frontend, ShuttingDown
+from loramux.server.api_server import APIServer, ShuttingDown
 from loramux.logprobs import Logprobs
-from loramux.server.generation import Choice, new_choices, run_choices
+from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.logprobs import merge_completion
 
 VERSION = "0.1.0"
@@ -79,7 +79,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
               state_file: str | None = None, restarts: int = 0) -> FastAPI:
     """state_file: where the adapter registry is kept for a front end that replaces this one (restarts: how
     many did, for loramux:frontend_restarts); see server/supervisor.py."""
-    server = Frontend(engine_config, config or ServerConfig(), list(lora_modules), state_file, restarts)
+    server = APIServer(engine_config, config or ServerConfig(), list(lora_modules), state_file, restarts)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -154,7 +154,7 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-def _add_middleware(app: FastAPI, server: Frontend) -> None:
+def _add_middleware(app: FastAPI, server: APIServer) -> None:
     app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
     app.add_middleware(ApiKey, key=server.config.api_key)  # added last, so it runs first: 401 before 413
 
@@ -192,7 +192,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 # ---- generation ---------------------------------------------------------------------------------------
-def _add_generation_routes(app: FastAPI, server: Frontend) -> None:
+def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/completions")
     async def completions(request: p.CompletionRequest, raw: Request):
         requests = await server.engine_requests(request, chat=False)
@@ -248,7 +248,7 @@ class _Chunks:
 
     discard = False
 
-    def __init__(self, request, rid: str, server: Frontend):
+    def __init__(self, request, rid: str, server: APIServer):
         self.request, self.rid, self.formatter = request, rid, server.logprobs
 
     def start(self, choices: list[Choice]) -> list[dict]:
@@ -264,7 +264,7 @@ class CompletionChunks(_Chunks):
     """/v1/completions: echo puts the prompt (text and, with logprobs, its logprobs) before the completion;
     echo with max_tokens 0 returns the prompt alone (the engine's one token is discarded)."""
 
-    def __init__(self, request: p.CompletionRequest, rid: str, server: Frontend):
+    def __init__(self, request: p.CompletionRequest, rid: str, server: APIServer):
         super().__init__(request, rid, server)
         self.prompts, self.tokenizer = request.prompts(), server.tokenizer
         self.discard = request.echo and request.max_tokens == 0
@@ -324,7 +324,7 @@ class ChatChunks(_Chunks):
     """/v1/chat/completions: with tools, a choice's text is parsed into tool calls (server.tools); streamed,
     the calls come in one delta at the end of the choice, after its content."""
 
-    def __init__(self, request: p.ChatCompletionRequest, rid: str, server: Frontend):
+    def __init__(self, request: p.ChatCompletionRequest, rid: str, server: APIServer):
         super().__init__(request, rid, server)
         self.mode = request.tool_mode
         self._tools: dict[int, tools.ToolStream] = {}
@@ -368,7 +368,7 @@ class ChatChunks(_Chunks):
         return events
 
 
-async def _sse(server: Frontend, raw: Request, requests, chunks: _Chunks) -> StreamingResponse:
+async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> StreamingResponse:
     """Admission and the engine requests happen before the response starts (a refusal is a plain HTTP
     error); after that, an error ends the stream with finish_reason "error" (or "abort") on every unfinished
     choice, then an error event, then [DONE]."""
@@ -425,7 +425,7 @@ def _choice_error(choices: list[Choice]) -> dict | None:
 
 
 # ---- models and tokens ----------------------------------------------------------------------------------
-def _add_model_routes(app: FastAPI, server: Frontend) -> None:
+def _add_model_routes(app: FastAPI, server: APIServer) -> None:
     """/v1/models (one or all), and vLLM's /tokenize and /detokenize."""
     @app.get("/v1/models")
     async def models():
@@ -456,7 +456,7 @@ def _add_model_routes(app: FastAPI, server: Frontend) -> None:
 
 
 # ---- admin --------------------------------------------------------------------------------------------
-def _add_admin_routes(app: FastAPI, server: Frontend) -> None:
+def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: p.LoadLoRAAdapterRequest):
         name = admin.checked_name(request.lora_name)

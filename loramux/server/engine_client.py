@@ -54,7 +54,7 @@ class Supervision:
     """First and longest wait before a restart; doubled after every failed start."""
 
 
-class _Engine:
+class EngineProcess:
     """One engine process with its sockets, IPC directory and heartbeat."""
 
     def __init__(self, config: EngineConfig, adapters: list[AdapterSource]):
@@ -65,8 +65,9 @@ class _Engine:
         self.recv_sock.bind(f"ipc://{self.dir}/from_engine")
         spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch/zmq state
         self.heartbeat = spawn.Value("d", time.monotonic(), lock=False)
+        log_level = logging.getLogger("loramux").level  # the front end's --log-level (0: not set here)
         self.process = spawn.Process(target=run_engine, name="loramux-engine", daemon=True,
-                                     args=(config, adapters, self.dir, self.heartbeat, os.getpid()))
+                                     args=(config, adapters, self.dir, self.heartbeat, os.getpid(), log_level))
         self.process.start()
 
     def heartbeat_age(self) -> float:
@@ -83,7 +84,7 @@ class _Engine:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class EngineStream:
+class OutputStream:
     """The outputs of a group of engine requests (the choices of one HTTP request), in arrival order."""
 
     def __init__(self, client: EngineClient, request_ids: list[str]):
@@ -124,7 +125,7 @@ class EngineClient:
                  on_ready: Callable[[Ready], None], supervision: Supervision = Supervision()):
         """sources(): the adapters an engine (re)start loads; on_ready(ready): told after every (re)start."""
         self.config, self.sources, self.on_ready, self.supervision = config, sources, on_ready, supervision
-        self.engine: _Engine | None = None
+        self.engine: EngineProcess | None = None
         self.ready: Ready | None = None
         self.dead_reason: str | None = "the engine is starting (loading the model and the adapters)"
         self.restarts = 0
@@ -142,7 +143,7 @@ class EngineClient:
         return self.ready
 
     async def _spawn(self) -> None:
-        engine = _Engine(self.config, self.sources())
+        engine = EngineProcess(self.config, self.sources())
         try:
             ready = await self._first_message(engine)
         except BaseException:
@@ -152,7 +153,7 @@ class EngineClient:
         self._tasks.append(asyncio.create_task(self._read(engine)))
         self.on_ready(ready)
 
-    async def _first_message(self, engine: _Engine) -> Ready:
+    async def _first_message(self, engine: EngineProcess) -> Ready:
         deadline = time.monotonic() + self.supervision.start_timeout_s
         while time.monotonic() < deadline:
             if await engine.recv_sock.poll(200):
@@ -235,7 +236,7 @@ class EngineClient:
             logger.warning("the engine is back (restart %d)", self.restarts)
             return
 
-    async def _read(self, engine: _Engine) -> None:
+    async def _read(self, engine: EngineProcess) -> None:
         try:
             while True:
                 self._route(decode_from_engine(await engine.recv_sock.recv()))
@@ -258,11 +259,11 @@ class EngineClient:
         if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine process is not running")
 
-    async def generate(self, requests: list[AddRequest]) -> EngineStream:
+    async def generate(self, requests: list[AddRequest]) -> OutputStream:
         """Send the requests; their outputs arrive on the returned stream (close it to abort the rest)."""
         self._check_alive()
         messages = [encode(request) for request in requests]  # first: one that cannot be encoded registers nothing
-        stream = EngineStream(self, [r.request_id for r in requests])
+        stream = OutputStream(self, [r.request_id for r in requests])
         for request in requests:
             self._streams[request.request_id] = stream.queue
         for message in messages:

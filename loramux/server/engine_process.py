@@ -32,16 +32,23 @@ LOAD_POLL_MS = 5  # while adapters are read on the loader thread: their results 
 HEARTBEAT_S = 0.25
 
 
-def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str, heartbeat, parent_pid: int) -> None:
-    """Child process entry point: build the engine, then serve until told to stop or the parent goes away."""
+def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str, heartbeat, parent_pid: int,
+               log_level: int = 0) -> None:
+    """Child process entry point: build the engine, then serve until told to stop or the parent goes away.
+    log_level: the front end's (its --log-level): the engine's own lines (the model's weights, the slot memory,
+    what was wrapped for the start-up adapters) go to stderr at it too."""
     _live_with_parent(parent_pid, ipc_dir, heartbeat)
+    if log_level:
+        from loramux.cli import log_to_stderr
+
+        log_to_stderr(logging.getLevelName(log_level).lower())
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(f"ipc://{ipc_dir}/to_engine")
     outbox.connect(f"ipc://{ipc_dir}/from_engine")
     try:
         startup = replace(config, startup_adapters=(*config.startup_adapters, *(a.path for a in adapters)))
-        loop = EngineLoop(_build_engine(startup), outbox)
+        loop = EngineCoreProc(_build_engine(startup), outbox)
         outbox.send(encode(loop.ready(adapters, os.path.join(ipc_dir, "tokenizer"))))
     except Exception as e:
         logger.error("the engine failed to start: %s", traceback.format_exc())
@@ -89,7 +96,7 @@ def _build_engine(config: EngineConfig):
     return EngineCore(config)
 
 
-class EngineLoop:
+class EngineCoreProc:
     """Dispatches messages and steps the core. An unload is answered once the adapter's memory is free
     (after the requests that started on it); meanwhile the name takes no new requests."""
 

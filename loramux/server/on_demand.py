@@ -1,7 +1,7 @@
 """Adapters loaded on their first request: a `model` that is neither the base model nor a registered adapter
 is asked of the adapter resolvers (loramux.adapters.resolvers), and the adapter found is loaded and
 registered before the request goes on (LoRAX's dynamic adapters; vLLM's LoRAResolver). Used by the single
-server (frontend.py) and the Ray Serve ingress. No torch.
+server (api_server.py) and the Ray Serve ingress. No torch.
 
 - Many requests for one cold name at once: one resolution and one load; the others wait for it.
 - Resolving runs in a thread of its own pool (a resolver may download, and one tenant's cold adapter must not

@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: one OpenAI-compatible endpoint in front of N engine replicas (ray_replica.py).
 
-    client --HTTP--> Serve proxy --> Ingress --handle, multiplexed_model_id=adapter--> EngineReplica x N
+    client --HTTP--> Serve proxy --> Ingress --handle, multiplexed_model_id=adapter--> ServeReplica x N
                                         |                                                  |
                                         +------------- AdapterRegistry <---- reports ------+
 
@@ -41,7 +41,7 @@ from loramux.server import adapter_admin as admin
 from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge, json_off_the_loop
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.on_demand import OnDemand
-from loramux.server.ray_replica import AdapterEntry, EngineReplica
+from loramux.server.ray_replica import AdapterEntry, ServeReplica
 
 logger = logging.getLogger("loramux.server")
 REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports every 0.5 s)
@@ -330,7 +330,7 @@ def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None
     hides the GPUs from an actor that reserves none: its engine would run on the CPU); max_adapters_per_replica:
     Serve's max_num_models_per_replica (its LRU evicts past it, which unloads the adapter there)."""
     server_config = server_config or ServerConfig()
-    replica = serve.deployment(EngineReplica, name="EngineReplica", num_replicas=replicas,
+    replica = serve.deployment(ServeReplica, name="ServeReplica", num_replicas=replicas,
                                max_ongoing_requests=server_config.max_pending_requests,
                                graceful_shutdown_timeout_s=server_config.shutdown_timeout + 5,
                                ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})

@@ -1,4 +1,4 @@
-"""EngineReplica: one loramux server (front end + its engine process, as `loramux serve` runs them) inside a
+"""ServeReplica: one loramux server (front end + its engine process, as `loramux serve` runs them) inside a
 Ray Serve replica. The ingress (ray_ingress.py) forwards each HTTP request to it whole, with the adapter as
 Serve's multiplexed model id, so every route, stream and error code is the single server's own.
 
@@ -47,7 +47,7 @@ class AdapterEntry:
 class LoadedAdapter:
     """What the multiplexed loader returns: Serve keeps it while the replica holds the adapter."""
 
-    def __init__(self, replica: EngineReplica, name: str):
+    def __init__(self, replica: ServeReplica, name: str):
         self.replica, self.name, self._released = replica, name, False
 
     def __del__(self) -> None:
@@ -57,7 +57,7 @@ class LoadedAdapter:
             self.replica.release(self.name)
 
 
-class EngineReplica:
+class ServeReplica:
     async def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, registry, max_adapters: int = 16):
         """Starts its engine (the replica is ready once the engine is). max_adapters: Serve's
         max_num_models_per_replica (its LRU evicts past it, which unloads here)."""

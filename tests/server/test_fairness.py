@@ -1,7 +1,7 @@
 """One client's heavy requests — long prompts with prompt logprobs, n = 4, echo with logprobs — must not hold
 another client's ordinary requests: with chunked prefill (the default) and the step bound, the bystander's
-latency (p95 of 20 requests) stays within 3x of the idle server's (unchunked it was ~25x, chunked without
-the step bound ~7x). (A model large enough that a long prompt's prefill costs
+latency (p95 of 20 requests) stays within 3x of the idle server's (p95 of 10; unchunked it was ~25x, chunked
+without the step bound ~7x). (A model large enough that a long prompt's prefill costs
 real time here; see benchmarks/README.md for the default model.)"""
 import concurrent.futures
 import statistics
@@ -42,7 +42,8 @@ def heavy(url: str, i: int) -> int:
 
 def test_heavy_requests_keep_a_bystanders_latency_within_3x_of_idle(server):
     bystander(server)  # warm
-    idle = statistics.median(bystander(server) for _ in range(10))
+    alone = sorted(bystander(server) for _ in range(10))
+    idle = alone[int(0.95 * (len(alone) - 1))]  # p95 against p95
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         load = [pool.submit(heavy, server, i) for i in range(6)]
         time.sleep(0.3)  # the heavy prompts are queued and prefilling
@@ -53,7 +54,7 @@ def test_heavy_requests_keep_a_bystanders_latency_within_3x_of_idle(server):
         assert [f.result() for f in load] == [200] * 6
     during.sort()
     p95 = during[int(0.95 * (len(during) - 1))]
-    print(f"\nbystander latency: idle {idle * 1000:.0f} ms (median); beside heavy requests p50 "
+    print(f"\nbystander latency: idle p95 {idle * 1000:.0f} ms; beside heavy requests p50 "
           f"{statistics.median(during) * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, worst {during[-1] * 1000:.0f} ms "
           f"of {len(during)}")
     assert len(during) >= 10 and p95 <= 3 * max(idle, 0.04)

@@ -204,7 +204,7 @@ def test_32_concurrent_requests_with_load_and_unload_in_the_middle(files, http, 
 
 def test_unloading_an_adapter_in_use_keeps_its_running_request_exact(http, client, offline):
     """End to end: the running request finishes with the right weights; the adapter is gone after.
-    (That the unload waits for it is checked step by step in test_engine_loop.py: over SSE the client
+    (That the unload waits for it is checked step by step in test_engine_core_proc.py: over SSE the client
     may still be reading buffered chunks when the engine has finished and unloaded.)"""
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         stream = iter(client.completions.create(model="s4", prompt="w", max_tokens=48, temperature=0, stream=True))

@@ -33,7 +33,7 @@
 //   between compute-bound base GEMMs that leave them out of cache). Each thread lists the A rows and B
 //   columns it will read, in the order it reads them, and a prefetch cursor walks that list 16 KB ahead
 //   of the arithmetic, into L2: the memory system sees one steady stream per thread instead of the
-//   tiles' 4-16 short concurrent ones (bf16 mixed-adapter decode: 4.2-5.5 -> 3.4-4.6 ms a step).
+//   tiles' 4-16 short concurrent ones (the gain: docs/performance.md, "numbers behind the kernels").
 //   Threads: one OpenMP region (uses the libgomp already loaded by torch, same soname),
 //   num_threads = at::get_num_threads(). As many groups as threads or more (decode over many
 //   adapters): each thread owns a run of whole groups (balanced by work) and does their shrink and
@@ -42,8 +42,8 @@
 //   Work lists and scratch live in a per-thread Plan reused across calls (no allocation when warm).
 //   bf16 groups of >= 16 tokens (a prefill's prompt on one adapter), where the CPU has AMX, in % 32 == 0 and
 //   rank <= 32: AMX tiles instead (amx_groups, below), 16 tokens a tile, the group's A and B packed as B tiles
-//   by each thread that takes its tiles; the same roundings (h to bf16, y once). A 128-token group on SmolLM2's
-//   four projections (rank 16, hot, 2 threads): 262 -> 121 us a layer.
+//   by each thread that takes its tiles; the same roundings (h to bf16, y once); about twice the speed of the
+//   vector path on such groups.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -555,8 +555,7 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const W* A, 
   for (const Group& g : pl.groups) work += group_work(g, K, in, out);
   int nth = at::get_num_threads();
   // Tiny problems skip the fork/join. At batch 1 a projection's adapter (~20-150K weights) comes from DRAM,
-  // where a second thread nearly doubles the rate: a 2e5 threshold kept every batch-1 call on one thread
-  // (SmolLM2, rank 16 on 7 projections, cold: fp32 2.30 -> 1.50 ms a step with 2 threads, bf16 1.42 -> 1.03).
+  // where a second thread nearly doubles the rate, so the threshold sits below a batch-1 call's work.
   if (work < 2.0e4) nth = 1;
   own_groups(pl, nth, work, K, in, out);
   if (!kF32) {

@@ -8,8 +8,9 @@
 //   dequantize(data, fmt, K, dtype) -> W [N, K] (f32 | bf16)
 //
 // Every block decodes in runs of 32 weights (w = a * q + b, fp32 a and b per group of 16 or 32: the same
-// values gguf-py's dequantize gives; nf4 / fp4: w = code[q] * absmax, as bitsandbytes dequantizes); x is widened to fp32 and the sums are fp32, so the result is the
-// reference's (dequantize to fp32, then matmul) up to the order of the sums.
+// values gguf-py's dequantize gives; nf4 / fp4: w = code[q] * absmax, as bitsandbytes dequantizes); x is
+// widened to fp32 and the sums are fp32, so the result is the reference's (dequantize to fp32, then matmul) up
+// to the order of the sums.
 // Few rows (decode, M <= kFusedRows): each weight row is decoded once and dotted with every row of x while
 // its 32 weights sit in registers: the weights stream from memory once per call, the cost at batch 1.
 // Up to kOuterRows: 32 rows of W decoded once, turned k-major, and multiplied by x as outer products (outer).
@@ -19,6 +20,8 @@
 // AMX, on cores whose vdpbf16ps runs at the FMA rate (AMD Zen 4/5), 5-512 rows by outer products of pairs of
 // bf16 weights (outer on bf16 x: k_pairs, outer_tile_bf16).
 // Written as plain loops over 32 lanes that the compiler vectorizes (-march=native: AVX2 or AVX-512).
+// The formats' decoders are in quant_formats.h, the fused LoRA call in quant_lora.h, the AMX path in
+// quant_amx.h; this file holds the matmul strategies and the entry points.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -38,6 +41,9 @@
 #ifdef __AVX512F__
 #include "simd.h"  // transpose16
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include "amx.h"  // outside the anonymous namespace: it includes system headers
+#endif
 
 namespace {
 
@@ -50,294 +56,11 @@ constexpr int64_t kPanelBytes = 4 << 20;  // GEMM path: W decoded this many byte
 // parallel_for's grain over n items: about four chunks a thread, so a slow chunk does not hold up the call
 static inline int64_t grain_of(int64_t n) { return std::max<int64_t>(1, n / (4 * at::get_num_threads())); }
 
-static inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#ifdef __F16C__
-  return _cvtsh_ss(h);  // one instruction (c10::Half's portable conversion is a few dozen)
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
-}
-static inline float f32(const uint8_t* p) {
-  float v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-// ---- decoders: run r (32 weights) of the block at p -> out[32] ---------------------------------------
-// 16 bytes of nibbles -> 32 weights a * q (+ b): low nibbles are elements 0-15, high nibbles 16-31.
-static inline void nibbles32(const uint8_t* q, float a, float b, int offset, float* out) {
-  for (int i = 0; i < 16; ++i) out[i] = a * static_cast<float>((q[i] & 0xF) + offset) + b;
-  for (int i = 0; i < 16; ++i) out[i + 16] = a * static_cast<float>((q[i] >> 4) + offset) + b;
-}
-
-struct Q8_0 {
-  static constexpr int64_t kElems = 32, kBytes = 34;
-  static inline void decode(const uint8_t* p, int, float* out) {
-    const float d = f16(p);
-    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
-    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * d;
-  }
-};
-
-struct Q4_0 {
-  static constexpr int64_t kElems = 32, kBytes = 18;
-  static inline void decode(const uint8_t* p, int, float* out) {
-    nibbles32(p + 2, f16(p), -0.0f, -8, out);  // d * (q - 8) (+ -0: exact, keeps a zero's sign as gguf-py)
-  }
-};
-
-struct Q4_1 {
-  static constexpr int64_t kElems = 32, kBytes = 20;
-  static inline void decode(const uint8_t* p, int, float* out) {
-    nibbles32(p + 4, f16(p), f16(p + 2), 0, out);
-  }
-};
-
-// q4_k / q5_k: sub-block j (of 8) has a 6-bit scale and min packed in 12 bytes
-static inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* mn) {
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *mn = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
-struct Q4_K {
-  static constexpr int64_t kElems = 256, kBytes = 144;
-  static inline void decode(const uint8_t* p, int r, float* out) {
-    int sc, mn;
-    scale_min_k4(r, p + 4, &sc, &mn);
-    const float d = f16(p) * static_cast<float>(sc), dm = f16(p + 2) * static_cast<float>(mn);
-    const uint8_t* q = p + 16 + (r / 2) * 32;  // runs 2i and 2i+1 share 32 bytes (low, then high nibbles)
-    const int shift = (r % 2) * 4;
-    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>((q[i] >> shift) & 0xF) - dm;
-  }
-};
-
-struct Q5_K {
-  static constexpr int64_t kElems = 256, kBytes = 176;
-  static inline void decode(const uint8_t* p, int r, float* out) {
-    int sc, mn;
-    scale_min_k4(r, p + 4, &sc, &mn);
-    const float d = f16(p) * static_cast<float>(sc), dm = f16(p + 2) * static_cast<float>(mn);
-    const uint8_t* qh = p + 16;
-    const uint8_t* q = p + 48 + (r / 2) * 32;
-    const int shift = (r % 2) * 4;
-    for (int i = 0; i < 32; ++i) {
-      const int v = ((q[i] >> shift) & 0xF) | (((qh[i] >> r) & 1) << 4);
-      out[i] = d * static_cast<float>(v) - dm;
-    }
-  }
-};
-
-struct Q6_K {
-  static constexpr int64_t kElems = 256, kBytes = 210;
-  static inline void decode(const uint8_t* p, int r, float* out) {
-    // half h = r / 4 (128 weights): run j = r % 4 takes ql[l + 32 * (j % 2)] nibble (j / 2) and qh bits 2j
-    const int h = r / 4, j = r % 4;
-    const uint8_t* ql = p + h * 64 + (j % 2) * 32;
-    const uint8_t* qh = p + 128 + h * 32;
-    const int8_t* scales = reinterpret_cast<const int8_t*>(p + 192) + h * 8;
-    const float d = f16(p + 208);
-    const int shift = (j / 2) * 4;
-    const float d0 = d * static_cast<float>(scales[2 * j]), d1 = d * static_cast<float>(scales[2 * j + 1]);
-    for (int i = 0; i < 32; ++i) {
-      const int v = (((ql[i] >> shift) & 0xF) | (((qh[i] >> (2 * j)) & 3) << 4)) - 32;
-      out[i] = (i < 16 ? d0 : d1) * static_cast<float>(v);
-    }
-  }
-};
-
-struct I8C {  // a block is the whole row: fp32 scale, then K int8
-  static constexpr int64_t kElems = 0, kBytes = 0;  // per tensor (see run_format)
-  static inline void decode(const uint8_t* p, int r, float* out) {
-    const float s = f32(p);
-    const int8_t* q = reinterpret_cast<const int8_t*>(p + 4) + r * 32;
-    for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q[i]) * s;
-  }
-};
-
-struct I4G {  // fp32 a, fp32 b, then G/2 bytes: runs of 32 as q4_0
-  static constexpr int64_t kElems = 0, kBytes = 0;
-  static inline void decode(const uint8_t* p, int r, float* out) {
-    nibbles32(p + 8 + r * 16, f32(p), f32(p + 4), 0, out);
-  }
-};
-
-// bitsandbytes' 4-bit code books (bitsandbytes.functional.get_4bit_type), in float32.
-alignas(64) constexpr float kNF4[16] = {
-    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f, -0.28444138169288635f,
-    -0.18477343022823334f, -0.09105003625154495f, 0.0f, 0.07958029955625534f, 0.16093020141124725f,
-    0.24611230194568634f, 0.33791524171829224f, 0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
-alignas(64) constexpr float kFP4[16] = {
-    0.0f, 0.0052083334885537624f, 0.6666666865348816f, 1.0f, 0.3333333432674408f, 0.5f, 0.1666666716337204f, 0.25f,
-    0.0f, -0.0052083334885537624f, -0.6666666865348816f, -1.0f, -0.3333333432674408f, -0.5f, -0.1666666716337204f,
-    -0.25f};
-
-template <const float* Code>
-struct Lut4G {  // fp32 absmax, then G/2 bytes: runs of 32 as q4_0
-  static constexpr int64_t kElems = 0, kBytes = 0;
-  static inline void decode(const uint8_t* p, int r, float* out) {
-    const float s = f32(p);
-    const uint8_t* q = p + 4 + r * 16;
-    for (int i = 0; i < 16; ++i) out[i] = Code[q[i] & 0xF] * s;
-    for (int i = 0; i < 16; ++i) out[i + 16] = Code[q[i] >> 4] * s;
-  }
-};
-using NF4G = Lut4G<kNF4>;
-using FP4G = Lut4G<kFP4>;
-
-#ifdef __AVX512F__
-// AVX-512 decoders: run r of a block -> weights 0-15 (lo) and 16-31 (hi) in registers, the same values as the
-// plain decoders above (the same multiplies and adds, each rounded once).
-struct W32 {
-  __m512 lo, hi;
-};
-static inline __m512i u8x16i(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
-static inline __m512 i8x16(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
-static inline __m512 f16x16(const uint8_t* p) {  // the fp16 at p, broadcast
-#ifdef __AVX512FP16__
-  __m512 r;  // one instruction, the broadcast folded into the load (the shuffle port stays free for the lookups)
-  asm("vcvtph2psx %1%{1to16%}, %0" : "=v"(r) : "m"(*reinterpret_cast<const uint16_t*>(p)));
-  return r;
-#else
-  uint16_t h;  // vpbroadcastw + vcvtph2ps
-  std::memcpy(&h, p, 2);
-  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
-#endif
-}
-static inline W32 decode_v(Q8_0, const uint8_t* p, int) {
-  const __m512 d = f16x16(p);
-  return {_mm512_mul_ps(i8x16(p + 2), d), _mm512_mul_ps(i8x16(p + 18), d)};
-}
-// 4-bit formats by table lookup: table[j] = the weight of nibble value j (computed as the plain decoder
-// computes a * j + b, so the values are the same), vpermps picks by each lane's low 4 bits.
-static inline __m512 iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
-static inline W32 lut32(const uint8_t* q, __m512 table) {  // 16 bytes: low nibbles 0-15, high 16-31
-  const __m512i v = u8x16i(q);
-  return {_mm512_permutexvar_ps(v, table), _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table)};
-}
-static inline W32 decode_v(Q4_0, const uint8_t* p, int) {
-  const __m512 q = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));  // exact: q - 8 as gguf-py, then * d
-  return lut32(p + 2, _mm512_mul_ps(f16x16(p), q));
-}
-static inline W32 decode_v(Q4_1, const uint8_t* p, int) {
-  return lut32(p + 4, _mm512_add_ps(_mm512_mul_ps(f16x16(p), iota16()), f16x16(p + 2)));
-}
-// K-quants: a block's scales (d * sc, dmin * mn per run; q6_k: d * scale per 16 weights) are worked out once
-// per block of 256 (BlockScales), the runs then broadcast them.
-struct BlockScales {
-  float d[16], m[8];
-};
-static inline BlockScales k4_scales(const uint8_t* p) {
-  // the 8 six-bit scales and mins unpacked with 32-bit masks (as llama.cpp does; scale_min_k4 one by one
-  // took a third of the decode time), then widened and multiplied 8 at a time
-  uint32_t u[4];
-  std::memcpy(u, p + 4, 12);
-  constexpr uint32_t k6 = 0x3f3f3f3f, k4 = 0x0f0f0f0f, k2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // mins 4-7
-  const uint32_t mins = u[1] & k6;                          // mins 0-3
-  u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);           // scales 4-7
-  u[2] = mins;
-  u[0] &= k6;                                               // scales 0-3
-  const __m128i bytes = _mm_loadu_si128((const __m128i*)u);  // scales 0-7, then mins 0-7
-  const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-  const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8)));
-  BlockScales s;
-  _mm256_storeu_ps(s.d, _mm256_mul_ps(_mm256_set1_ps(f16(p)), sc));
-  _mm256_storeu_ps(s.m, _mm256_mul_ps(_mm256_set1_ps(f16(p + 2)), mn));
-  return s;
-}
-static inline W32 decode_v(Q4_K, const BlockScales& s, const uint8_t* p, int r) {
-  const uint8_t* q = p + 16 + (r / 2) * 32;  // 32 bytes: this run's nibble of each
-  const int shift = (r % 2) * 4;
-  const __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[r]), iota16()), _mm512_set1_ps(s.m[r]));
-  return {_mm512_permutexvar_ps(_mm512_srli_epi32(u8x16i(q), shift), table),
-          _mm512_permutexvar_ps(_mm512_srli_epi32(u8x16i(q + 16), shift), table)};
-}
-// 32 bytes widened to 32 16-bit lanes; 16-bit lanes -> two fp32 halves
-static inline __m512i u8x32w(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)p)); }
-static inline W32 scaled(__m512i q16, __m512 d_lo, __m512 d_hi, __m512 m) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(q16)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q16, 1)));
-  return {_mm512_sub_ps(_mm512_mul_ps(d_lo, lo), m), _mm512_sub_ps(_mm512_mul_ps(d_hi, hi), m)};
-}
-static inline W32 decode_v(Q5_K, const BlockScales& s, const uint8_t* p, int r) {
-  const int shift = (r % 2) * 4;
-  const __m512i low = _mm512_and_si512(_mm512_srli_epi16(u8x32w(p + 48 + (r / 2) * 32), shift), _mm512_set1_epi16(0xF));
-  const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(u8x32w(p + 16), r), _mm512_set1_epi16(1)), 4);
-  const __m512 d = _mm512_set1_ps(s.d[r]);
-  return scaled(_mm512_or_si512(low, high), d, d, _mm512_set1_ps(s.m[r]));
-}
-static inline BlockScales q6_scales(const uint8_t* p) {
-  BlockScales s;
-  _mm512_storeu_ps(s.d, _mm512_mul_ps(_mm512_set1_ps(f16(p + 208)), i8x16(p + 192)));
-  return s;
-}
-static inline W32 decode_v(Q6_K, const BlockScales& s, const uint8_t* p, int r) {
-  // half h = r / 4 (128 weights): run j = r % 4 takes ql[l + 32 * (j % 2)] nibble (j / 2) and qh bits 2j
-  const int h = r / 4, j = r % 4;
-  const __m512i low = _mm512_and_si512(_mm512_srli_epi16(u8x32w(p + h * 64 + (j % 2) * 32), (j / 2) * 4),
-                                       _mm512_set1_epi16(0xF));
-  const __m512i high = _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(u8x32w(p + 128 + h * 32), 2 * j),
-                                                          _mm512_set1_epi16(3)), 4);
-  const __m512i q = _mm512_sub_epi16(_mm512_or_si512(low, high), _mm512_set1_epi16(32));
-  const int g = h * 8 + 2 * j;  // its two groups of 16
-  return scaled(q, _mm512_set1_ps(s.d[g]), _mm512_set1_ps(s.d[g + 1]), _mm512_setzero_ps());  // (- +0: exact)
-}
-static inline W32 decode_v(I8C, const uint8_t* p, int r) {
-  const __m512 s = _mm512_set1_ps(f32(p));
-  const uint8_t* q = p + 4 + r * 32;
-  return {_mm512_mul_ps(i8x16(q), s), _mm512_mul_ps(i8x16(q + 16), s)};
-}
-static inline W32 decode_v(I4G, const uint8_t* p, int r) {
-  return lut32(p + 8 + r * 16, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f32(p)), iota16()), _mm512_set1_ps(f32(p + 4))));
-}
-template <const float* Code>
-static inline W32 decode_v(Lut4G<Code>, const uint8_t* p, int r) {  // the table: code * absmax, as decode's
-  return lut32(p + 4 + r * 16, _mm512_mul_ps(_mm512_load_ps(Code), _mm512_set1_ps(f32(p))));
-}
-// What a block's runs share, worked out once per block (none for most formats).
-template <typename Dec>
-struct BlockState {
-  static int make(const uint8_t*) { return 0; }
-};
-template <> struct BlockState<Q4_K> { static BlockScales make(const uint8_t* p) { return k4_scales(p); } };
-template <> struct BlockState<Q5_K> { static BlockScales make(const uint8_t* p) { return k4_scales(p); } };
-template <> struct BlockState<Q6_K> { static BlockScales make(const uint8_t* p) { return q6_scales(p); } };
-template <typename Dec>
-static inline W32 decode_v(Dec dec, int, const uint8_t* p, int r) { return decode_v(dec, p, r); }
-#endif
-
-// The shape of one format's rows: block_elems weights in block_bytes, runs of 32 inside.
-struct Layout {
-  int64_t elems, bytes, row_bytes;
-};
-
-// Where a kernel's fp32 sums go: y [M, N] (row stride ld) in x's dtype, plus the bias [N] (fp32) if any,
-// rounded once (as the reference's fp32 result + bias, then .to(dtype)). Written by the kernel itself: a
-// separate fp32 result and two conversions cost ~2.5 us a call, ~120 calls a decode step.
-struct Out {
-  float* f = nullptr;           // fp32 y, or
-  c10::BFloat16* b = nullptr;   // bf16 y
-  const float* bias = nullptr;
-  int64_t ld = 0;
-  inline void put(int64_t m, int64_t n, float v) const {
-    if (bias) v += bias[n];
-    if (f) f[m * ld + n] = v;
-    else b[m * ld + n] = c10::BFloat16(v);
-  }
-};
+#include "quant_formats.h"  // the formats' decoders, Layout, Out
 
 // ---- the fused path: rows [n0, n1) of W against M <= kFusedRows rows of x (fp32) -------------------------
-// A thread reads its rows as one stream; the hardware prefetchers alone leave it latency-bound (~4 GB/s a
-// thread, measured), so each row asks for the row kPrefetchBytes ahead, into L2. Measured over 40 cold
-// [8192 x 2048] matrices at batch 1 (GB/s, 2 threads): 4 KB ahead into L1 gave q4_k 10.4, q4_1 11.6, q8_0 15.5;
-// 32 KB into L2 gives 14.6, 15.7, 21.0 (16-64 KB about the same; into L1, 13.5 for q4_k).
+// A thread reads its rows as one stream; the hardware prefetchers alone leave it latency-bound, so each row
+// asks for the row kPrefetchBytes ahead, into L2 (16-64 KB ahead stream about as fast; into L1 is slower).
 constexpr int64_t kPrefetchBytes = 32 << 10;
 static inline void prefetch_ahead(const uint8_t* row, int64_t row_bytes, const uint8_t* end) {
   const uint8_t* ahead = row + std::max<int64_t>(row_bytes, kPrefetchBytes / row_bytes * row_bytes);
@@ -487,8 +210,8 @@ static void decode_rows(const uint8_t* w, const Layout& L, int64_t K, int64_t n0
 #ifdef __AVX512F__
 // ---- kFusedRows < M <= kOuterRows rows of x in fp32 (fp32 activations, or bf16 ones without AMX) -----------
 // The fused path decodes every weight again per 8 rows of x and pays a horizontal sum per output; the GEMM
-// path writes W out as a panel that oneDNN reorders at every call (SmolLM2's Q4_1 decode step: 25 ms at
-// batch 8, 60 ms at 9). Here a thread takes 32 rows of W at a time, decodes them once (the fused path's
+// path writes W out as a panel that oneDNN reorders at every call (a step at 9 rows cost twice one at 8).
+// Here a thread takes 32 rows of W at a time, decodes them once (the fused path's
 // values) into a k-major panel [K][32] (k_major), and multiplies it by x's rows kOuterTile at a time as outer
 // products: acc[m] (32 outputs in two vectors) += W^T[k] * x[m][k], x broadcast. K a multiple of 32.
 constexpr int kOuterTile = 12;  // 24 accumulators + 2 weight vectors + a broadcast: within 32 registers
@@ -732,105 +455,7 @@ static void bf16_single(const at::Tensor& x, const uint8_t* w, const Layout& L, 
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// ---- one row of x and one adapter's LoRA (batch-1 decode): y = W x (+ bias) + B_k (A_k x) per slice k -----------
-// At batch 1 an adapter's arithmetic is tiny; what it cost was a second call per projection (pybind, the GIL, a
-// fork/join and two barriers, ~120 times a step). Here one call and one OpenMP region run both. Each thread: its
-// rows of h = A x (shared), a flag saying so; its rows of W (the base's own row loop: fused_rows, or bf16_rows for
-// bf16 x on K-quants), asking on the way for its outputs' columns of B, into L2; then, once every thread's flag is
-// up (long since, as a rule: the base's rows came in between, so this is a read, not a barrier's wait), its
-// outputs += B h. Sums in fp32 on exact widenings, rounded where add_lora rounds: bf16 activations round h to bf16
-// and y once, after adding. (What is left of an adapter's cost is reading its bytes: SmolLM2's base matmuls at
-// batch 1 run near DRAM's rate, so the adapter's 9.75 MB (bf16) cost about what they take to stream; asking for A
-// during the rows too, and shrinking after them, was no faster.)
-template <typename Wt>
-struct SlotLoRA {
-  const Wt* a;   // the slot's A [S * RK, K]: slice k's rank rows start at row k * RK
-  const Wt* bt;  // the slot's B, rank-major: rank row r of output o at bt[r * N + o]
-  int64_t RK, rank;
-  const std::vector<int64_t>* slices;  // output sizes, summing to N
-  int64_t rows() const { return static_cast<int64_t>(slices->size()) * rank; }  // of h: slice k's at k * rank
-  const Wt* a_row(int64_t j, int64_t K) const { return a + (j / rank * RK + j % rank) * K; }
-};
-
-// One thread's shrink is done (one cache line each: the flags are written by different cores)
-struct alignas(64) DoneFlag {
-  std::atomic<int> set{0};
-};
-
-template <typename Wt>
-static inline float dot_x(const Wt* a, const float* x, int64_t K) {  // K a multiple of 32
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    s0 = _mm512_fmadd_ps(load16(a + k, 0xFFFF), _mm512_loadu_ps(x + k), s0);
-    s1 = _mm512_fmadd_ps(load16(a + k + 16, 0xFFFF), _mm512_loadu_ps(x + k + 16), s1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-}
-
-// y[o0, o1) += sum_r h[r] bt[r * ld + o] (Y: fp32, or bf16 rounded once): four partial rank sums (independent
-// FMA chains), added to y at the end as add_lora adds its sums
-template <typename Wt, typename Y>
-static inline void expand_outputs(const Wt* bt, int64_t ld, int64_t rank, const float* h, Y* y, int64_t o0, int64_t o1) {
-  for (int64_t o = o0; o < o1; o += 16) {
-    const __mmask16 m = mask16(o1 - o);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t r = 0; r < rank; ++r)
-      acc[r % 4] = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), load16(bt + r * ld + o, m), acc[r % 4]);
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    store16(y + o, _mm512_add_ps(load16(y + o, m), sum), m);
-  }
-}
-
-// One thread (t of nt): rows [j0, j1) of h (shared, [S * rank]), then rows [n0, n1) of W (rows(n0, n1, hook)
-// writes them into y) and of the LoRA's outputs. x: fp32 (bf16 activations widened)
-template <typename Wt, typename Rows>
-static void lora_rows(const float* x, int64_t N, int64_t K, const Out& y, const SlotLoRA<Wt>& lo, const Rows& rows,
-                      float* h, DoneFlag* done, int t, int nt) {
-  const int64_t j0 = lo.rows() * t / nt, j1 = lo.rows() * (t + 1) / nt;
-  const int64_t n0 = N * t / nt / 16 * 16, n1 = t + 1 == nt ? N : N * (t + 1) / nt / 16 * 16;
-  for (int64_t j = j0; j < j1; ++j) {
-    const float v = dot_x(lo.a_row(j, K), x, K);
-    h[j] = y.f ? v : static_cast<float>(c10::BFloat16(v));  // bf16: rounded, as a bf16 reference rounds A's output
-  }
-  done[t].set.store(1, std::memory_order_release);
-  // B's rank rows over [n0, n1): a line of them every `every` rows of W, all asked for by 3/4 of the rows
-  const int64_t span = (n1 - n0) * static_cast<int64_t>(sizeof(Wt)), lines = (span + 63) / 64;
-  const int64_t every = std::max<int64_t>(1, 3 * (n1 - n0) / (4 * std::max<int64_t>(1, lines * lo.rank)));
-  const char* b0 = reinterpret_cast<const char*>(lo.bt + n0);
-  int64_t line = 0, countdown = every;
-  rows(n0, n1, [&] {
-    if (--countdown || line >= lines * lo.rank) return;
-    countdown = every;
-    _mm_prefetch(b0 + line / lines * N * static_cast<int64_t>(sizeof(Wt)) + line % lines * 64, _MM_HINT_T1);
-    ++line;
-  });
-  for (int u = 0; u < nt; ++u)
-    for (int spin = 0; !done[u].set.load(std::memory_order_acquire); ++spin)
-      if (spin < 4096) _mm_pause();
-      else std::this_thread::yield();  // (more threads than cores: let the one it waits for run)
-  for (int64_t k = 0, sb = 0; k < static_cast<int64_t>(lo.slices->size()); sb += (*lo.slices)[k++]) {
-    const int64_t o0 = std::max(n0, sb), o1 = std::min(n1, sb + (*lo.slices)[k]);
-    if (o0 >= o1) continue;
-    if (y.f) expand_outputs(lo.bt, N, lo.rank, h + k * lo.rank, y.f, o0, o1);
-    else expand_outputs(lo.bt, N, lo.rank, h + k * lo.rank, reinterpret_cast<bf16raw*>(y.b), o0, o1);
-  }
-}
-
-template <typename Wt, typename Rows>
-static void fused_lora(const float* x, int64_t N, int64_t K, const Out& y, const SlotLoRA<Wt>& lo, const Rows& rows) {
-  const int nth = static_cast<int>(std::min<int64_t>(at::get_num_threads(), std::max<int64_t>(1, N / 16)));
-  static thread_local std::vector<float> h;
-  static thread_local std::vector<DoneFlag> done;
-  h.resize(static_cast<size_t>(lo.rows()));
-  if (static_cast<int>(done.size()) < nth) done = std::vector<DoneFlag>(nth);
-  for (int t = 0; t < nth; ++t) done[t].set.store(0, std::memory_order_relaxed);
-  float* hp = h.data();
-  DoneFlag* dp = done.data();
-#pragma omp parallel num_threads(nth)
-  lora_rows<Wt>(x, N, K, y, lo, rows, hp, dp, omp_get_thread_num(), omp_get_num_threads());
-}
-#endif
+#include "quant_lora.h"  // one row of x and one adapter's LoRA in one call (fused_lora)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 // ---- bf16 x past one row where AMX does not take it, on CPUs whose vdpbf16ps runs at the FMA rate ------------
@@ -985,194 +610,7 @@ at::Tensor dequantize(const at::Tensor& data, const std::string& fmt, int64_t K,
   return out;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-// ---- AMX (bf16 activations, 2..kAmxRows rows of x): y^T = W x^T by tiles --------------------------------
-// The weights are the A operand (16 rows of W x 32 inputs: a decoded run of each row, rounded to bf16 as a
-// bf16 model's weights are, is one row of A: no transposition), x^T the B operand (x packed once per call in
-// AMX's pair-interleaved layout), and C holds 16 outputs x 16 rows of x in fp32. The decode is the fused
-// path's, so the weights still stream once; the multiply no longer grows with the rows of x.
-#include "amx.h"
-
-// q4_k runs 2p and 2p+1 of one row, as bf16, into a[2p][i] and a[2p+1][i]: they share 32 bytes (low and
-// high nibbles) and one 32-entry table (bf16(d * j - m) of each run, rounded as the fp32 decode is), looked up
-// by vpermw: decode_v's values rounded to bf16, without widening to fp32 lanes
-static inline void q4_k_bf16_pair(const BlockScales& s, const uint8_t* p, int pair, uint16_t (*a)[16][32], int i) {
-  const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[2 * pair]), iota16()), _mm512_set1_ps(s.m[2 * pair]));
-  const __m512 hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(s.d[2 * pair + 1]), iota16()), _mm512_set1_ps(s.m[2 * pair + 1]));
-  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // 0-15: run 2p, 16-31: run 2p+1
-  const __m512i v = u8x32w(p + 16 + 32 * pair);
-  const __m512i low = _mm512_and_si512(v, _mm512_set1_epi16(0xF));
-  const __m512i high = _mm512_or_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi16(0x10));
-  _mm512_storeu_si512(a[2 * pair][i], _mm512_permutexvar_epi16(low, table));
-  _mm512_storeu_si512(a[2 * pair + 1][i], _mm512_permutexvar_epi16(high, table));
-}
-
-// C[h][t] += A[h] B[t0 + t] over n runs: tiles 0-3 hold C (W rows 16h.., x rows 16(t0 + t)..), 4-5 the decoded
-// A of the two halves, 6-7 x's B tiles. Each B tile loaded serves both halves (x's packed tiles, 128 KB at K =
-// 2048, come from L2: loading them once per 16 rows of W cost as much as the multiplies).
-static inline void amx_multiply(uint16_t (*const a[2])[16][32], bool two, const uint32_t* xb, int64_t tiles,
-                                int64_t chunk, int r0, int n, int64_t t0 = 0) {
-  for (int r = r0; r < r0 + n; ++r) {
-    _tile_loadd(4, a[0][r], 64);
-    if (two) _tile_loadd(5, a[1][r], 64);
-    _tile_loadd(6, xb + ((chunk + r) * tiles + t0) * 256, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if (two) _tile_dpbf16ps(2, 5, 6);
-    if (t0 + 1 < tiles) {
-      _tile_loadd(7, xb + ((chunk + r) * tiles + t0 + 1) * 256, 64);
-      _tile_dpbf16ps(1, 4, 7);
-      if (two) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-}
-
-// One block of each of the pass's rows (row 16h + i's at blocks[h][i]), from run r0: its runs decoded to bf16
-// a chunk at a time (q4_k: the two runs that share bytes) for all rows, each chunk multiplied before the next
-// is decoded, so the vector decode of one overlaps the tile multiplies of the last.
-template <typename Dec, int... C>
-static inline void amx_block(const uint8_t* const (*blocks)[16], const int* rows, int r0, uint16_t (*const a[2])[16][32],
-                             const uint32_t* xb, int64_t tiles, int64_t chunk, std::integer_sequence<int, C...>) {
-  constexpr int kChunk = std::is_same<Dec, Q4_K>::value ? 2 : 1;
-  using State = decltype(BlockState<Dec>::make(nullptr));
-  State st[2][16];
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < rows[h]; ++i) st[h][i] = BlockState<Dec>::make(blocks[h][i]);
-  auto step = [&](auto cc) {
-    constexpr int c = decltype(cc)::value;
-    for (int h = 0; h < 2; ++h)
-      for (int i = 0; i < rows[h]; ++i) {
-        if constexpr (kChunk == 2) {
-          q4_k_bf16_pair(st[h][i], blocks[h][i], c, a[h], i);
-        } else {
-          const W32 w = decode_v(Dec{}, st[h][i], blocks[h][i], r0 + c);
-          _mm512_storeu_si512(a[h][c][i], (__m512i)_mm512_cvtne2ps_pbh(w.hi, w.lo));
-        }
-      }
-    if (xb) amx_multiply(a, rows[1] > 0, xb, tiles, chunk, c * kChunk, kChunk);  // null: decode only
-  };
-  (step(std::integral_constant<int, C>{}), ...);
-}
-
-// C tile (h, t) -> y rows 16t.., outputs g + 16h..: column m of C is row m of y's 16 outputs, gathered in
-// L1, then one store (storing each value down y's columns, a row stride apart, took a fifth of the call)
-static inline void amx_store(int h, int64_t t, int rows, int64_t M, int64_t g, const Out& y) {
-  alignas(64) float c[16][16];
-  switch (2 * h + t) {
-    case 0: _tile_stored(0, c, 64); break;
-    case 1: _tile_stored(1, c, 64); break;
-    case 2: _tile_stored(2, c, 64); break;
-    default: _tile_stored(3, c, 64); break;
-  }
-  for (int64_t m = 16 * t; m < std::min(M, 16 * t + 16); ++m) {
-    alignas(64) float col[16];
-    for (int i = 0; i < 16; ++i) col[i] = c[i][m - 16 * t];
-    put_row16(y, m, g + 16 * h, mask16(rows), _mm512_load_ps(col));
-  }
-}
-
-// Bytes [lo, hi) of rows [r0, r1) of W into L2. 32 interleaved row streams are more than the hardware
-// prefetchers follow, so each step asks for its slice of the next 32 rows (batch 8 of the 1.7B Q4_K_M: 41.7
-// -> 45.7 tok/s for the next 16 rows at once; a slice per step, in pace with the decode, since 32 rows at once
-// overran the queue of misses in flight).
-static inline void prefetch_slice(const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, int64_t lo, int64_t hi) {
-  for (int64_t row = r0; row < r1; ++row)
-    for (int64_t off = lo & ~int64_t{63}; off < hi; off += 64) _mm_prefetch((const char*)(w + row * row_bytes + off), _MM_HINT_T1);
-}
-
-template <typename Dec>
-constexpr int kAmxRuns = Dec::kElems > 0 ? static_cast<int>(Dec::kElems / 32) : 1;  // runs decoded per step
-
-// The rows of W in each half (16, 16 or fewer) of the pass at row g of [n0, n1)
-static inline void pass_rows(int64_t g, int64_t n1, int (&rows)[2]) {
-  rows[0] = static_cast<int>(std::min<int64_t>(16, n1 - g));
-  rows[1] = static_cast<int>(std::clamp<int64_t>(n1 - g - 16, 0, 16));
-}
-
-// Inputs [k, k + 32 kAmxRuns) of the pass's rows at g, decoded into a (each run at a[h][run - k / 32]) and, where xb
-// is given, multiplied into the C tiles; the next pass's rows asked for a slice at a time
-template <typename Dec>
-static inline void amx_step(const uint8_t* w, const Layout& L, int64_t K, int64_t g, int64_t n1, const int (&rows)[2],
-                            int64_t k, uint16_t (*const a[2])[16][32], const uint32_t* xb, int64_t tiles) {
-  constexpr int kChunks = std::is_same<Dec, Q4_K>::value ? kAmxRuns<Dec> / 2 : kAmxRuns<Dec>;
-  prefetch_slice(w, L.row_bytes, g + 32, std::min(g + 64, n1), L.row_bytes * k / K,
-                 L.row_bytes * (k + 32 * kAmxRuns<Dec>) / K);
-  const uint8_t* blocks[2][16];
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < rows[h]; ++i) blocks[h][i] = w + (g + 16 * h + i) * L.row_bytes + k / L.elems * L.bytes;
-  amx_block<Dec>(blocks, rows, static_cast<int>(k % L.elems / 32), a, xb, tiles, k / 32,
-                 std::make_integer_sequence<int, kChunks>{});
-}
-
-// rows [n0, n1) of W, 32 at a time (two halves of 16)
-template <typename Dec>
-static void amx_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
-                     int64_t n1, const Out& y) {
-  const int64_t tiles = (M + 15) / 16;
-  const TileConfig cfg = square_tiles();
-  _tile_loadconfig(&cfg);
-  alignas(64) static thread_local uint16_t buf[2][kAmxRuns<Dec>][16][32];  // [half][run][row of W][input]
-  uint16_t (*const a[2])[16][32] = {buf[0], buf[1]};
-  for (int64_t g = n0; g < n1; g += 32) {
-    int rows[2];
-    pass_rows(g, n1, rows);
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < K; k += 32 * kAmxRuns<Dec>) amx_step<Dec>(w, L, K, g, n1, rows, k, a, xb, tiles);
-    for (int h = 0; h < 2; ++h)
-      for (int64_t t = 0; t < tiles && rows[h] > 0; ++t) amx_store(h, t, rows[h], M, g, y);
-  }
-  _tile_release();
-}
-
-// More than kAmxRows rows of x (prefill): rows [n0, n1) of W, 32 at a time, each block of 32 rows decoded whole
-// into bf16 tiles once (as amx_rows decodes it, the next rows prefetched alike), then multiplied by x 32 rows
-// at a time, C in tiles over all of K. The decode no longer overlaps the tiles, but serves every row of x.
-template <typename Dec>
-static void amx_wide_rows(const uint32_t* xb, int64_t M, int64_t K, const uint8_t* w, const Layout& L, int64_t n0,
-                          int64_t n1, const Out& y) {
-  const int64_t tiles = (M + 15) / 16, runs = K / 32;
-  const TileConfig cfg = square_tiles();
-  _tile_loadconfig(&cfg);
-  static thread_local std::vector<uint16_t> buf;  // [half][run][row of W][input]
-  buf.resize(static_cast<size_t>(2 * runs * 512));
-  uint16_t (*const whole[2])[16][32] = {reinterpret_cast<uint16_t (*)[16][32]>(buf.data()),
-                                        reinterpret_cast<uint16_t (*)[16][32]>(buf.data() + runs * 512)};
-  for (int64_t g = n0; g < n1; g += 32) {
-    int rows[2];
-    pass_rows(g, n1, rows);
-    for (int64_t k = 0; k < K; k += 32 * kAmxRuns<Dec>) {
-      uint16_t (*const a[2])[16][32] = {whole[0] + k / 32, whole[1] + k / 32};
-      amx_step<Dec>(w, L, K, g, n1, rows, k, a, nullptr, 0);
-    }
-    for (int64_t t0 = 0; t0 < tiles; t0 += 2) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      amx_multiply(whole, rows[1] > 0, xb, tiles, 0, 0, static_cast<int>(runs), t0);
-      Out part = y;  // x rows 16 t0.. of y
-      if (part.f) part.f += 16 * t0 * y.ld; else part.b += 16 * t0 * y.ld;
-      const int64_t m = std::min<int64_t>(32, M - 16 * t0);
-      for (int h = 0; h < 2; ++h)
-        for (int64_t t = 0; t < (m + 15) / 16 && rows[h] > 0; ++t) amx_store(h, t, rows[h], m, g, part);
-    }
-  }
-  _tile_release();
-}
-
-template <typename Dec>
-static void amx(const at::Tensor& x, const uint8_t* w, const Layout& L, int64_t N, int64_t K, const Out& y) {
-  const int64_t M = x.size(0);
-  const std::vector<uint32_t> xb = pack_x(reinterpret_cast<const uint16_t*>(x.data_ptr<c10::BFloat16>()), M, K, (M + 15) / 16);
-  const int64_t groups = (N + 31) / 32;
-  at::parallel_for(0, groups, grain_of(groups), [&](int64_t a, int64_t b) {
-    if (M <= kAmxRows) amx_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
-    else amx_wide_rows<Dec>(xb.data(), M, K, w, L, 32 * a, std::min(N, 32 * b), y);
-  });
-}
-#endif
+#include "quant_amx.h"  // bf16 x on AMX tiles (amx)
 
 // x [M, K] as contiguous fp32 for the fused path: x's own data when it is that already, else a copy in buf
 static const float* x_as_f32(const at::Tensor& x, std::vector<float>& buf) {
@@ -1219,8 +657,8 @@ static bool bf16_dot_fast() {
 }
 
 // Whether one fp32 row of x against Dec (a kBf16Dot format) runs as three exact bf16 parts (dot_x_of) by
-// vdpbf16ps rather than decoding the weights to fp32: q6_k on AMD's cores (Zen 5, 12 cold [8192 x 2048] matrices,
-// 2 threads: 29 -> 34-41 GB/s); q4_k's fp32 decode is cheaper than three dot products per run there (28 vs 24 GB/s)
+// vdpbf16ps rather than decoding the weights to fp32: q6_k on AMD's cores, where that streams faster; q4_k's
+// fp32 decode is cheaper than three dot products per run there
 template <typename Dec>
 static bool f32_by_parts() {
   return std::is_same<Dec, Q6_K>::value && bf16_dot_fast();
@@ -1245,8 +683,8 @@ static bool decode_sizes(const at::Tensor& x, const at::Tensor& data, const std:
 #else
   const bool by_outer = false;
 #endif
-  // outer on pairs from 5 rows: the fused path runs 5-8 rows as 8 (Zen 5, [8192 x 2048] q4_k at 8 rows: 1.8 -> 0.9 ms;
-  // at 2-4 rows the panel's decode and transposes cost more than the fused dots save)
+  // outer on pairs from 5 rows: the fused path runs 5-8 rows as 8, twice the work of outer's pairs there; at
+  // 2-4 rows the panel's decode and transposes cost more than the fused dots save
   const bool by_pairs = bf16 && M > 4 && M <= kOuterRows && bf16_dot_fast();
   if (M > kFusedRows && !by_outer) return false;
   with_format(fmt, K, [&](auto dec, const Layout& L) {

@@ -5,7 +5,7 @@ from conftest import save_checkpoint, save_peft_adapter, tiny_llama
 from loramux import LoRAConfig, SamplingParams
 from loramux.config import EngineConfig
 from loramux.engine.engine_core import EngineCore
-from loramux.server.engine_process import EngineLoop
+from loramux.server.engine_process import EngineCoreProc
 from loramux.adapters.status import LoRAStatus
 from loramux.server.wire import (AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
                                  Outputs, PinAdapter, UnloadAdapter, decode_from_engine, decode_to_engine, encode)
@@ -33,7 +33,7 @@ def loop(tmp_path):
     core = EngineCore(EngineConfig(model=save_checkpoint(base, tmp_path / "m"), dtype="float32",
                                    lora=LoRAConfig(max_loras=2, max_lora_rank=8), kv_cache_memory=2**22,
                                    max_model_len=64))
-    loop = EngineLoop(core, Outbox())
+    loop = EngineCoreProc(core, Outbox())
     ready = loop.ready([AdapterSource("a", save_peft_adapter(base, tmp_path / "a", r=8)),
                         AdapterSource("gone", str(tmp_path / "missing"))], str(tmp_path / "tok"))
     assert [a.name for a in ready.adapters] == ["a"] and "does not exist" in ready.failed_adapters["gone"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.output import CoreOutput
 from loramux.logprobs import Logprobs
-from loramux.server.engine_client import EngineStream
+from loramux.server.engine_client import OutputStream
 from loramux.server.wire import AddRequest
 
 
@@ -76,7 +76,7 @@ def new_choices(requests: list[AddRequest], tokenizer, discard: bool = False) ->
                    discard=discard) for i, r in enumerate(requests)]
 
 
-async def run_choices(stream: EngineStream, choices: list[Choice], on_tokens=None) -> AsyncIterator[tuple[Choice, str]]:
+async def run_choices(stream: OutputStream, choices: list[Choice], on_tokens=None) -> AsyncIterator[tuple[Choice, str]]:
     """Drive the choices from the engine's outputs: yields (choice, new text) whenever a choice progressed
     or finished. A choice that hits a stop string is cancelled in the engine. on_tokens(n): output tokens seen.
     The caller closes the stream when it stops early (that aborts what still runs)."""

@@ -1,4 +1,4 @@
-"""Frontend: the HTTP process's state and work — the adapter registry, request validation and tokenization,
+"""APIServer: the HTTP process's state and work — the adapter registry, request validation and tokenization,
 admission, the engine client, draining on shutdown, metrics. The routes (app.py) call into it. No torch.
 
 The registry (adapter name -> where it was loaded from) is the front end's record of what the engine serves:
@@ -28,7 +28,7 @@ from loramux.server import protocol as p
 from loramux.server.admission import Admission, Ticket
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
-from loramux.server.generation import Choice, new_choices, run_choices
+from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
@@ -60,7 +60,7 @@ def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
     return registry
 
 
-class Frontend:
+class APIServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str],
                  state_file: str | None = None, restarts: int = 0):
         """state_file: the registry as a front end this one replaces left it (then it overrides lora_modules),
@@ -404,4 +404,4 @@ async def _until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:
             task.cancel()
 
 
-__all__ = ["Frontend", "HTTPError", "ShuttingDown"]
+__all__ = ["APIServer", "HTTPError", "ShuttingDown"]

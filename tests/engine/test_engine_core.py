@@ -1,0 +1,84 @@
+"""EngineCore and ModelRunner driven directly, as the engine process and the offline engine drive them: token
+ids in, token-id deltas out (EngineCore), and one forward step over sequences the block manager placed
+(ModelRunner), each against HF + PEFT greedy decoding."""
+import pytest
+import torch
+
+from conftest import hf_greedy, save_checkpoint, save_peft_adapter, tiny_llama
+from loramux import EngineConfig, LoRAConfig, SamplingParams
+from loramux.engine.engine_core import EngineCore
+from loramux.engine.sequence import Sequence
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+PROMPTS = {"base": [5, 9, 14, 3], "tuned": [7, 7, 21, 40, 2]}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("core")
+    base = tiny_llama()
+    adapter = save_peft_adapter(base, root / "adapter", seed=3, r=8)
+    config = EngineConfig(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**22,
+                          lora=LoRAConfig(max_loras=2, max_lora_rank=8), max_model_len=64)
+    core = EngineCore(config)
+    assert core.load_adapter("tuned", adapter)
+    return base, adapter, core
+
+
+def test_the_core_steps_token_ids_to_deltas_that_add_up_to_hf_greedy(setup):
+    base, adapter, core = setup
+    for request_id, prompt in PROMPTS.items():
+        core.add_request(request_id, prompt, GREEDY, None if request_id == "base" else "tuned")
+    tokens, reasons, steps = {r: [] for r in PROMPTS}, {}, 0
+    while core.has_unfinished_requests():
+        steps += 1
+        for out in core.step():
+            assert len(out.new_token_ids) <= 1 and out.request_id not in reasons  # deltas, never totals
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    assert reasons == {"base": "length", "tuned": "length"} and steps == GREEDY.max_tokens
+    assert tokens["base"] == hf_greedy(base, None, PROMPTS["base"], 5)
+    assert tokens["tuned"] == hf_greedy(base, adapter, PROMPTS["tuned"], 5)
+    assert core.num_finished["length"] >= 2 and core.sequence("base") is None  # finished: forgotten
+
+
+def test_the_core_refuses_what_cannot_run_and_aborts_anywhere(setup):
+    _, _, core = setup
+    with pytest.raises(LookupError, match="ghost"):
+        core.add_request("x", [1, 2], GREEDY, "ghost")
+    core.add_request("waiting", [1, 2, 3], GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        core.add_request("waiting", [4], GREEDY)
+    assert core.abort_request("waiting") and not core.abort_request("waiting")
+    core.add_request("running", [1, 2, 3], GREEDY)
+    core.step()  # prefilled: it is running now
+    assert core.abort_request("running") and not core.has_unfinished_requests()
+    assert core.sequence("running") is None
+
+
+def test_the_model_runner_runs_one_prefill_and_one_decode_step_over_placed_sequences(setup):
+    """ModelRunner.run: rows in any order with their slots (-1: the base model), prefill then decode, each row's
+    next token the one HF + PEFT picks."""
+    base, adapter, core = setup
+    runner, blocks = core.runner, core.block_manager
+    slot = core.lora_manager.activate_adapter("tuned")
+    seqs = [Sequence(list(PROMPTS["tuned"]), GREEDY, "tuned", "t"), Sequence(list(PROMPTS["base"]), GREEDY, None, "b")]
+    for seq in seqs:
+        blocks.allocate(seq)
+    expected = [hf_greedy(base, adapter, PROMPTS["tuned"], 2), hf_greedy(base, None, PROMPTS["base"], 2)]
+    try:
+        first = runner.run(seqs, [slot, -1], is_prefill=True)
+        assert [s.token for s in first] == [e[0] for e in expected]
+        for seq, sampled in zip(seqs, first):
+            seq.num_computed_tokens = len(seq)
+            seq.append_token(sampled.token)
+            blocks.may_append(seq)
+        second = runner.run(seqs, [slot, -1], is_prefill=False)
+        assert [s.token for s in second] == [e[1] for e in expected]
+    finally:
+        for seq in seqs:
+            blocks.deallocate(seq)
+            runner.release(seq)
+    with torch.no_grad():
+        assert runner.kv_cache.shape[2] == runner.num_blocks * runner.block_size
