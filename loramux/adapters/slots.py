@@ -8,10 +8,9 @@ which adapter goes where (AdapterCache) and hands it the weights.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import logging
 
 import torch
 from torch import nn

@@ -26,7 +26,7 @@ from loramux.adapters.files import modules_to_wrap
 from loramux.adapters.manager import LoRAManager
 from loramux.adapters.store import Source
 from loramux.adapters.status import LoRAResult
-from loramux.config import EngineConfig
+from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.grammar import GrammarCompiler
@@ -52,6 +52,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _with_startup_targets(lora: LoRAConfig | None, paths: tuple[str, ...]) -> tuple[LoRAConfig | None, dict]:
+    """lora with whatever of embed_tokens, lm_head and experts the start-up adapters at `paths` have LoRA on
+    added to its targets; and path -> what it added for that adapter."""
+    if lora is None:
+        return None, {}
+    needs = {path: modules_to_wrap(path) - set(lora.targets) for path in paths}
+    added = sorted(set().union(*needs.values()))
+    return (replace(lora, target_modules=(*lora.targets, *added)) if added else lora), needs
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         if config.num_threads is not None:
@@ -59,11 +69,12 @@ class EngineCore:
         self.device = resolve_device(config.device)
         loaded = load_model(config.model, config.dtype, self.device, config.max_model_len, config.quantization,
                             config.quantization_group_size)
-        self.config = replace(config, max_model_len=loaded.max_model_len,
+        lora, needs = _with_startup_targets(config.lora, config.startup_adapters)
+        self.config = replace(config, lora=lora, max_model_len=loaded.max_model_len,
                               max_num_batched_tokens=config.step_token_budget(self.device.type))
         self.step_cost = StepCost(self.config.prefill_slowdown_cap if self.config.enable_chunked_prefill else None)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
-        self.adapters = self._adapter_system(loaded.model)
+        self.adapters = self._adapter_system(loaded.model, needs)
         self.eos_token_ids = self._eos_token_ids()
         slots = self.adapters.slots if self.adapters is not None else None
         self.runner = ModelRunner(loaded, self.config, self.device, slots, frozenset(self.eos_token_ids))
@@ -87,23 +98,19 @@ class EngineCore:
         self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
         self._warm_up()
 
-    def _adapter_system(self, model) -> LoRAManager | None:
+    def _adapter_system(self, model, needs: dict[str, set[str]]) -> LoRAManager | None:
         """The model's LoRA layers wrapped (before the runner prepacks the base weights), with their cache
-        and store; None with LoRA off."""
+        and store; None with LoRA off. needs: what the start-up adapters made it wrap (_with_startup_targets)."""
         lora = self.config.lora
         if lora is None:
             return None
         backend = "torch-fixed-rows" if self.config.batch_invariant else self.config.lora_backend
-        needed = {path: modules_to_wrap(path) - set(lora.targets) for path in self.config.startup_adapters}
-        added = sorted(set().union(*needed.values()))
-        if added:
-            lora = replace(lora, target_modules=(*lora.targets, *added))
-            self.config = replace(self.config, lora=lora)
         adapters = LoRAManager(model, lora, backend)
         logger.info("LoRA slot buffers: %.1f MB (%d slots x rank %d)", adapters.slot_bytes / 2**20,
                     lora.max_loras, lora.max_lora_rank)
+        added = sorted(set().union(*needs.values()))
         if added:
-            asked = "; ".join(f"{path}: {', '.join(sorted(m))}" for path, m in needed.items() if m)
+            asked = "; ".join(f"{path}: {', '.join(sorted(m))}" for path, m in needs.items() if m)
             logger.info("wrapped %s for the start-up adapters (%s): %.1f MB of those slot buffers", ", ".join(added),
                         asked, adapters.slots.slot_bytes_of(added) / 2**20)
         return adapters

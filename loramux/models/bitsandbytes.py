@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from loramux.ops.quant_torch import LUT4_CODES, QuantizedWeight, pack_lut4
+from loramux.ops.quant_torch import LUT4_CODES, QuantFormat, QuantizedWeight, pack_lut4
 
 logger = logging.getLogger(__name__)
 _STATE = ".weight.quant_state.bitsandbytes__"
@@ -51,15 +51,25 @@ def read_quantized(state: dict[str, torch.Tensor], config: dict, keep: bool) -> 
         prefix = key[: key.index(_STATE)]
         q, absmax, kind, blocksize = _unpack(state, prefix, key)
         n, k = q.shape
-        if keep and k % blocksize == 0 and blocksize % 32 == 0 and blocksize <= 4096 and ".experts." not in prefix:
-            kept[f"{prefix}.weight"] = pack_lut4(q, absmax.reshape(n, k // blocksize), kind)
-            continue
-        if keep and ".experts." not in prefix:
+        if keep and ".experts." not in prefix:  # (experts: stacked in float, see the module doc)
+            if _has_kernel(f"{kind}g{blocksize}", k):
+                kept[f"{prefix}.weight"] = pack_lut4(q, absmax.reshape(n, k // blocksize), kind)
+                continue
             logger.warning("%s: bitsandbytes blocks of %d over rows of %d inputs have no 4-bit kernel here; "
                            "dequantized", prefix, blocksize, k)
         codes = LUT4_CODES[kind][q.reshape(-1)]
         state[f"{prefix}.weight"] = (codes.reshape(-1, blocksize) * absmax.reshape(-1, 1)).reshape(n, k)
     return kept
+
+
+def _has_kernel(fmt: str, in_features: int) -> bool:
+    """Whether rows of `in_features` weights in `fmt` are a format of ours (QuantFormat's rules: blocks inside
+    rows, a multiple of 32 up to 4096)."""
+    try:
+        QuantFormat.parse(fmt, in_features).row_bytes(in_features)
+    except ValueError:
+        return False
+    return True
 
 
 def _unpack(state: dict[str, torch.Tensor], prefix: str, key: str) -> tuple[torch.Tensor, torch.Tensor, str, int]:

@@ -259,13 +259,19 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantizedWeight:
 
 def pack_i4g(q: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> QuantizedWeight:
     """i4g<G> from q [N, K] (integers 0..15) and fp32 a, b [N, K / G] (w = a * q + b); G from the shapes."""
+    return _pack_nibble_blocks("i4g", q, [a, b])
+
+
+def _pack_nibble_blocks(prefix: str, q: torch.Tensor, heads: list[torch.Tensor]) -> QuantizedWeight:
+    """`<prefix><G>` blocks: each block's fp32 heads [N, K / G] (G from their shape), then its G/2 bytes of
+    nibbles from q [N, K] (0..15), each run of 32 as q4_0's (elements 0-15 the low nibbles)."""
     n, k = q.shape
-    g = k // a.shape[1]
-    runs = q.to(torch.uint8).reshape(n * k // g, g // 32, 2, 16)  # each run of 32: elements 0-15 low nibbles
+    g = k // heads[0].shape[1]
+    runs = q.to(torch.uint8).reshape(n * k // g, g // 32, 2, 16)
     packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(-1, g // 2)
-    heads = [t.float().reshape(-1, 1).contiguous().view(torch.uint8) for t in (a, b)]
-    blocks = torch.cat([*heads, packed], dim=1)
-    return QuantizedWeight(f"i4g{g}", blocks.reshape(n, -1).contiguous(), n, k)
+    head_bytes = [t.float().reshape(-1, 1).contiguous().view(torch.uint8) for t in heads]
+    blocks = torch.cat([*head_bytes, packed], dim=1)
+    return QuantizedWeight(f"{prefix}{g}", blocks.reshape(n, -1).contiguous(), n, k)
 
 
 def _quantize_lut4(w: torch.Tensor, kind: str, g: int) -> QuantizedWeight:
@@ -280,12 +286,7 @@ def _quantize_lut4(w: torch.Tensor, kind: str, g: int) -> QuantizedWeight:
 
 def pack_lut4(q: torch.Tensor, absmax: torch.Tensor, kind: str) -> QuantizedWeight:
     """nf4g<G> / fp4g<G> (kind "nf4" / "fp4") from codes q [N, K] (0..15) and fp32 absmax [N, K / G]."""
-    n, k = q.shape
-    g = k // absmax.shape[1]
-    runs = q.to(torch.uint8).reshape(n * k // g, g // 32, 2, 16)  # each run of 32: elements 0-15 low nibbles
-    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(-1, g // 2)
-    blocks = torch.cat([absmax.float().reshape(-1, 1).contiguous().view(torch.uint8), packed], dim=1)
-    return QuantizedWeight(f"{kind}g{g}", blocks.reshape(n, -1).contiguous(), n, k)
+    return _pack_nibble_blocks(f"{kind}g", q, [absmax])
 
 
 def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:

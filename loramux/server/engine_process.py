@@ -47,7 +47,11 @@ def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str
     inbox.connect(f"ipc://{ipc_dir}/to_engine")
     outbox.connect(f"ipc://{ipc_dir}/from_engine")
     try:
-        startup = replace(config, startup_adapters=(*config.startup_adapters, *(a.path for a in adapters)))
+        # the operator's --lora-modules get what they need wrapped; adapters loaded at run time (read again here
+        # after a restart, under their directory rules) were loaded without it, and their files are not opened
+        # beyond those rules
+        operators = tuple(a.path for a in adapters if not a.allowed_dirs and not a.resolved)
+        startup = replace(config, startup_adapters=(*config.startup_adapters, *operators))
         loop = EngineCoreProc(_build_engine(startup), outbox)
         outbox.send(encode(loop.ready(adapters, os.path.join(ipc_dir, "tokenizer"))))
     except Exception as e:

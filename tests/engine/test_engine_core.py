@@ -2,7 +2,6 @@
 ids in, token-id deltas out (EngineCore), and one forward step over sequences the block manager placed
 (ModelRunner), each against HF + PEFT greedy decoding."""
 import pytest
-import torch
 
 from conftest import hf_greedy, save_checkpoint, save_peft_adapter, tiny_llama
 from loramux import EngineConfig, LoRAConfig, SamplingParams
@@ -80,5 +79,4 @@ def test_the_model_runner_runs_one_prefill_and_one_decode_step_over_placed_seque
         for seq in seqs:
             blocks.deallocate(seq)
             runner.release(seq)
-    with torch.no_grad():
-        assert runner.kv_cache.shape[2] == runner.num_blocks * runner.block_size
+    assert runner.kv_cache.shape[2] == runner.num_blocks * runner.block_size
