@@ -85,21 +85,6 @@ static inline void store_sums_4x4(__m512 (&acc)[4][4], float* const* hp) {
   _mm_storeu_ps(hp[3], _mm512_extractf32x4_ps(r, 3));
 }
 
-// fp32 x rows against bf16 A rows widened exactly (lora_dtype bf16 on an fp32 model; same-dtype operands take
-// simd.h's dot_tile), 16 lanes a step: acc[t][j] += x[t][d : d+16] * A[j][d : d+16]
-template <int TT, int RT>
-static inline void dot_rows_f32(const float* const* xp, const bf16raw* const* arows, int64_t in, __m512 (&acc)[TT][RT]) {
-  for (int64_t d = 0; d < in; d += 16) {
-    const __mmask16 m = mask16(in - d);
-    __m512 av[RT];
-    for (int j = 0; j < RT; ++j) av[j] = load16(arows[j] + d, m);
-    for (int t = 0; t < TT; ++t) {
-      const __m512 xv = load16(xp[t] + d, m);
-      for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_fmadd_ps(xv, av[j], acc[t][j]);
-    }
-  }
-}
-
 // h[t][j] = dot(A row (r0+j), x row t)   for TT tokens, RT rank rows (x: T; A: W, = T or bf16 under fp32 x)
 template <typename T, typename W, int TT, int RT>
 static inline void shrink_tile(const T* const* xp, const W* ap, int64_t in, float* const* hp) {
@@ -108,8 +93,7 @@ static inline void shrink_tile(const T* const* xp, const W* ap, int64_t in, floa
   __m512 acc[TT][RT];
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < RT; ++j) acc[t][j] = _mm512_setzero_ps();
-  if constexpr (std::is_same<T, W>::value) dot_tile(xp, arows, in, acc);  // (bf16: vdpbf16ps over pairs)
-  else dot_rows_f32(xp, arows, in, acc);
+  dot_tile(xp, arows, in, acc);  // (bf16: vdpbf16ps over pairs; fp32 x against bf16 A: widened)
   if constexpr (TT == 4 && RT == 4) {
     store_sums_4x4(acc, hp);
   } else {
@@ -140,29 +124,27 @@ static inline void shrink_dispatch(int tt, int rt, const T* const* xp, const W* 
 
 // ---------------------------------------------------------------- expand
 // fp32: y[t, 16 outputs] += sum_r h[t][r] * b[r * ld + 0:16]   for TJ tokens (b: rank-major B at the block, fp32
-// or bf16 widened). With one or two tokens the rank sum is split over S partial sums (r mod S): S independent
-// FMA chains instead of one rank-long chain of FMA latencies (batch-1 decode)
+// or bf16 widened). One token: simd.h's expand_row16 (four partial sums); two: the rank sum split over two partial
+// sums (r mod 2), independent FMA chains instead of one rank-long chain of FMA latencies
 template <int TJ, typename W>
 static inline void expand_tile_f32(const W* bt, int64_t ld, int64_t rw, const float* const* hp, float* const* yp,
                                    __mmask16 om) {
-  constexpr int S = TJ == 1 ? 4 : TJ == 2 ? 2 : 1;
-  __m512 acc[S][TJ];
-  for (int k = 0; k < S; ++k)
-    for (int j = 0; j < TJ; ++j) acc[k][j] = _mm512_setzero_ps();
-  int64_t r = 0;
-  for (; r + S <= rw; r += S)
-    for (int k = 0; k < S; ++k) {
-      const __m512 b = load16(bt + (r + k) * ld, om);
-      for (int j = 0; j < TJ; ++j) acc[k][j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r + k]), b, acc[k][j]);
+  if constexpr (TJ == 1) {
+    expand_row16(bt, ld, rw, hp[0], yp[0], om);
+  } else {
+    constexpr int S = TJ == 2 ? 2 : 1;
+    __m512 acc[S][TJ];
+    for (int k = 0; k < S; ++k)
+      for (int j = 0; j < TJ; ++j) acc[k][j] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rw; ++r) {
+      const __m512 b = load16(bt + r * ld, om);
+      for (int j = 0; j < TJ; ++j) acc[r % S][j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r]), b, acc[r % S][j]);
     }
-  for (; r < rw; ++r) {
-    const __m512 b = load16(bt + r * ld, om);
-    for (int j = 0; j < TJ; ++j) acc[0][j] = _mm512_fmadd_ps(_mm512_set1_ps(hp[j][r]), b, acc[0][j]);
-  }
-  for (int j = 0; j < TJ; ++j) {
-    __m512 sum = acc[0][j];
-    for (int k = 1; k < S; ++k) sum = _mm512_add_ps(sum, acc[k][j]);
-    store16(yp[j], _mm512_add_ps(load16(yp[j], om), sum), om);
+    for (int j = 0; j < TJ; ++j) {
+      __m512 sum = acc[0][j];
+      for (int k = 1; k < S; ++k) sum = _mm512_add_ps(sum, acc[k][j]);
+      store16(yp[j], _mm512_add_ps(load16(yp[j], om), sum), om);
+    }
   }
 }
 

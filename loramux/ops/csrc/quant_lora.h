@@ -29,28 +29,20 @@ struct alignas(64) DoneFlag {
   std::atomic<int> set{0};
 };
 
+// A's row j . x (x fp32; A fp32, or bf16 widened): simd.h's tile of one by one
 template <typename Wt>
-static inline float dot_x(const Wt* a, const float* x, int64_t K) {  // K a multiple of 32
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    s0 = _mm512_fmadd_ps(load16(a + k, 0xFFFF), _mm512_loadu_ps(x + k), s0);
-    s1 = _mm512_fmadd_ps(load16(a + k + 16, 0xFFFF), _mm512_loadu_ps(x + k + 16), s1);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+static inline float dot_x(const Wt* a, const float* x, int64_t K) {
+  const float* xs[1] = {x};
+  const Wt* as[1] = {a};
+  __m512 acc[1][1] = {{_mm512_setzero_ps()}};
+  dot_tile(xs, as, K, acc);
+  return _mm512_reduce_add_ps(acc[0][0]);
 }
 
-// y[o0, o1) += sum_r h[r] bt[r * ld + o] (Y: fp32, or bf16 rounded once): four partial rank sums (independent
-// FMA chains), added to y at the end as add_lora adds its sums
+// y[o0, o1) += sum_r h[r] bt[r * ld + o] (Y: fp32, or bf16 rounded once), as add_lora adds its sums
 template <typename Wt, typename Y>
 static inline void expand_outputs(const Wt* bt, int64_t ld, int64_t rank, const float* h, Y* y, int64_t o0, int64_t o1) {
-  for (int64_t o = o0; o < o1; o += 16) {
-    const __mmask16 m = mask16(o1 - o);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (int64_t r = 0; r < rank; ++r)
-      acc[r % 4] = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), load16(bt + r * ld + o, m), acc[r % 4]);
-    const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-    store16(y + o, _mm512_add_ps(load16(y + o, m), sum), m);
-  }
+  for (int64_t o = o0; o < o1; o += 16) expand_row16(bt + o, ld, rank, h, y + o, mask16(o1 - o));
 }
 
 // One thread (t of nt): rows [j0, j1) of h (shared, [S * rank]), then rows [n0, n1) of W (rows(n0, n1, hook)

@@ -94,6 +94,32 @@ static inline void dot_tile(const T* const* a, const T* const* b, int64_t n, __m
   if (d < n) dot_tile_step<true>(a, b, d, (Mask)(kF32 ? mask16(n - d) : mask32(n - d)), acc);
 }
 
+// The same tile with fp32 a-rows against bf16 b-rows widened exactly (a LoRA's bf16 A under fp32 activations),
+// 16 lanes a step, the tail masked: acc[i][j] += a[i][d : d+16] * b[j][d : d+16]
+template <int I, int J>
+static inline void dot_tile(const float* const* a, const bf16raw* const* b, int64_t n, __m512 (&acc)[I][J]) {
+  for (int64_t d = 0; d < n; d += 16) {
+    const __mmask16 m = mask16(n - d);
+    __m512 bv[J];
+    for (int j = 0; j < J; ++j) bv[j] = load16(b[j] + d, m);
+    for (int i = 0; i < I; ++i) {
+      const __m512 av = load16(a[i] + d, m);
+      for (int j = 0; j < J; ++j) acc[i][j] = _mm512_fmadd_ps(av, bv[j], acc[i][j]);
+    }
+  }
+}
+
+// One row of a LoRA's expand, both LoRA kernels' batch-1 case: y[0:16) += sum_r h[r] * bt[r * ld + 0:16) over
+// lanes m (bt: rank-major B at the block, fp32 or bf16 widened; y fp32, or bf16 rounded once). The rank sum runs
+// in four partial sums (r mod 4): independent FMA chains instead of one rank-long chain of FMA latencies.
+template <typename W, typename Y>
+static inline void expand_row16(const W* bt, int64_t ld, int64_t rank, const float* h, Y* y, __mmask16 m) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t r = 0; r < rank; ++r) acc[r % 4] = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), load16(bt + r * ld, m), acc[r % 4]);
+  const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+  store16(y, _mm512_add_ps(load16(y, m), sum), m);
+}
+
 // r[n][k] -> r[k][n] for 16 x 16 dwords: at lane distances 8, 4, 2, 1, rows i and i + d swap the off-diagonal
 // d x d blocks of each 2d x 2d block (lane j of row i takes row i + d's lane j - d where j & d, and so on)
 template <int D>
