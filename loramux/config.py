@@ -168,9 +168,10 @@ class EngineConfig:
     a request's prefill starts after its cached blocks."""
     prefill_slowdown_cap: float | None = None
     """With chunked prefill, a step takes prompt tokens only up to about this many times the time of a
-    decode-only step (learned from the steps run: engine/step_cost.py), so that running streams keep their
-    pace and a request that arrives is not held behind long prompts; a long prompt alone is prefilled in
-    smaller chunks. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 2."""
+    decode-only step of the batch about to decode (the running streams, and the requests whose prompts fit in
+    a step's budget; the costs learned from the steps run: engine/step_cost.py), so that running streams
+    keep their pace and a request that arrives is not held behind long prompts; a long prompt alone is
+    prefilled in smaller chunks. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 2."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None

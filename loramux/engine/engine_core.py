@@ -197,7 +197,8 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """One scheduler step: an output for every request that progressed or finished."""
         outputs = self._queue_compiled() + self.install_loaded()
-        batch = self.scheduler.schedule(self.step_cost.prompt_allowance())
+        allowance = self.step_cost.prompt_allowance(self.scheduler.num_decoding, self.scheduler.rows_about_to_decode)
+        batch = self.scheduler.schedule(allowance)
         if not batch.seqs and self.loading:
             self.loader.wait(LOAD_WAIT_S)  # the queue waits for adapters being read: do not spin meanwhile
         outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",

@@ -110,6 +110,13 @@ class Scheduler:
         return len(self.running)
 
     @property
+    def rows_about_to_decode(self) -> int:
+        """Rows decoding now, and the held requests whose (rest of a) prompt fits in one step's token budget:
+        the batch the engine decodes within a step or two (up to max_num_seqs)."""
+        held = (*self.running, *self.waiting)
+        return min(self.max_num_seqs, sum(len(s) - s.num_computed_tokens <= self.max_num_batched_tokens for s in held))
+
+    @property
     def num_decoding(self) -> int:
         """Running requests past their prompt: each takes a decode row in the next step."""
         return sum(not s.is_prefilling for s in self.running)

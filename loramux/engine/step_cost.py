@@ -3,39 +3,113 @@
 Chunked prefill mixes decode rows (one token for each running stream) with prompt chunks. A long prompt's
 chunk can make a step many times longer than a decode step, and every stream, and every request that
 arrives meanwhile, then waits that long. The scheduler bounds a step to about `slowdown` times a decode-only
-step: `prompt_allowance()` says how many prompt tokens that leaves, from two running estimates (exponential
-moving averages): the time of a decode-only step, and what each prompt token adds to a step. Until both are
-known there is no bound but the token budget. The price: a long prompt alone is prefilled in smaller chunks
-(each step's fixed cost is paid more often).
+step of D rows, the batch the engine is about to decode (the rows decoding now, and the requests whose
+prompts finish within a step's token budget): `prompt_allowance(rows, D)` says how many prompt tokens that
+leaves.
+
+The model, fitted by least squares to the steps run (the newer weighted more):
+    step seconds = fixed + per_row x (decode rows + prompt tokens) + per_chunk x [the step has prompt tokens]
+- One per_row for decode rows and prompt tokens: each takes one row through every weight matrix, and a cost
+  fitted to both kinds of step stays current. Under load almost every step carries a prompt chunk; a decode
+  step's time learned from the decode-only steps alone went stale, and a chunk's whole excess over it,
+  charged to the chunk's tokens, made the small chunks the bound allows look dear, which shrank the
+  allowance further: the engine settled at whatever batch it started from.
+- per_chunk: what a step pays for carrying prompt chunks at all (their attention calls, sampling at a prompt's
+  end), whatever their size. Where it alone exceeds the allowed slowdown (a small model, whose steps are
+  mostly fixed costs) a step carries MIN_CHUNK tokens.
+The decode-only and the mixed steps keep separate moving averages: what tells fixed from per_chunk is the
+difference between the two kinds, and a long stretch of one kind must not wipe out the other.
+
+D, not the rows decoding now: referred to those, the bound feeds on itself: few rows decoding -> a short
+decode step -> few prompt tokens allowed -> few requests admitted -> few rows decoding, while the queue grows
+and slots stand free. Referred to the batch about to decode, the short prompts waiting raise the allowance
+that admits them; a long prompt does not (it is many steps from decoding), so it still cannot stall the
+streams. The price of the bound: a long prompt alone is prefilled in smaller chunks (each step's fixed cost
+is paid more often).
 """
 from __future__ import annotations
 
 MIN_CHUNK = 16  # prompt tokens a step that decodes may always carry: every prompt moves on
+RIDGE = 1e-9  # relative to each term's own scale: a unique fit while some term has not varied yet
+_TERMS = 3  # fixed, per_row, per_chunk
+
+
+class _Moments:
+    """Exponentially weighted means of x x^T and x y (the newest point weighs `smoothing`; until there are
+    1 / smoothing points, a plain mean)."""
+
+    def __init__(self, smoothing: float):
+        self.smoothing, self.count = smoothing, 0
+        self.xx = [[0.0] * _TERMS for _ in range(_TERMS)]
+        self.xy = [0.0] * _TERMS
+
+    def add(self, x: tuple[float, ...], y: float) -> None:
+        self.count += 1
+        w = max(self.smoothing, 1.0 / self.count)
+        for i in range(_TERMS):
+            self.xy[i] += w * (x[i] * y - self.xy[i])
+            for j in range(_TERMS):
+                self.xx[i][j] += w * (x[i] * x[j] - self.xx[i][j])
 
 
 class StepCost:
-    def __init__(self, slowdown: float | None, smoothing: float = 0.2):
-        """slowdown: the most a step that decodes should take against its decode rows alone (None: no bound)."""
+    def __init__(self, slowdown: float | None, smoothing: float = 0.1):
+        """slowdown: the most a step that decodes should take against a decode-only step (None: no bound).
+        smoothing: the newest step's weight among the recent steps of its kind (decode-only, or with prompt)."""
         if slowdown is not None and not slowdown > 1:
             raise ValueError(f"the step slowdown bound must be > 1, got {slowdown!r}")
-        self.slowdown, self.smoothing = slowdown, smoothing
-        self.decode_s: float | None = None  # a decode-only step
-        self.token_s: float | None = None  # what one prompt token adds to a step
+        self.slowdown = slowdown
+        self._decode, self._mixed = _Moments(smoothing), _Moments(smoothing)
+        self._costs: tuple[float, float, float] | None = None
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         """A step ran: its decode rows, its prompt tokens and its wall time."""
-        if prompt_tokens == 0:
-            if decode_rows:
-                self.decode_s = self._blend(self.decode_s, seconds)
+        if not decode_rows and not prompt_tokens:
             return
-        base = self.decode_s if decode_rows and self.decode_s is not None else 0.0
-        self.token_s = self._blend(self.token_s, max(seconds - base, 0.0) / prompt_tokens)
+        (self._mixed if prompt_tokens else self._decode).add(
+            (1.0, float(decode_rows + prompt_tokens), float(prompt_tokens > 0)), seconds)
+        self._costs = None
 
-    def prompt_allowance(self) -> int | None:
-        """Prompt tokens a step may carry (None: no bound beyond the token budget)."""
-        if self.slowdown is None or self.decode_s is None or not self.token_s:
+    def costs(self) -> tuple[float, float, float]:
+        """(fixed, per_row, per_chunk) seconds, none negative (zeros before any step)."""
+        if self._costs is None:
+            kinds = [m for m in (self._decode, self._mixed) if m.count]
+            a = [[sum(m.xx[i][j] for m in kinds) for j in range(_TERMS)] for i in range(_TERMS)]
+            b = [sum(m.xy[i] for m in kinds) for i in range(_TERMS)]
+            for i in range(_TERMS):
+                a[i][i] += RIDGE * max(a[i][i], 1e-12)
+            fixed, per_row, per_chunk = (max(c, 0.0) for c in _solve(a, b))
+            self._costs = fixed, per_row, per_chunk
+        return self._costs
+
+    def decode_time(self, rows: int) -> float:
+        """A decode-only step of `rows` rows."""
+        fixed, per_row, _ = self.costs()
+        return fixed + per_row * rows
+
+    def prompt_allowance(self, rows: int, demand: int | None = None) -> int | None:
+        """Prompt tokens a step that decodes `rows` rows may carry, so that it takes at most `slowdown` times a
+        decode step of `demand` rows (None: `rows`); None: no bound beyond the token budget (no slowdown
+        bound, or the costs not known yet: a decode-only step and one with prompt tokens must have run)."""
+        if self.slowdown is None or not (self._decode.count and self._mixed.count):
             return None
-        return max(MIN_CHUNK, int((self.slowdown - 1) * self.decode_s / self.token_s))
+        fixed, per_row, per_chunk = self.costs()
+        if not per_row:
+            return None
+        limit = self.slowdown * self.decode_time(max(rows, demand or 0))
+        return max(MIN_CHUNK, int((limit - fixed - per_chunk) / per_row + 1e-6) - rows)  # (1e-6: rounding)
 
-    def _blend(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """x with a x = b, a symmetric positive definite (Gaussian elimination; no pivoting needed)."""
+    n = len(b)
+    m = [row[:] + [bi] for row, bi in zip(a, b)]
+    for k in range(n):
+        for i in range(k + 1, n):
+            f = m[i][k] / m[k][k]
+            for j in range(k, n + 1):
+                m[i][j] -= f * m[k][j]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x
