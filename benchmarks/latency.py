@@ -1,4 +1,4 @@
-"""One user alone (issue 19): loramux against llama.cpp on the same GGUF, in one run.
+"""One user alone: loramux against llama.cpp on the same GGUF, in one run.
 
 Phases, each on one request at a time (--prompt-len random prompt tokens, --new-tokens greedy new tokens,
 ignore_eos), --repeats times, medians reported; the first three interleaved (each repeat runs each once, so a
@@ -12,7 +12,7 @@ slow spell of a shared machine falls on all of them alike):
   served           `loramux serve` with that adapter, driven by vLLM's load generator (`vllm bench serve`,
                    --max-concurrency 1): one streaming client
 For each: time to first token (TTFT, the prompt's prefill included) and decode tok/s (the tokens after the
-first over the time after the first). Prints the ratios the issue's targets use and one JSON line.
+first over the time after the first). Prints the ratios the targets use and one JSON line.
 
   .venv/bin/python benchmarks/latency.py [--dtype float32] [--skip-llama-cpp] [--skip-served]
 

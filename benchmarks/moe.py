@@ -1,4 +1,4 @@
-"""Mixture-of-experts throughput (issue 15): loramux on a small Qwen3-MoE-shaped model, base against 8 mixed
+"""Mixture-of-experts throughput: loramux on a small Qwen3-MoE-shaped model, base against 8 mixed
 adapters that target the experts, against HF transformers and PEFT on the same weights, in one run.
 
 The model: Qwen3-MoE's architecture with random weights (hidden 768, 12 layers, 12 heads / 4 KV heads of 64,

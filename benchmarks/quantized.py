@@ -19,7 +19,7 @@ For each loramux phase: decode tok/s at batch 1, 8 and 32 (--prompt-len prompts,
 the decode steps timed after the prefill), prefill tok/s of one --prefill-len prompt, the weights' bytes and
 the process's resident memory (against the file, the KV cache and the LoRA slot buffers, allocated for
 max_loras=8 x rank 16 at start); q4_k_m and bf16 also with 8 random rank-16 adapters mixed at batch 32.
-Prints ratios for the issue's targets and one JSON line.
+Prints ratios for the targets and one JSON line.
 
   .venv/bin/python benchmarks/quantized.py [--workdir DIR] [--phases baseline bf16 nf4 hf_bnb ...]
 

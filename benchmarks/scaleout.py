@@ -1,11 +1,11 @@
-"""Scale-out on Ray Serve (issue 16): one `loramux serve` against the same behind Ray Serve with 1 and 2 replicas,
+"""Scale-out on Ray Serve: one `loramux serve` against the same behind Ray Serve with 1 and 2 replicas,
 driven by vLLM's load generator (`vllm bench serve`) on the same workload, in one run.
 
 On this 2-core machine two replicas share the cores the single server has alone (each engine gets one thread),
 so this shows what the routing costs and that adapters stay where they are loaded, not a speed-up: that needs
 replicas on more cores or nodes.
 
-Workload: as serving.py (issue 12): SmolLM2-135M-Instruct (the embedded default), 8 random PEFT adapters,
+Workload: as serving.py: SmolLM2-135M-Instruct (the embedded default), 8 random PEFT adapters,
 --requests requests of --prompt-len random prompt tokens + --new-tokens new tokens (ignore_eos, greedy),
 --concurrency in flight, each request's adapter picked at random. Phases, each its own server:
   single     `loramux serve` (no Ray)

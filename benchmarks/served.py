@@ -15,7 +15,7 @@ import httpx
 
 
 def workload_parser(doc: str) -> argparse.ArgumentParser:
-    """The served workload's options (issue 12's by default) and the load generator's venv."""
+    """The served workload's options (serving.py's by default) and the load generator's venv."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory (default: the embedded SmolLM2)")
     parser.add_argument("--dtype", default="bfloat16")

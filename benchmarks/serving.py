@@ -1,7 +1,7 @@
 """The served path against the offline engine, in one run: `loramux serve` driven by vLLM's load generator
 (`vllm bench serve`, a widely used OpenAI-compatible client) and `LLM` on the same workload in this process.
 
-Workload (issue 12): SmolLM2-135M-Instruct (the embedded default), 8 random PEFT adapters (ranks 8/16 on all 7
+Workload: SmolLM2-135M-Instruct (the embedded default), 8 random PEFT adapters (ranks 8/16 on all 7
 projections), --requests requests of --prompt-len random prompt tokens + --new-tokens new tokens (ignore_eos,
 greedy), --concurrency in flight, each request's adapter picked at random among the 8. Phases:
   offline   LLM in this process, keeping --concurrency requests in flight (a finished one is replaced at once)
@@ -153,7 +153,7 @@ def print_report(report: dict) -> None:
         "poisson TPOT p99/p50": poisson["p99_tpot_ms"] / poisson["p50_tpot_ms"],
         "poisson TPOT p99/decode step": poisson["p99_tpot_ms"] / poisson["p50_itl_ms"],
     }
-    # issue 12's TTFT bound: two decode steps (the Poisson phase's median inter-token latency) + one prefill chunk
+    # the target's TTFT bound: two decode steps (the Poisson phase's median inter-token latency) + one prefill chunk
     bound = 2 * poisson["p50_itl_ms"] + off["prefill_chunk_ms"]
     report["ratios"]["poisson TTFT p99/bound"] = poisson["p99_ttft_ms"] / bound
     print(f"TTFT bound: 2 x {poisson['p50_itl_ms']:.1f} ms (decode step) + {off['prefill_chunk_ms']:.1f} ms (a prefill "

@@ -1,6 +1,6 @@
 """Throughput of loramux against its peers, in one run, on SmolLM2-135M-Instruct (the embedded default).
 
-Workload (issue 3): 32 requests x (64 prompt + 64 new tokens), greedy, ignore_eos; 8 random adapters
+Workload: 32 requests x (64 prompt + 64 new tokens), greedy, ignore_eos; 8 random adapters
 of ranks 8/16 on all 7 projections. Rows:
   loramux base / single adapter / 8 mixed adapters / 32 distinct adapters (max_loras=32)
   (--batch-invariant: also 8 mixed adapters with EngineConfig.batch_invariant, in the same rounds)
@@ -306,7 +306,7 @@ def paired_ratios(dtypes: list[str], runs_of) -> dict:
 
 
 def ratios(dtypes: list[str], tok_s) -> dict:
-    """The issue's ratios from one statistic of the rows: tok_s(dtype) -> {label: tokens/s}."""
+    """The targets' ratios from one statistic of the rows: tok_s(dtype) -> {label: tokens/s}."""
     out = {}
     for dtype in dtypes:
         r = tok_s(dtype)

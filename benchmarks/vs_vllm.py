@@ -1,5 +1,5 @@
 """Offline multi-LoRA throughput, loramux against vLLM on the same model, adapters and prompts, in one run
-(issue 17's comparison; on a CPU against vLLM's CPU build).
+(on a CPU, against vLLM's CPU build).
 
 Cases, each over the same --requests prompts of --prompt-len random tokens + --new-tokens new ones (greedy,
 ignore_eos), on one engine per side with 32 LoRA slots of rank 16:
