@@ -219,13 +219,11 @@ def generate(args) -> None:
     from loramux.llm import LLM
     from loramux.sampling_params import SamplingParams
 
-    startup = tuple(parse_adapter_arg(spec)[1] for spec in args.lora_modules)  # what they need is wrapped
-    config = dataclasses.replace(_engine_config(args), startup_adapters=startup)
-    llm = LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})  # every engine flag
-    for spec in args.lora_modules:
-        result = llm.load_adapter(spec)
-        if not result:
-            sys.exit(f"--lora-modules {spec}: {result.message}")
+    config = _engine_config(args)
+    try:  # every engine flag; LLM loads the adapters and wraps what they need
+        llm = LLM(adapters=args.lora_modules, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+    except ValueError as e:
+        sys.exit(f"--lora-modules {e}" if str(e).startswith("adapter ") else str(e))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     run = llm.chat if args.chat else llm.generate
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt

@@ -125,3 +125,14 @@ def test_prepare_builds_every_cpu_kernel_and_the_default_models_files(capsys):
     for source in glob.glob(os.path.join(CSRC, "*.cpp")):
         assert f"CPU kernel {os.path.basename(source)[:-4]}: " in out
     assert "embedded default model: " in out and ".gguf" in out
+
+
+def test_generate_exits_with_the_refusal_of_an_adapter_it_cannot_load(tiny, tmp_path):
+    model, _ = tiny
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", model, "--dtype", "float32", "--lora-modules", f"b={broken}",
+              "--prompt", "hello", "--adapter", "b", "--max-tokens", "4"])
+    assert str(exit_.value.code).startswith(f"--lora-modules adapter 'b={broken}': ")
