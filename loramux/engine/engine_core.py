@@ -197,8 +197,7 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """One scheduler step: an output for every request that progressed or finished."""
         outputs = self._queue_compiled() + self.install_loaded()
-        allowance = self.step_cost.prompt_allowance(self.scheduler.num_decoding, self.scheduler.rows_about_to_decode)
-        batch = self.scheduler.schedule(allowance)
+        batch = self.scheduler.schedule(self._prompt_allowance())
         if not batch.seqs and self.loading:
             self.loader.wait(LOAD_WAIT_S)  # the queue waits for adapters being read: do not spin meanwhile
         outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",
@@ -216,6 +215,13 @@ class EngineCore:
                 if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
                     outputs.append(self._append(seq, result))
         return outputs
+
+    def _prompt_allowance(self) -> int | None:
+        """The step bound's prompt tokens for the next step (StepCost); the batch about to decode is counted only
+        where there is a bound (offline, thousands of requests may wait)."""
+        if not self.step_cost.bounding:
+            return None
+        return self.step_cost.prompt_allowance(self.scheduler.num_decoding, self.scheduler.rows_about_to_decode)
 
     def _timed_run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
                    spans: list[tuple[int, int]] | None) -> list[Sampled | None | str]:

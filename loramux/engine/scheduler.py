@@ -113,8 +113,9 @@ class Scheduler:
     def rows_about_to_decode(self) -> int:
         """Rows decoding now, and the held requests whose (rest of a) prompt fits in one step's token budget:
         the batch the engine decodes within a step or two (up to max_num_seqs)."""
-        held = (*self.running, *self.waiting)
-        return min(self.max_num_seqs, sum(len(s) - s.num_computed_tokens <= self.max_num_batched_tokens for s in held))
+        held = itertools.chain(self.running, self.waiting)
+        soon = (s for s in held if len(s) - s.num_computed_tokens <= self.max_num_batched_tokens)
+        return sum(1 for _ in itertools.islice(soon, self.max_num_seqs))  # (a long queue is not walked to its end)
 
     @property
     def num_decoding(self) -> int:

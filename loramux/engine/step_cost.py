@@ -29,9 +29,10 @@ is paid more often).
 """
 from __future__ import annotations
 
+import numpy as np
+
 MIN_CHUNK = 16  # prompt tokens a step that decodes may always carry: every prompt moves on
 RIDGE = 1e-9  # relative to each term's own scale: a unique fit while some term has not varied yet
-_TERMS = 3  # fixed, per_row, per_chunk
 
 
 class _Moments:
@@ -40,16 +41,13 @@ class _Moments:
 
     def __init__(self, smoothing: float):
         self.smoothing, self.count = smoothing, 0
-        self.xx = [[0.0] * _TERMS for _ in range(_TERMS)]
-        self.xy = [0.0] * _TERMS
+        self.xx, self.xy = np.zeros((3, 3)), np.zeros(3)
 
-    def add(self, x: tuple[float, ...], y: float) -> None:
+    def add(self, x: np.ndarray, y: float) -> None:
         self.count += 1
         w = max(self.smoothing, 1.0 / self.count)
-        for i in range(_TERMS):
-            self.xy[i] += w * (x[i] * y - self.xy[i])
-            for j in range(_TERMS):
-                self.xx[i][j] += w * (x[i] * x[j] - self.xx[i][j])
+        self.xx += w * (np.outer(x, x) - self.xx)
+        self.xy += w * (x * y - self.xy)
 
 
 class StepCost:
@@ -66,19 +64,19 @@ class StepCost:
         """A step ran: its decode rows, its prompt tokens and its wall time."""
         if not decode_rows and not prompt_tokens:
             return
-        (self._mixed if prompt_tokens else self._decode).add(
-            (1.0, float(decode_rows + prompt_tokens), float(prompt_tokens > 0)), seconds)
+        x = np.array([1.0, decode_rows + prompt_tokens, prompt_tokens > 0])  # (fixed, per_row, per_chunk)
+        (self._mixed if prompt_tokens else self._decode).add(x, seconds)
         self._costs = None
 
     def costs(self) -> tuple[float, float, float]:
         """(fixed, per_row, per_chunk) seconds, none negative (zeros before any step)."""
         if self._costs is None:
             kinds = [m for m in (self._decode, self._mixed) if m.count]
-            a = [[sum(m.xx[i][j] for m in kinds) for j in range(_TERMS)] for i in range(_TERMS)]
-            b = [sum(m.xy[i] for m in kinds) for i in range(_TERMS)]
-            for i in range(_TERMS):
-                a[i][i] += RIDGE * max(a[i][i], 1e-12)
-            fixed, per_row, per_chunk = (max(c, 0.0) for c in _solve(a, b))
+            if not kinds:
+                return 0.0, 0.0, 0.0
+            a, b = sum(m.xx for m in kinds), sum(m.xy for m in kinds)
+            a = a + RIDGE * np.diag(np.maximum(a.diagonal(), 1e-12))
+            fixed, per_row, per_chunk = (max(float(c), 0.0) for c in np.linalg.solve(a, b))
             self._costs = fixed, per_row, per_chunk
         return self._costs
 
@@ -87,11 +85,16 @@ class StepCost:
         fixed, per_row, _ = self.costs()
         return fixed + per_row * rows
 
+    @property
+    def bounding(self) -> bool:
+        """Whether prompt_allowance bounds anything yet (a slowdown bound, and both kinds of step seen)."""
+        return self.slowdown is not None and bool(self._decode.count and self._mixed.count)
+
     def prompt_allowance(self, rows: int, demand: int | None = None) -> int | None:
         """Prompt tokens a step that decodes `rows` rows may carry, so that it takes at most `slowdown` times a
         decode step of `demand` rows (None: `rows`); None: no bound beyond the token budget (no slowdown
         bound, or the costs not known yet: a decode-only step and one with prompt tokens must have run)."""
-        if self.slowdown is None or not (self._decode.count and self._mixed.count):
+        if not self.bounding:
             return None
         fixed, per_row, per_chunk = self.costs()
         if not per_row:
@@ -99,17 +102,3 @@ class StepCost:
         limit = self.slowdown * self.decode_time(max(rows, demand or 0))
         return max(MIN_CHUNK, int((limit - fixed - per_chunk) / per_row + 1e-6) - rows)  # (1e-6: rounding)
 
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float]:
-    """x with a x = b, a symmetric positive definite (Gaussian elimination; no pivoting needed)."""
-    n = len(b)
-    m = [row[:] + [bi] for row, bi in zip(a, b)]
-    for k in range(n):
-        for i in range(k + 1, n):
-            f = m[i][k] / m[k][k]
-            for j in range(k, n + 1):
-                m[i][j] -= f * m[k][j]
-    x = [0.0] * n
-    for i in reversed(range(n)):
-        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
-    return x
