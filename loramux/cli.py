@@ -216,14 +216,14 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def generate(args) -> None:
-    from loramux.llm import LLM
+    from loramux.llm import LLM, AdapterRefusedError
     from loramux.sampling_params import SamplingParams
 
     config = _engine_config(args)
     try:  # every engine flag; LLM loads the adapters and wraps what they need
         llm = LLM(adapters=args.lora_modules, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
-    except ValueError as e:
-        sys.exit(f"--lora-modules {e}" if str(e).startswith("adapter ") else str(e))
+    except AdapterRefusedError as e:
+        sys.exit(f"--lora-modules {e}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     run = llm.chat if args.chat else llm.generate
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt

@@ -13,6 +13,10 @@ from loramux.engine.output import RequestOutput
 from loramux.sampling_params import SamplingParams
 
 
+class AdapterRefusedError(ValueError):
+    """An adapter given to LLM(adapters=...) could not be loaded; the message names it and says why."""
+
+
 def _per_request(value, count: int, what: str) -> list:
     """One value for every request: a single value is repeated, a list must have one per request."""
     if isinstance(value, (list, tuple)):
@@ -28,7 +32,7 @@ class LLM:
         """model: an HF directory, a .gguf file, or None for the embedded SmolLM2-135M-Instruct.
         adapters: loaded at construction, {name: path} or ["name=path", ...]; whatever of embed_tokens, lm_head
         and the MoE experts they have LoRA on is wrapped too (EngineConfig.startup_adapters). A refused one
-        raises ValueError with the reason.
+        raises AdapterRefusedError (a ValueError) with the reason.
         engine_kwargs: any other EngineConfig field (max_model_len, kv_cache_memory, device, ...)."""
         specs = [f"{n}={p}" for n, p in adapters.items()] if isinstance(adapters, Mapping) else list(adapters)
         paths = (*engine_kwargs.pop("startup_adapters", ()), *(parse_adapter_arg(spec)[1] for spec in specs))
@@ -39,7 +43,7 @@ class LLM:
         for spec in specs:
             result = self.load_adapter(spec)
             if not result:
-                raise ValueError(f"adapter {spec!r}: {result.message}")
+                raise AdapterRefusedError(f"adapter {spec!r}: {result.message}")
 
     def generate(self, prompts: str | Sequence, sampling_params: SamplingParams | Sequence | None = None,
                  adapters: str | Sequence | None = None, use_tqdm: bool | None = None) -> list[RequestOutput]:
