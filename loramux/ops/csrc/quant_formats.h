@@ -59,12 +59,19 @@ static inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* mn) {
   }
 }
 
+// q4_k / q5_k run r: its scale d and offset dm (x = d * q - dm, as gguf-py computes them)
+static inline void k4_run_scale(const uint8_t* p, int r, float* d, float* dm) {
+  int sc, mn;
+  scale_min_k4(r, p + 4, &sc, &mn);
+  *d = f16(p) * static_cast<float>(sc);
+  *dm = f16(p + 2) * static_cast<float>(mn);
+}
+
 struct Q4_K {
   static constexpr int64_t kElems = 256, kBytes = 144;
   static inline void decode(const uint8_t* p, int r, float* out) {
-    int sc, mn;
-    scale_min_k4(r, p + 4, &sc, &mn);
-    const float d = f16(p) * static_cast<float>(sc), dm = f16(p + 2) * static_cast<float>(mn);
+    float d, dm;
+    k4_run_scale(p, r, &d, &dm);
     const uint8_t* q = p + 16 + (r / 2) * 32;  // runs 2i and 2i+1 share 32 bytes (low, then high nibbles)
     const int shift = (r % 2) * 4;
     for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>((q[i] >> shift) & 0xF) - dm;
@@ -74,9 +81,8 @@ struct Q4_K {
 struct Q5_K {
   static constexpr int64_t kElems = 256, kBytes = 176;
   static inline void decode(const uint8_t* p, int r, float* out) {
-    int sc, mn;
-    scale_min_k4(r, p + 4, &sc, &mn);
-    const float d = f16(p) * static_cast<float>(sc), dm = f16(p + 2) * static_cast<float>(mn);
+    float d, dm;
+    k4_run_scale(p, r, &d, &dm);
     const uint8_t* qh = p + 16;
     const uint8_t* q = p + 48 + (r / 2) * 32;
     const int shift = (r % 2) * 4;
