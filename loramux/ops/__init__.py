@@ -147,6 +147,6 @@ def select_moe_backend(name: str = "auto", device: str | torch.device = "cpu"):
 
 
 __all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "MOE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS",
-           "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "select_attention_backend", "select_backend",
-           "fuses_with_quantized", "select_kv_store_backend", "select_attention_ops", "bind_ops", "select_moe_backend", "select_pointwise_backend", "select_quant_backend",
-           "wants_grouped_tokens"]
+           "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "bind_ops", "fuses_with_quantized",
+           "select_attention_backend", "select_attention_ops", "select_backend", "select_kv_store_backend",
+           "select_moe_backend", "select_pointwise_backend", "select_quant_backend", "wants_grouped_tokens"]
