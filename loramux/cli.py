@@ -65,13 +65,14 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="share full KV blocks between requests of the same adapter whose prompts start alike "
                              "(as vLLM V1; on by default, off with --batch-invariant)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step at most (default: 256 on a CPU, 2048 on a GPU; unchunked: 4096)")
+                        help="tokens per step at most (default: 256 on a CPU; on a GPU as vLLM's, served 2048, 8192 "
+                             "on one of >= 70 GiB, offline 8192 / 16384; unchunked: 4096)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
                              "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
 
 
-def _engine_config(args) -> EngineConfig:
+def _engine_config(args, usage: str) -> EngineConfig:
     targets = tuple(args.lora_target_modules) if args.lora_target_modules else None
     lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                       max_lora_rank=args.max_lora_rank, target_modules=targets,
@@ -86,7 +87,7 @@ def _engine_config(args) -> EngineConfig:
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                         prefill_slowdown_cap=getattr(args, "prefill_slowdown_cap", None),
                         enable_prefix_caching=args.enable_prefix_caching,
-                        batch_invariant=args.batch_invariant, **budget)
+                        batch_invariant=args.batch_invariant, usage=usage, **budget)
 
 
 def log_to_stderr(level: str) -> None:
@@ -110,7 +111,7 @@ def serve(args) -> None:
     if args.replicas:
         return _serve_scaleout(args)
     try:
-        engine, config = _engine_config(args), _server_config(args)
+        engine, config = _engine_config(args, "server"), _server_config(args)
         build_app(engine, config, args.lora_modules)  # every flag checked here, before anything starts
     except ValueError as e:  # a flag's value: the message names it (no traceback for a typo)
         sys.exit(f"loramux serve: {e}")
@@ -129,7 +130,7 @@ def _serve_scaleout(args) -> None:
     except ImportError as e:
         sys.exit(f"loramux serve --replicas needs Ray Serve: pip install 'ray[serve]' ({e})")
     try:
-        engine, config = _engine_config(args), _server_config(args)
+        engine, config = _engine_config(args, "server"), _server_config(args)
         for spec in args.lora_modules:
             parse_adapter_arg(spec)
     except ValueError as e:
@@ -219,7 +220,7 @@ def generate(args) -> None:
     from loramux.llm import LLM, AdapterRefusedError
     from loramux.sampling_params import SamplingParams
 
-    config = _engine_config(args)
+    config = _engine_config(args, "offline")
     try:  # every engine flag; LLM loads the adapters and wraps what they need
         llm = LLM(adapters=args.lora_modules, **{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
     except AdapterRefusedError as e:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# A GPU step's default token budget, as vLLM's EngineArgs: usage -> (smaller GPU, >= 70 GiB and not an A100)
+GPU_STEP_TOKENS = {"offline": (8192, 16384), "server": (2048, 8192)}
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -152,8 +154,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     """The tokens of one step, decode rows and prompt chunks together (chunked prefill); None: 256 on a CPU,
     where a 256-token chunk of a 135M model takes ~0.4 s and a long prompt's prefill is as fast as with 1024
-    (benchmarks/README.md), 2048 on a GPU (vLLM's default for serving). Without chunked prefill: the prompt
-    tokens of one prefill step (None: 4096), raised to max_model_len if lower."""
+    (benchmarks/README.md); on a GPU vLLM's defaults (GPU_STEP_TOKENS): offline 16384 on a GPU of >= 70 GiB
+    (A100s excepted), else 8192; served 8192 / 2048. Without chunked prefill: the prompt tokens of one prefill
+    step (None: 4096), raised to max_model_len if lower."""
+    usage: str = "offline"
+    """Who runs the engine, for the defaults that differ (as vLLM's UsageContext): "offline" (LLM, loramux
+    generate: throughput) or "server" (loramux serve: latency too)."""
     num_threads: int | None = None
     """CPU threads for torch and the C++ kernels (torch.set_num_threads at start); None = torch's default
     (one per core, or OMP_NUM_THREADS). Served on a small machine, leaving a core to the HTTP process can
@@ -219,6 +225,8 @@ class EngineConfig:
             _check_positive(name, getattr(self, name))
         if self.max_num_batched_tokens is not None:
             _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.usage not in GPU_STEP_TOKENS:
+            raise ValueError(f"usage must be one of {', '.join(GPU_STEP_TOKENS)}, got {self.usage!r}")
         if self.prefill_slowdown_cap is not None and not self.prefill_slowdown_cap > 1:
             raise ValueError(f"prefill_slowdown_cap must be > 1 or None, got {self.prefill_slowdown_cap!r}")
         if self.num_threads is not None:
@@ -230,13 +238,17 @@ class EngineConfig:
         if not 0 < self.kv_cache_fraction <= 0.9:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.9], got {self.kv_cache_fraction!r}")
 
-    def step_token_budget(self, device: str = "cpu") -> int:
-        """max_num_batched_tokens, or its default for a step on `device` ("cpu", "cuda")."""
+    def step_token_budget(self, device: str = "cpu", device_memory: int = 0, device_name: str = "") -> int:
+        """max_num_batched_tokens, or its default for a step on `device` ("cpu", "cuda"), a GPU's by its
+        memory (bytes) and name."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         if not self.enable_chunked_prefill:
             return 4096
-        return 256 if device == "cpu" else 2048
+        if device == "cpu":
+            return 256
+        large = device_memory >= 70 * 2**30 and "a100" not in device_name.lower()  # vLLM: A100s lose with more
+        return GPU_STEP_TOKENS[self.usage][large]
 
 
 @dataclass(frozen=True)

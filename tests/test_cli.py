@@ -65,6 +65,7 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
     engine = seen["engine"]
     assert (engine.num_threads, engine.enable_chunked_prefill, engine.max_num_batched_tokens) == (1, True, 96)
     assert engine.batch_invariant is False  # (refused with chunked prefill below)
+    assert engine.usage == "server"  # served defaults (a GPU's step budget)
     import logging
     assert logging.getLogger("loramux.server").getEffectiveLevel() == logging.DEBUG
     assert seen["server"].tool_call_parser == "hermes"

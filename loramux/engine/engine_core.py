@@ -52,6 +52,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _memory(device: torch.device) -> tuple[int, str]:
+    """A GPU's memory (bytes) and name, for the defaults that depend on them; (0, "") elsewhere."""
+    if device.type != "cuda":
+        return 0, ""
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory, props.name
+
+
 def _with_startup_targets(lora: LoRAConfig | None, paths: tuple[str, ...]) -> tuple[LoRAConfig | None, dict]:
     """lora with whatever of embed_tokens, lm_head and experts the start-up adapters at `paths` have LoRA on
     added to its targets; and path -> what it added for that adapter."""
@@ -71,7 +79,7 @@ class EngineCore:
                             config.quantization_group_size)
         lora, needs = _with_startup_targets(config.lora, config.startup_adapters)
         self.config = replace(config, lora=lora, max_model_len=loaded.max_model_len,
-                              max_num_batched_tokens=config.step_token_budget(self.device.type))
+                              max_num_batched_tokens=config.step_token_budget(self.device.type, *_memory(self.device)))
         self.step_cost = StepCost(self.config.prefill_slowdown_cap if self.config.enable_chunked_prefill else None)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         self.adapters = self._adapter_system(loaded.model, needs)

@@ -115,6 +115,26 @@ def test_token_budget_per_prefill(budget, max_model_len, prompt_lens, admitted_p
     assert counts == admitted_per_step
 
 
+@pytest.mark.parametrize(
+    "usage, device, memory_gib, name, expected",
+    [
+        ("offline", "cpu", 0, "", 256),
+        ("server", "cpu", 0, "", 256),
+        ("offline", "cuda", 80, "NVIDIA H100 80GB HBM3", 16384),  # vLLM's LLM class on a large GPU
+        ("server", "cuda", 80, "NVIDIA H100 80GB HBM3", 8192),
+        ("offline", "cuda", 80, "NVIDIA A100-SXM4-80GB", 8192),  # A100s keep the smaller defaults
+        ("server", "cuda", 24, "NVIDIA L4", 2048),
+    ],
+)
+def test_default_step_budget_follows_device_and_usage(usage, device, memory_gib, name, expected):
+    config = EngineConfig(usage=usage)
+    assert config.step_token_budget(device, memory_gib * 2**30, name) == expected
+    assert EngineConfig(usage=usage, enable_chunked_prefill=False).step_token_budget(device) == 4096
+    assert EngineConfig(usage=usage, max_num_batched_tokens=96).step_token_budget(device, 2**40, name) == 96
+    with pytest.raises(ValueError, match="usage must be one of offline, server"):
+        EngineConfig(usage="batch")
+
+
 def test_no_free_blocks_stops_the_scan():
     sched, _ = make(num_blocks=4, block_size=4)
     big, small = req(prompt_len=12, max_tokens=1), req(prompt_len=8, max_tokens=1)
