@@ -124,3 +124,13 @@ def test_the_combined_trace_keeps_each_session_on_one_adapter_with_zipf_populari
         earlier = [j for j in range(i) if row["prompt"].startswith(rows[j]["prompt"].removesuffix("\nAssistant:") + "\n")]
         assert all(adapters[j] == adapters[i] for j in earlier)
     assert sum(r["prompt"].count("User:") > 1 for r in rows) > 100  # many requests are later turns of a chat
+
+
+def test_mixed_attention_times_both_ways_and_reports_ratios(capsys):
+    spec = importlib.util.spec_from_file_location("mixed_attention", SCRIPT.parent / "mixed_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--cases", "128+40", "200+16", "--repeats", "1"])  # asserts nothing about speed: a smoke run
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["ms_per_layer"]) == set(report["ratios"]) == {"128+40", "200+16"}
+    assert all(row["per_prompt"] > 0 and row["padded"] > 0 for row in report["ms_per_layer"].values())

@@ -58,6 +58,16 @@ def batch_order(row_slots: list[int], grouped: bool) -> list[int]:
     return sorted(range(len(row_slots)), key=row_slots.__getitem__)
 
 
+def padding_indices(offsets: list[int], lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of `lengths` new tokens starting at token `offsets` of a step, for one padded causal
+    attention call (Attention._padded): (pad_index [batch, max_len], unpad_index [sum(lengths)]). A padded
+    position repeats its sequence's last token: causal attention never lets a real query see it."""
+    max_len = max(lengths)
+    pad = [[o + min(p, n - 1) for p in range(max_len)] for o, n in zip(offsets, lengths)]
+    unpad = [b * max_len + p for b, n in enumerate(lengths) for p in range(n)]
+    return (torch.tensor(pad, dtype=torch.long, device=device), torch.tensor(unpad, dtype=torch.long, device=device))
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, slots: AdapterSlots | None,
                  eos_token_ids: frozenset[int] = frozenset()):
@@ -81,6 +91,10 @@ class ModelRunner:
                               "moe": select_moe_backend(config.moe_backend, device),
                               "attention": select_attention_ops(config.attention_backend, device, config.batch_invariant)})
         self.argmax = pointwise.argmax  # greedy sampling
+        # A mixed step's prompts that start in it run as one padded attention call on a GPU (one launch, not
+        # one per prompt and layer); on a CPU one call per prompt is as fast for equal lengths, and padding
+        # unequal ones costs up to 2x (benchmarks/mixed_attention.py).
+        self.pad_fresh_chunks = device.type == "cuda"
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
         self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}
@@ -208,18 +222,16 @@ class ModelRunner:
 
     def _prepare_prefill(self, seqs: list[Sequence]):
         lengths = [len(s) for s in seqs]
-        max_len, offsets = max(lengths), [0]
+        offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
         input_ids = self._tensor([t for s in seqs for t in s.token_ids])
         positions = self._tensor([p for n in lengths for p in range(n)])
         cache_rows = self._tensor([i for s, n in zip(seqs, lengths) for i in self._cache_index(s, range(n))])
-        # Padded positions repeat the sequence's last token: causal attention never lets a real query see them.
-        pad = [[o + min(p, n - 1) for p in range(max_len)] for o, n in zip(offsets, lengths)]
-        unpad = [b * max_len + p for b, n in enumerate(lengths) for p in range(n)]
-        meta = AttentionMetadata(True, cache_rows, pad_index=self._tensor(pad), unpad_index=self._tensor(unpad),
-                                 seq_offsets=offsets)
+        pad, unpad = padding_indices(offsets, lengths, self.device)
+        meta = AttentionMetadata(True, cache_rows, pad_index=pad, unpad_index=unpad, seq_offsets=offsets)
         return input_ids, positions, meta, lengths, offsets
+
 
     def _prepare_decode(self, seqs: list[Sequence]):
         lengths = [len(s) for s in seqs]
@@ -244,10 +256,17 @@ class ModelRunner:
         positions = self._tensor([p for a, b in spans for p in range(a, b)])
         cache_rows = self._tensor([i for s, (a, b) in zip(seqs, spans) for i in self._cache_index(s, range(a, b))])
         decode = seqs[:num_decode]
+        chunks = range(num_decode, len(seqs))
+        fresh = [i for i in chunks if spans[i][0] == 0]
+        if len(fresh) < 2 or not self.pad_fresh_chunks:
+            fresh = []
+        alone = [i for i in chunks if spans[i][0] != 0 or not fresh]
         meta = AttentionMetadata(False, cache_rows, block_size=self.block_size, num_decode=num_decode,
-                                 chunks=[(offsets[i], a, b) for i, (a, b) in enumerate(spans) if i >= num_decode],
-                                 chunk_context=[self._chunk_context(s, a, b)
-                                                for s, (a, b) in zip(seqs[num_decode:], spans[num_decode:])])
+                                 chunks=[(offsets[i], *spans[i]) for i in alone],
+                                 chunk_context=[self._chunk_context(seqs[i], *spans[i]) for i in alone])
+        if fresh:
+            rows = self._tensor([t for i in fresh for t in range(offsets[i], offsets[i + 1])])
+            meta.fresh = (rows, *padding_indices([offsets[i] for i in fresh], [lengths[i] for i in fresh], self.device))
         if decode:
             max_blocks = max(len(s.block_table) for s in decode)
             meta.block_tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode])

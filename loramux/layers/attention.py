@@ -37,10 +37,13 @@ class AttentionMetadata:
     # tokens offset .. offset + end - start, at positions start..end-1, and it attends to its sequence's
     # positions 0..end-1. A chunk with start 0 attends causally within its own new K/V; a later one reads
     # them from the cache: chunk_context holds its (cache index [end], mask [end - start, end]), built once
-    # a step for all layers (None for a chunk with start 0).
+    # a step for all layers (None for a chunk with start 0). Two or more chunks with start 0 run as one
+    # padded call instead (fresh: their rows [n] in the step, pad_index, unpad_index, as a whole prefill's);
+    # chunks then lists the others.
     num_decode: int = 0
     chunks: list[tuple[int, int, int]] | None = None
     chunk_context: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
+    fresh: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class Attention(DirectCall, nn.Module):
@@ -73,6 +76,9 @@ class Attention(DirectCall, nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.num_decode:
             out[:meta.num_decode] = self._decode(q[:meta.num_decode], meta)
+        if meta.fresh is not None:
+            rows, pad_index, unpad_index = meta.fresh
+            out[rows] = self._padded(q, k, v, pad_index, unpad_index)
         for (offset, start, end), context in zip(meta.chunks, meta.chunk_context):
             rows = slice(offset, offset + end - start)
             if context is None:
@@ -88,9 +94,15 @@ class Attention(DirectCall, nn.Module):
         dropped. (A sequence's result may depend on max_len: the kernel's blocking follows the padded length.)"""
         if meta.pad_index.shape[0] == 1:  # one sequence: nothing to pad (the same call, without the gathers)
             return self._sdpa_rows(q, k, v)
-        q, k, v = (t[meta.pad_index].transpose(1, 2) for t in (q, k, v))
+        return self._padded(q, k, v, meta.pad_index, meta.unpad_index)
+
+    def _padded(self, q, k, v, pad_index: torch.Tensor, unpad_index: torch.Tensor) -> torch.Tensor:
+        """Causal attention of several sequences' new tokens in one call: pad_index [batch, max_len] gathers
+        each one's rows (padding repeats its last token, which no real query sees), unpad_index [tokens]
+        picks the real rows of the [batch * max_len] result -> [tokens, heads * head_dim]."""
+        q, k, v = (t[pad_index].transpose(1, 2) for t in (q, k, v))
         out = self._sdpa(q, k, v).transpose(1, 2).reshape(-1, self.num_heads * self.head_dim)
-        return out[meta.unpad_index]
+        return out[unpad_index]
 
     def prefill_per_sequence(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         """One call per sequence, at its own length: its result never depends on its batch mates."""

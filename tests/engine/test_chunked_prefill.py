@@ -23,13 +23,18 @@ def long_prompts(n, seed=0):
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("budget", [3, 7, 16])
-def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget):  # noqa: F811
+@pytest.mark.parametrize("budget, padded_calls", [(3, False), (7, False), (16, False), (48, False), (48, True)])
+def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget, padded_calls, monkeypatch):  # noqa: F811
+    from loramux.layers.attention import Attention
+
     base, path, adapters = checkpoints["llama"]
     llm = make_llm(path, adapters, enable_chunked_prefill=True, max_num_batched_tokens=budget, max_model_len=64)
+    llm.engine.runner.pad_fresh_chunks = padded_calls  # a GPU's choice: the prompts starting in a step in one call
+    calls, padded_op = [], Attention._padded
+    monkeypatch.setattr(Attention, "_padded", lambda *a: calls.append(1) or padded_op(*a))
     batch = long_prompts(len(ROWS), seed=budget)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    mixed = []
+    mixed, padded = [], []
     original = llm.engine.scheduler.schedule
 
     def spy(*args):  # record that steps really mixed decode rows with prompt chunks
@@ -37,6 +42,7 @@ def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget):  # noqa
         if scheduled.spans:
             kinds = {end - start == 1 for start, end in scheduled.spans}
             mixed.append(kinds == {True, False})
+            padded.append(sum(start == 0 and end > 1 for start, end in scheduled.spans) >= 2)  # one padded call
         return scheduled
 
     llm.engine.scheduler.schedule = spy
@@ -44,6 +50,8 @@ def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget):  # noqa
     for prompt, adapter, out in zip(batch, ROWS, outs):
         assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, 8), adapter
     assert any(mixed)
+    assert any(padded) or budget < 48  # a large budget starts several prompts in one step
+    assert bool(calls) == padded_calls
 
 
 def test_chunked_with_preemption_and_logprobs_equals_unchunked(checkpoints):  # noqa: F811
