@@ -14,6 +14,8 @@ among the run's. Runs:
                                  copy per adapter (a stand-in for a network store), host tier of --host-loras
   vllm 8 / 1000                  `vllm serve --enable-lora --lora-modules ...` (--max-cpu-loras as many)
   loramux 1000, all in host       registered, a host tier holding all 1000 (the baseline of the slow store)
+  loramux base / vllm base       no adapter asked for: loramux with its LoRA slots as above, vLLM with LoRA off
+                                 (each engine's ceiling on this machine and workload)
 During the slow-store run, --probes requests for adapters nobody has asked for yet are sent one at a time, each
 beside the same request for an adapter read into host memory earlier: a cold adapter's TTFT against its copy +
 the TTFT of an adapter already read, under the same load.
@@ -51,7 +53,7 @@ from throughput import cpu_load, write_adapter  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 RUNS = ("loramux 8", "loramux 128", "loramux 1000", "loramux 1000, on demand", "loramux 1000, slow store",
-        "loramux 1000, all in host", "vllm 8", "vllm 1000")
+        "loramux 1000, all in host", "vllm 8", "vllm 1000", "loramux base", "vllm base")
 TRACE_SIDES = ("loramux", "vllm")
 WORDS = "the a ship sails north over calm grey water while gulls circle and the crew sings of home".split()
 
@@ -97,18 +99,26 @@ def adapter_dirs(root: str, weights: list[str], count: int, prefix: str) -> dict
     return found
 
 
+def adapter_count(run: str) -> int:
+    """How many distinct adapters a run serves: "loramux 1000, on demand" -> 1000; "vllm base" -> 0."""
+    count = run.split()[1].rstrip(",")
+    return 0 if count == "base" else int(count)
+
+
 def start(run: str, args, model: str, adapters: dict[str, str], root: str):
-    port, side, count = free_port(), run.split()[0], int(run.split()[1].rstrip(","))
-    common = ["--port", str(port), "--dtype", args.dtype, "--served-model-name", "base", "--max-loras",
-              str(args.max_loras), "--max-lora-rank", "8", "--max-num-seqs", str(args.concurrency), "--max-model-len",
-              str(args.prompt_len + args.new_tokens + 16)]
-    lora = ["--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]]
+    port, side, count = free_port(), run.split()[0], adapter_count(run)
+    common = ["--port", str(port), "--dtype", args.dtype, "--served-model-name", "base", "--max-num-seqs",
+              str(args.concurrency), "--max-model-len", str(args.prompt_len + args.new_tokens + 16)]
+    slots = ["--max-loras", str(args.max_loras), "--max-lora-rank", "8"]
+    lora = ["--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]] if adapters else []
     if side == "vllm":
         env = {**os.environ, **VLLM_CPU_ENV}
-        cmd = [os.path.join(args.vllm_venv, "bin", "vllm"), "serve", model, *common, "--enable-lora",
-               "--max-cpu-loras", str(max(count, args.max_loras)), *lora]
+        cmd = [os.path.join(args.vllm_venv, "bin", "vllm"), "serve", model, *common]
+        if adapters:  # "vllm base": the base model alone, LoRA off (the peer's ceiling on this machine)
+            cmd += [*slots, "--enable-lora", "--max-cpu-loras", str(max(count, args.max_loras)), *lora]
         return serve(cmd, port, timeout_s=1200, env=env)
-    cmd = [sys.executable, "-m", "loramux", "serve", "--model", model, *common, "--log-level", "warning"]
+    # "loramux base": LoRA on (its slots allocated) and no adapter asked for, as a many-tenant server runs
+    cmd = [sys.executable, "-m", "loramux", "serve", "--model", model, *common, *slots, "--log-level", "warning"]
     env = None
     if "on demand" in run:
         cmd += ["--lora-resolver-dir", root, "--max-cpu-loras", str(max(args.host_loras, args.max_loras))]
@@ -297,7 +307,7 @@ def main(argv=None) -> None:
               "max_loras": args.max_loras, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "concurrency": args.concurrency,
               "host_loras": args.host_loras, "store_delay_s": args.store_delay_s, "load_before": cpu_load(), "runs": {}}
     for run in args.runs:
-        count = int(run.split()[1].rstrip(","))
+        count = adapter_count(run)
         root = os.path.join(workdir, run.replace(" ", "_").replace(",", ""))
         adapters = adapter_dirs(root, weights, count + 2 * args.probes, "t")
         adapters = dict(list(adapters.items())[:count])  # the probes' adapters exist, and are asked for by the probe alone
@@ -318,7 +328,8 @@ def ratios(report: dict) -> dict:
     tput = {run: r["output_throughput"] for run, r in runs.items()}
     pairs = [("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000, all in host"),
              ("loramux 1000, slow store", "loramux 1000, all in host"), ("loramux 8", "vllm 8"),
-             ("loramux 1000", "vllm 1000"), ("loramux 1000, slow store", "vllm 1000")]
+             ("loramux 1000", "vllm 1000"), ("loramux 1000, slow store", "vllm 1000"), ("loramux base", "vllm base"),
+             ("vllm 8", "vllm base"), ("loramux 8", "loramux base"), ("loramux 8", "vllm base")]
     for a, b in pairs:
         if a in tput and b in tput:
             found[f"{a} / {b}: throughput"] = tput[a] / tput[b]

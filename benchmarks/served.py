@@ -90,7 +90,8 @@ def bench_serve(args, url, path, adapters, workdir, label, extra, dataset: list[
                           "--random-output-len", str(args.new_tokens)]
     cmd = [tool, "bench", "serve", "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
            "--model", "base", "--tokenizer", path, *dataset, "--ignore-eos", "--temperature", "0",
-           "--lora-modules", *adapters, "--lora-assignment", "random", "--seed", "0", "--disable-tqdm",
+           *(["--lora-modules", *adapters, "--lora-assignment", "random"] if adapters else []), "--seed", "0",
+           "--disable-tqdm",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
            "--save-result", "--result-dir", workdir, "--result-filename", f"{label}.json", *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}

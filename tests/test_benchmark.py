@@ -134,3 +134,17 @@ def test_mixed_attention_times_both_ways_and_reports_ratios(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report["ms_per_layer"]) == set(report["ratios"]) == {"128+40", "200+16"}
     assert all(row["per_prompt"] > 0 and row["padded"] > 0 for row in report["ms_per_layer"].values())
+
+
+def test_the_base_runs_serve_no_adapter_and_vllm_runs_without_lora(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("multitenant_bench", SCRIPT.parent / "multitenant.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "serve", lambda cmd, port, **kwargs: cmd)  # the command, not a server
+    args = module.parse_args([])
+    assert [module.adapter_count(r) for r in ("loramux 1000, on demand", "vllm base")] == [1000, 0]
+    vllm, ours = (module.start(f"{side} base", args, "M", {}, str(tmp_path)) for side in ("vllm", "loramux"))
+    assert not {"--enable-lora", "--max-loras", "--lora-modules"} & set(vllm)
+    assert "--max-loras" in ours and "--lora-modules" not in ours  # LoRA on, nothing registered
+    with_lora = module.start("vllm 8", args, "M", {"t0": "/a/t0"}, str(tmp_path))
+    assert {"--enable-lora", "--max-loras"} <= set(with_lora) and "t0=/a/t0" in with_lora
