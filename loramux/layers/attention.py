@@ -73,6 +73,8 @@ class Attention(DirectCall, nn.Module):
         """A chunked-prefill step: decode rows through the decode op; a chunk that starts its prompt through
         causal SDPA over its own new K/V (the values just stored), a later one over its sequence's cached
         keys (this chunk's included) with the causal mask shifted by its start."""
+        if meta.num_decode == q.shape[0]:  # decode rows only: no output to assemble (one copy less a layer)
+            return self._decode(q, meta)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if meta.num_decode:
             out[:meta.num_decode] = self._decode(q[:meta.num_decode], meta)
