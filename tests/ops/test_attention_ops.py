@@ -30,6 +30,9 @@ CASES = [  # batch, heads, kv_heads, head_dim, block_size, context lengths
     (2, 8, 8, 32, 4, [4, 9]),
     (4, 8, 2, 128, 16, [16, 32, 5, 33]),
     (1, 4, 1, 24, 5, [23]),
+    (12, 9, 3, 64, 16, [1, 5, 16, 17, 31, 32, 33, 47, 64, 65, 100, 161]),  # enough sequences for a unit each
+    (1, 9, 3, 64, 16, [700]),  # one long sequence: its keys split across threads and merged
+    (2, 16, 2, 64, 16, [300, 45]),  # 8 query heads a kv head; the long one split, the short one whole
 ]
 
 
