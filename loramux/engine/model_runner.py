@@ -232,7 +232,6 @@ class ModelRunner:
         meta = AttentionMetadata(True, cache_rows, pad_index=pad, unpad_index=unpad, seq_offsets=offsets)
         return input_ids, positions, meta, lengths, offsets
 
-
     def _prepare_decode(self, seqs: list[Sequence]):
         lengths = [len(s) for s in seqs]
         max_blocks = max(len(s.block_table) for s in seqs)

@@ -37,9 +37,9 @@ class AttentionMetadata:
     # tokens offset .. offset + end - start, at positions start..end-1, and it attends to its sequence's
     # positions 0..end-1. A chunk with start 0 attends causally within its own new K/V; a later one reads
     # them from the cache: chunk_context holds its (cache index [end], mask [end - start, end]), built once
-    # a step for all layers (None for a chunk with start 0). Two or more chunks with start 0 run as one
-    # padded call instead (fresh: their rows [n] in the step, pad_index, unpad_index, as a whole prefill's);
-    # chunks then lists the others.
+    # a step for all layers (None for a chunk with start 0). On a GPU (ModelRunner.pad_fresh_chunks) two or
+    # more chunks with start 0 run as one padded call instead: fresh holds their rows [n] in the step,
+    # pad_index and unpad_index (as a whole prefill's), and chunks lists the others.
     num_decode: int = 0
     chunks: list[tuple[int, int, int]] | None = None
     chunk_context: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
