@@ -246,16 +246,13 @@ def bench(args) -> None:
 def prepare(args) -> None:
     """Build the C++ CPU kernels and read the embedded default's config and tokenizer now, so that a first
     start takes seconds (`make` runs this when it makes the venv)."""
-    import glob
     import time
 
-    from loramux.ops.cpu_extension import CSRC, load_extension
+    from loramux.ops.cpu_extension import build_all
 
-    for source in sorted(glob.glob(os.path.join(CSRC, "*.cpp"))):
-        name, started = os.path.basename(source)[:-4], time.monotonic()
-        built = load_extension(name) is not None
+    for name, built, seconds in build_all():
         print(f"CPU kernel {name}: {'ready' if built else 'not used on this machine (the torch path runs)'} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+              f"({seconds:.0f} s)", flush=True)
     if not args.skip_model:
         from loramux.models.loader import prepare_default_gguf
 
