@@ -22,8 +22,8 @@ from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_lo
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
 from loramux.models.moe import FusedExperts
-from loramux.ops import (LoRAMapping, bind_ops, select_attention_ops, select_moe_backend, select_pointwise_backend,
-                         select_quant_backend)
+from loramux.ops import (LoRAMapping, attention_cpu, bind_ops, select_attention_ops, select_moe_backend,
+                         select_pointwise_backend, select_quant_backend)
 
 INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
 PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs: logits for this many positions at a time ([512, vocab] float32)
@@ -87,10 +87,15 @@ class ModelRunner:
                                  "on the rows the batch routes to it, so a row's result depends on its batch mates")
             fix_linear_rows(self.model, INVARIANT_ROWS)
         pointwise = select_pointwise_backend(config.pointwise_backend, device)
+        attention = select_attention_ops(config.attention_backend, device, config.batch_invariant)
         bind_ops(self.model, {"pointwise": pointwise, "quant": select_quant_backend(config.quant_backend, device),
-                              "moe": select_moe_backend(config.moe_backend, device),
-                              "attention": select_attention_ops(config.attention_backend, device, config.batch_invariant)})
+                              "moe": select_moe_backend(config.moe_backend, device), "attention": attention})
         self.argmax = pointwise.argmax  # greedy sampling
+        # Where the C++ paged decode kernel runs, it takes prompts too: every new token of a step is a row of
+        # one call (row i of a chunk starting at position s sees s + i + 1 keys through its sequence's block
+        # table). One call a layer instead of one a prompt, and faster than SDPA at every prompt length
+        # measured (benchmarks/mixed_attention.py, docs/performance.md).
+        self.rows_attention = attention.decode_attention is attention_cpu.decode_attention_cpu
         # A mixed step's prompts that start in it run as one padded attention call on a GPU (one launch, not
         # one per prompt and layer); on a CPU one call per prompt is as fast for equal lengths, and padding
         # unequal ones costs up to 2x (benchmarks/mixed_attention.py).
@@ -228,24 +233,38 @@ class ModelRunner:
         input_ids = self._tensor([t for s in seqs for t in s.token_ids])
         positions = self._tensor([p for n in lengths for p in range(n)])
         cache_rows = self._tensor([i for s, n in zip(seqs, lengths) for i in self._cache_index(s, range(n))])
+        if self.rows_attention:
+            return input_ids, positions, self._rows_metadata(seqs, lengths, positions, cache_rows), lengths, offsets
         pad, unpad = padding_indices(offsets, lengths, self.device)
         meta = AttentionMetadata(True, cache_rows, pad_index=pad, unpad_index=unpad, seq_offsets=offsets)
         return input_ids, positions, meta, lengths, offsets
 
     def _prepare_decode(self, seqs: list[Sequence]):
-        lengths = [len(s) for s in seqs]
-        max_blocks = max(len(s.block_table) for s in seqs)
         input_ids = self._tensor([s.last_token_id for s in seqs])
-        positions = self._tensor([n - 1 for n in lengths])
-        cache_rows = self._tensor([self._cache_index(s, range(n - 1, n))[0] for s, n in zip(seqs, lengths)])
+        positions = self._tensor([len(s) - 1 for s in seqs])
+        cache_rows = self._tensor([self._cache_index(s, range(len(s) - 1, len(s)))[0] for s in seqs])
+        counts = [1] * len(seqs)
+        meta = self._rows_metadata(seqs, counts, positions, cache_rows)
+        return input_ids, positions, meta, counts, list(range(len(seqs) + 1))
+
+    def _rows_metadata(self, seqs: list[Sequence], counts: list[int], positions: torch.Tensor,
+                       cache_rows: torch.Tensor) -> AttentionMetadata:
+        """Each new token as a row of the paged decode op: seqs[i] has counts[i] consecutive rows, each with
+        its sequence's block table and positions[row] + 1 keys. (One sequence's rows share one table, a view:
+        a long prompt alone would otherwise copy ~length^2 / 2 bytes of tables.)"""
+        max_blocks = max(len(s.block_table) for s in seqs)
         tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
-        meta = AttentionMetadata(False, cache_rows, block_tables=tables, context_lens=positions + 1,
+        if len(seqs) == 1:
+            tables = tables.expand(counts[0], -1)
+        elif any(n != 1 for n in counts):
+            tables = tables.repeat_interleave(self._tensor(counts), dim=0)
+        return AttentionMetadata(False, cache_rows, block_tables=tables, context_lens=positions + 1,
                                  block_size=self.block_size)
-        return input_ids, positions, meta, [1] * len(seqs), list(range(len(seqs) + 1))
 
     def _prepare_mixed(self, seqs: list[Sequence], spans: list[tuple[int, int]]):
         """Chunked prefill: decode rows (spans of one token, first) then prompt chunks; each chunk attends to
-        its sequence's cached positions [0, start) and to itself (AttentionMetadata.chunks)."""
+        its sequence's cached positions [0, start) and to itself (as decode-op rows with rows_attention, else
+        AttentionMetadata.chunks)."""
         lengths = [end - start for start, end in spans]
         offsets = [0]
         for n in lengths:
@@ -254,6 +273,8 @@ class ModelRunner:
         input_ids = self._tensor([t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]])
         positions = self._tensor([p for a, b in spans for p in range(a, b)])
         cache_rows = self._tensor([i for s, (a, b) in zip(seqs, spans) for i in self._cache_index(s, range(a, b))])
+        if self.rows_attention:
+            return input_ids, positions, self._rows_metadata(seqs, lengths, positions, cache_rows), lengths, offsets
         decode = seqs[:num_decode]
         chunks = range(num_decode, len(seqs))
         fresh = [i for i in chunks if spans[i][0] == 0]

@@ -6,7 +6,9 @@ A prompt computed whole attends within its own tokens: padded to [batch, max_len
 prefill mixes decode rows and prompt chunks in one step; a chunk that starts after a sequence's first token (a
 later chunk, or a prompt whose first blocks the prefix cache holds) reads its earlier keys from the cache.
 Decode steps call a paged decode-attention op, and every step a KV-store op (attention_ops:
-ops.select_attention_ops's, bound once by the model runner with ops.bind_ops).
+ops.select_attention_ops's, bound once by the model runner with ops.bind_ops). Where that op is the C++ kernel,
+the model runner hands every step to it as decode rows, prompt tokens included (ModelRunner.rows_attention), and
+the SDPA paths here serve the torch and Triton backends.
 """
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None = None  # prefill: [batch, max_len] token index per padded position
     unpad_index: torch.Tensor | None = None  # prefill: [num_tokens] position in the flattened padding
     seq_offsets: list[int] | None = None  # prefill: [batch + 1] where each sequence's tokens start (and end)
-    block_tables: torch.Tensor | None = None  # decode: [batch, max_blocks] block ids (padding: block 0)
-    context_lens: torch.Tensor | None = None  # decode: [batch] keys per sequence, this token's included
+    # decode: one row per new token (each decoding sequence's, or with rows_attention every token of the step)
+    block_tables: torch.Tensor | None = None  # decode: [rows, max_blocks] the row's block ids (padding: block 0)
+    context_lens: torch.Tensor | None = None  # decode: [rows] keys the row attends to, its own included
     block_size: int = 16
     # chunked prefill (a mixed step): the first num_decode tokens are decode rows (block_tables and
     # context_lens describe them); then prompt chunks, each (token offset, start, end): its query rows are

@@ -23,15 +23,20 @@ def long_prompts(n, seed=0):
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("budget, padded_calls", [(3, False), (7, False), (16, False), (48, False), (48, True)])
-def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget, padded_calls, monkeypatch):  # noqa: F811
+# how a step's prompt rows attend: "rows" as rows of the paged decode op (the engine on a CPU with the C++
+# kernel), "sdpa" one SDPA call per chunk, "padded" the chunks that start their prompts in one padded call (a GPU)
+@pytest.mark.parametrize("budget, mode", [(3, "rows"), (7, "rows"), (16, "rows"), (48, "rows"), (3, "sdpa"),
+                                          (16, "sdpa"), (48, "sdpa"), (48, "padded")])
+def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget, mode, monkeypatch):  # noqa: F811
     from loramux.layers.attention import Attention
 
     base, path, adapters = checkpoints["llama"]
     llm = make_llm(path, adapters, enable_chunked_prefill=True, max_num_batched_tokens=budget, max_model_len=64)
-    llm.engine.runner.pad_fresh_chunks = padded_calls  # a GPU's choice: the prompts starting in a step in one call
-    calls, padded_op = [], Attention._padded
-    monkeypatch.setattr(Attention, "_padded", lambda *a: calls.append(1) or padded_op(*a))
+    llm.engine.runner.rows_attention = mode == "rows"
+    llm.engine.runner.pad_fresh_chunks = mode == "padded"
+    calls, padded_op, sdpa_op = [], Attention._padded, Attention._sdpa
+    monkeypatch.setattr(Attention, "_padded", lambda *a: calls.append("padded") or padded_op(*a))
+    monkeypatch.setattr(Attention, "_sdpa", lambda *a: calls.append("sdpa") or sdpa_op(*a))
     batch = long_prompts(len(ROWS), seed=budget)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     mixed, padded = [], []
@@ -51,7 +56,7 @@ def test_chunked_steps_equal_hf_peft_for_every_row(checkpoints, budget, padded_c
         assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, 8), adapter
     assert any(mixed)
     assert any(padded) or budget < 48  # a large budget starts several prompts in one step
-    assert bool(calls) == padded_calls
+    assert ("padded" in calls) == (mode == "padded") and bool(calls) == (mode != "rows")
 
 
 def test_chunked_with_preemption_and_logprobs_equals_unchunked(checkpoints):  # noqa: F811

@@ -95,6 +95,29 @@ def test_mixed_batch_greedy_equals_hf_peft_alone(kind, backend, checkpoints):
     assert len({tuple(o.token_ids) for o in outputs}) > 5  # adapters really changed the outputs
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("attention_backend, rows", [("auto", None), ("auto", False), ("torch", True)])
+def test_prompts_attend_as_decode_rows_or_through_sdpa_alike(checkpoints, attention_backend, rows, chunked):
+    """Where the C++ decode kernel runs, a step's prompt tokens attend as rows of it (None: the runner's own
+    choice); forced off they go through SDPA (whole prompts padded into one call, chunks one call each), and
+    forced on under the torch reference op they are rows of that one. Every row equals HF + PEFT alone."""
+    from loramux.ops import attention_cpu
+
+    base, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, adapters, attention_backend=attention_backend, enable_chunked_prefill=chunked,
+                   max_num_batched_tokens=24 if chunked else None)
+    runner = llm.engine.core.runner
+    if rows is None:
+        assert runner.rows_attention == attention_cpu.available()
+    runner.rows_attention = runner.rows_attention if rows is None else rows
+    rows_of = ["r4", None, "r8_rslora", "r64_qv", "r16_patterns", "r4"]
+    batch = prompts(len(rows_of))
+    for prompt, adapter, out in zip(batch, rows_of, llm.generate(batch, GREEDY, adapters=rows_of)):
+        assert out.token_ids == hf_greedy(base, adapters.get(adapter), prompt, GREEDY.max_tokens), adapter
+    alone = llm.generate(batch[2:3], GREEDY, adapters=rows_of[2:3])[0]  # one sequence's rows share its table
+    assert alone.token_ids == hf_greedy(base, adapters["r8_rslora"], batch[2], GREEDY.max_tokens)
+
+
 def test_bf16_lora_weights_under_fp32_activations_are_fp32_math_on_the_rounded_weights(checkpoints, tmp_path):
     """lora_dtype="bfloat16" on an fp32 model: slots hold A and B in bf16, the math stays fp32. An adapter whose
     weights are bf16 numbers (scaling a power of two, so B * scaling is one too) therefore gives exactly the
