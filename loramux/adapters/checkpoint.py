@@ -391,17 +391,20 @@ def _module_lora(name, module, ab, spec, module_shapes, max_rank, dtype) -> Modu
         raise InvalidAdapterError(
             f"adapter {name!r}: module {module!r} has rank {r} in its weights but {spec.rank(module)} in adapter_config.json"
         )
-    b = b.to(torch.float32) * spec.scaling(module)
-    _check_values(name, f"{module}.lora_A.weight", a)
-    _check_values(name, f"{module}.lora_B.weight (scaling {spec.scaling(module):g} folded in)", b)
+    scaling = spec.scaling(module)
+    b = b.to(torch.float32) * scaling
+    _check_values(name, "{}.lora_A.weight", a, module)
+    _check_values(name, "{} (scaling {:g} folded in)", b, f"{module}.lora_B.weight", scaling)
     return ModuleLoRA(a=a.to(dtype).contiguous(), b=b.to(dtype).contiguous())
 
 
-def _check_values(name: str, what: str, t: torch.Tensor) -> None:
-    """One pass: the max of |t| is NaN when t holds a NaN, and inf when it holds an inf."""
+def _check_values(name: str, what: str, t: torch.Tensor, *what_args) -> None:
+    """One pass: the max of |t| is NaN when t holds a NaN, and inf when it holds an inf. what.format(*what_args)
+    names t (formatted only for the error: an adapter has hundreds of tensors)."""
     peak = float(t.abs().max()) if t.numel() else 0.0
     if peak <= MAX_ABS_WEIGHT:
         return
+    what = what.format(*what_args) if what_args else what  # (module names come from the file: never a format)
     kind = "NaN" if peak != peak else "Inf" if peak == float("inf") else f"|values| up to {peak:.3g}"
     raise InvalidAdapterError(f"adapter {name!r}: {what} has {kind}; LoRA weights must be finite and at most "
                               f"{MAX_ABS_WEIGHT:g} in size")

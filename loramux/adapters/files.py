@@ -191,10 +191,10 @@ def _read_header(f, size: int, file: str) -> dict:
 
 
 def _unique_keys(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
-    duplicates = sorted({k for k in keys if keys.count(k) > 1})
-    if duplicates:
-        raise ValueError(f"duplicate keys {duplicates}")
-    return dict(pairs)
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen = set()
+        raise ValueError(f"duplicate keys {sorted({k for k, _ in pairs if k in seen or seen.add(k)})}")
+    return result
 
 

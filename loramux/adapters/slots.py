@@ -8,6 +8,7 @@ which adapter goes where (AdapterCache) and hands it the weights.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -138,10 +139,14 @@ class AdapterSlots:
         return sum(buffer.nbytes for name, (layer, _) in self._layers.items() if name.rsplit(".", 1)[-1] in targets
                    for buffer in layer.buffers())
 
-    def module_shapes(self) -> dict[str, tuple[int, int]]:
-        """Adapter module name -> (in, out) features, for every wrapped linear module (packed ones by slice)."""
+    @functools.cached_property
+    def _module_shapes(self) -> dict[str, tuple[int, int]]:  # the wrapping is done once, in __init__
         return {m: (b.layer.in_features, b.layer.output_slices[b.slice_index]) for m, b in self._bindings.items()
                 if not isinstance(b.layer, LoRAExperts)}
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """Adapter module name -> (in, out) features, for every wrapped linear module (packed ones by slice)."""
+        return dict(self._module_shapes)
 
     def expert_shapes(self) -> dict[str, tuple[int, int, int]]:
         """MoE blocks with expert LoRA: block name -> (experts, hidden, one expert's intermediate size)."""
