@@ -252,14 +252,18 @@ class ModelRunner:
         """Each new token as a row of the paged decode op: seqs[i] has counts[i] consecutive rows, each with
         its sequence's block table and positions[row] + 1 keys. (One sequence's rows share one table, a view:
         a long prompt alone would otherwise copy ~length^2 / 2 bytes of tables.)"""
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
+        tables = self._block_tables(seqs)
         if len(seqs) == 1:
             tables = tables.expand(counts[0], -1)
         elif any(n != 1 for n in counts):
             tables = tables.repeat_interleave(self._tensor(counts), dim=0)
         return AttentionMetadata(False, cache_rows, block_tables=tables, context_lens=positions + 1,
                                  block_size=self.block_size)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), max_blocks]: each sequence's block table, padded with block 0."""
+        max_blocks = max(len(s.block_table) for s in seqs)
+        return self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs])
 
     def _prepare_mixed(self, seqs: list[Sequence], spans: list[tuple[int, int]]):
         """Chunked prefill: decode rows (spans of one token, first) then prompt chunks; each chunk attends to
@@ -288,8 +292,7 @@ class ModelRunner:
             rows = self._tensor([t for i in fresh for t in range(offsets[i], offsets[i + 1])])
             meta.fresh = (rows, *padding_indices([offsets[i] for i in fresh], [lengths[i] for i in fresh], self.device))
         if decode:
-            max_blocks = max(len(s.block_table) for s in decode)
-            meta.block_tables = self._tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode])
+            meta.block_tables = self._block_tables(decode)
             meta.context_lens = self._tensor([b for _, b in spans[:num_decode]])
         return input_ids, positions, meta, lengths, offsets
 
