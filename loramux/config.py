@@ -177,7 +177,9 @@ class EngineConfig:
     decode-only step of the batch about to decode (the running streams, and the requests whose prompts fit in
     a step's budget; the costs learned from the steps run: engine/step_cost.py), so that running streams
     keep their pace and a request that arrives is not held behind long prompts; a long prompt alone is
-    prefilled in smaller chunks. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 2."""
+    prefilled in smaller chunks. A step may still carry twice the prompt tokens of the short prompts (those
+    within one step's budget) admitted per step lately, so that a sustained load's prompts keep pace rather
+    than park requests in prefill. None (offline): only max_num_batched_tokens bounds a step; loramux serve: 2."""
     block_size: int = 16
     """Tokens per KV-cache block."""
     kv_cache_memory: int | None = None

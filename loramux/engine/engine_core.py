@@ -206,6 +206,7 @@ class EngineCore:
         """One scheduler step: an output for every request that progressed or finished."""
         outputs = self._queue_compiled() + self.install_loaded()
         batch = self.scheduler.schedule(self._prompt_allowance())
+        self.step_cost.admitted(batch.new_prompt_work)
         if not batch.seqs and self.loading:
             self.loader.wait(LOAD_WAIT_S)  # the queue waits for adapters being read: do not spin meanwhile
         outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",

@@ -46,6 +46,10 @@ class ScheduledBatch:
     spans: list[tuple[int, int]] | None = None
     """Chunked prefill: per sequence, the token positions [start, end) this step computes (a decode row:
     (len - 1, len)); it samples a token only where end == len(seq). None: whole prefills or decodes."""
+    new_prompt_work: int = 0
+    """The prompt tokens (past their cached prefixes) of the requests admitted this step whose prompt fits in one
+    step's budget, in budget units: the short prompts the load sends, which engine/step_cost.py keeps pace
+    with (a longer prompt is what the step bound spreads out)."""
 
 
 class _Verdict(enum.Enum):
@@ -191,11 +195,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(decodes)
         if allowance is not None:
             budget = min(budget, allowance)
-        prefills = [s for s in running if s.is_prefilling] + self._admit(budget=budget)
-        chunks = self._chunks(prefills, budget)
+        admitted = self._admit(budget=budget)
+        chunks = self._chunks([s for s in running if s.is_prefilling] + admitted, budget)
         seqs = decodes + [seq for seq, _ in chunks]
         spans = [(s.num_computed_tokens, len(s)) for s in decodes] + [span for _, span in chunks]
-        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed, spans=spans)
+        work = [(len(s) - s.num_computed_tokens) * s.prompt_token_cost for s in admitted]
+        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed, spans=spans,
+                              new_prompt_work=sum(w for w in work if w <= self.max_num_batched_tokens))
 
     def _chunks(self, prefills: list[Sequence], budget: int) -> list[tuple[Sequence, tuple[int, int]]]:
         """Each prefill's chunk this step, in the order they get the budget (those it does not reach wait)."""

@@ -26,13 +26,27 @@ and slots stand free. Referred to the batch about to decode, the short prompts w
 that admits them; a long prompt does not (it is many steps from decoding), so it still cannot stall the
 streams. The price of the bound: a long prompt alone is prefilled in smaller chunks (each step's fixed cost
 is paid more often).
+
+The bound decides when short prompts run, not how many: the prompts a sustained load sends must be
+prefilled anyway, and holding them back only parks requests in prefill while fewer rows decode. Where the
+load's prompt tokens outweigh what the slowdown leaves (128-token prompts for 64 new tokens: two prompt
+tokens a decoding row, ~2.2x a decode step at 32 rows, past a cap of 2), the capped engine settled with a
+third of its requests in prefill, TTFT of seconds and ~12% less throughput. So a step may always carry
+KEEP_UP times the prompt tokens admitted per step lately (`admitted`: a moving average over ~1 /
+DEMAND_SMOOTHING steps) of the prompts that fit in one step's budget (the scheduler counts those alone): a
+sustained load of short prompts keeps pace, while long prompts, one or many at once, still move at the
+slowdown's pace.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
 MIN_CHUNK = 16  # prompt tokens a step that decodes may always carry: every prompt moves on
 RIDGE = 1e-9  # relative to each term's own scale: a unique fit while some term has not varied yet
+KEEP_UP = 2  # short prompts' work a step may take against what is admitted: a backlog drains, it does not build
+DEMAND_SMOOTHING = 1 / 32  # ~a stream's lifetime in steps: a closed loop's admissions average out over it
 
 
 class _Moments:
@@ -59,6 +73,14 @@ class StepCost:
         self.slowdown = slowdown
         self._decode, self._mixed = _Moments(smoothing), _Moments(smoothing)
         self._costs: tuple[float, float, float] | None = None
+        self._demand, self._demand_steps = 0.0, 0  # short prompts' tokens admitted a step (moving average); steps
+
+    def admitted(self, prompt_tokens: int) -> None:
+        """A step was scheduled: the prompt tokens (past their cached prefixes) of the short prompts it admitted
+        (ScheduledBatch.new_prompt_work; 0 for most steps)."""
+        self._demand_steps += 1
+        w = max(DEMAND_SMOOTHING, 1.0 / self._demand_steps)
+        self._demand += w * (prompt_tokens - self._demand)
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         """A step ran: its decode rows, its prompt tokens and its wall time."""
@@ -92,13 +114,15 @@ class StepCost:
 
     def prompt_allowance(self, rows: int, demand: int | None = None) -> int | None:
         """Prompt tokens a step that decodes `rows` rows may carry, so that it takes at most `slowdown` times a
-        decode step of `demand` rows (None: `rows`); None: no bound beyond the token budget (no slowdown
-        bound, or the costs not known yet: a decode-only step and one with prompt tokens must have run)."""
+        decode step of `demand` rows (None: `rows`), or KEEP_UP times the short prompts' tokens admitted per step
+        lately if that is more; None: no bound beyond the token budget (no slowdown bound, or the costs not known
+        yet: a decode-only step and one with prompt tokens must have run)."""
         if not self.bounding:
             return None
         fixed, per_row, per_chunk = self.costs()
         if not per_row:
             return None
         limit = self.slowdown * self.decode_time(max(rows, demand or 0))
-        return max(MIN_CHUNK, int((limit - fixed - per_chunk) / per_row + 1e-6) - rows)  # (1e-6: rounding)
+        capped = int((limit - fixed - per_chunk) / per_row + 1e-6) - rows  # (1e-6: rounding)
+        return max(MIN_CHUNK, capped, math.ceil(KEEP_UP * self._demand))
 

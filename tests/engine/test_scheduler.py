@@ -301,6 +301,34 @@ def test_a_sequence_preempts_itself_when_it_is_the_newest():
     assert cache.refs("b") == 0 and sched.block_manager.num_free_blocks == 1  # s2's block, returned
 
 
+def test_each_step_reports_the_short_prompts_work_it_admitted():
+    """What engine/step_cost.py keeps pace with: the prompt tokens past their cached prefix of the requests a step
+    admits, those whose prompt fits in one step's budget."""
+    sched, _ = make(lora=False, num_blocks=16, max_num_batched_tokens=12, enable_prefix_caching=True,
+                    enable_chunked_prefill=True)
+    first = Sequence(prompt_token_ids=list(range(10)), params=SamplingParams(max_tokens=2))
+    sched.add(first)
+    sched.add(gone := req(prompt_len=7))
+    sched.abort(gone.request_id)  # never admitted
+    assert step(sched).new_prompt_work == 10
+    assert step(sched).new_prompt_work == 0  # a decode step: nothing admitted
+    again = Sequence(prompt_token_ids=list(range(10)), params=SamplingParams(max_tokens=2))  # 8 of them cached
+    sched.add(again)
+    sched.add(req(prompt_len=20))  # longer than a step's budget (12): what the step bound spreads out
+    assert step(sched).new_prompt_work == 10 - again.num_cached_tokens == 2
+
+
+def test_a_preempted_request_is_counted_again_when_it_is_admitted_again():
+    sched, _ = make(num_blocks=3, block_size=4, enable_chunked_prefill=True)
+    sched.block_manager.caching = False  # no block of its own prompt found again: all of it recomputed
+    s1, s2 = add_all(sched, "ab", max_tokens=5)
+    assert step(sched).new_prompt_work == 8
+    batch = step(sched)
+    assert batch.preempted == [s2] and batch.new_prompt_work == 0
+    sched.finish(s1, "stop")
+    assert sched.schedule().new_prompt_work == len(s2) == 5  # its K/V are computed again
+
+
 def test_decode_appends_blocks_for_every_running_sequence():
     sched, _ = make(num_blocks=8, block_size=2)
     seqs = add_all(sched, "ab-", prompt_len=2, max_tokens=3)

@@ -3,7 +3,13 @@ import random
 
 import pytest
 
-from loramux.engine.step_cost import MIN_CHUNK, StepCost
+from loramux.config import EngineConfig
+from loramux.engine import step_cost
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+from loramux.engine.step_cost import KEEP_UP, MIN_CHUNK, StepCost
+from loramux.sampling_params import SamplingParams
 
 MS = 1e-3
 
@@ -66,3 +72,76 @@ def test_recent_steps_weigh_more():
 def test_a_bound_must_allow_a_slowdown():
     with pytest.raises(ValueError, match="> 1"):
         StepCost(slowdown=1.0)
+
+
+def test_a_step_may_carry_twice_the_prompt_work_arriving_lately_whatever_the_slowdown_leaves():
+    cost = StepCost(slowdown=2.0)
+    for rows, tokens in [(1, 0), (4, 0), (8, 0), (8, 16), (4, 64), (12, 32)]:
+        cost.observe(rows, tokens, true_step(rows, tokens))
+    assert cost.prompt_allowance(8) == 23  # nothing has arrived
+    for _ in range(200):
+        cost.admitted(64)  # a sustained load: 64 prompt tokens a step
+    assert cost.prompt_allowance(8) == KEEP_UP * 64 > 23
+    for _ in range(200):
+        cost.admitted(0)  # the load stopped: the slowdown bound again
+    assert cost.prompt_allowance(8) == 23
+
+
+def closed_loop(steps: int, in_flight: int = 32, prompt_len: int = 128, new_tokens: int = 64,
+                long_prompt_at: int | None = None):
+    """Scheduler + StepCost on true_step's engine, as `loramux serve` steps them (a slowdown cap of 2), under a
+    closed loop: a finished request is replaced at once. Per step: (decode rows, prompt tokens, seconds)."""
+    config = EngineConfig(max_num_seqs=in_flight + 1, enable_chunked_prefill=True, enable_prefix_caching=False,
+                          max_num_batched_tokens=256, block_size=16)
+    sched, cost, rng, log = Scheduler(config, BlockManager(4096, 16)), StepCost(slowdown=2.0), random.Random(0), []
+
+    def add(length: int) -> None:
+        tokens = [rng.randrange(1000) for _ in range(length)]
+        sched.add(Sequence(prompt_token_ids=tokens, params=SamplingParams(max_tokens=new_tokens)))
+
+    for _ in range(in_flight):
+        add(prompt_len)
+    for i in range(steps):
+        if i == long_prompt_at:
+            add(2048)
+        allowance = cost.prompt_allowance(sched.num_decoding, sched.rows_about_to_decode)
+        batch = sched.schedule(allowance)
+        cost.admitted(batch.new_prompt_work)
+        decode_rows = sum(not s.is_prefilling for s in batch.seqs)
+        prompt_tokens = sum(end - start for s, (start, end) in zip(batch.seqs, batch.spans) if s.is_prefilling)
+        seconds = true_step(decode_rows, prompt_tokens)
+        cost.observe(decode_rows, prompt_tokens, seconds)
+        log.append((decode_rows, prompt_tokens, seconds))
+        for seq, (_, end) in zip(batch.seqs, batch.spans):
+            seq.num_computed_tokens = end
+            if end == len(seq):
+                seq.append_token(7)
+                if seq.num_output_tokens >= new_tokens:
+                    sched.finish(seq, "length")
+                    add(prompt_len)
+    return log
+
+
+def test_a_sustained_load_keeps_every_request_decoding_under_the_slowdown_cap(monkeypatch):
+    """128-token prompts for 64 new tokens: two prompt tokens a decoding row, more than a cap of 2 leaves at 32
+    rows. Capped alone, the engine settles with requests parked in prefill; keeping pace with what arrives
+    keeps ~all of them decoding."""
+    def decoding(log):
+        steady = log[200:]
+        return sum(rows for rows, _, _ in steady) / len(steady), sum(rows for rows, _, _ in steady) / sum(
+            seconds for _, _, seconds in steady)
+
+    rows, throughput = decoding(closed_loop(1200))
+    monkeypatch.setattr(step_cost, "KEEP_UP", 0)
+    capped_rows, capped_throughput = decoding(closed_loop(1200))
+    assert rows > 29.5 and capped_rows < 27
+    assert throughput > 1.03 * capped_throughput  # this made-up engine has no GEMM that grows faster
+
+
+def test_a_long_prompt_arriving_alone_is_still_spread_over_many_steps():
+    log = closed_loop(400, in_flight=8, prompt_len=16, new_tokens=256, long_prompt_at=300)
+    decode_step = max(seconds for rows, tokens, seconds in log[200:300] if not tokens)
+    after = log[300:]
+    assert sum(tokens for _, tokens, _ in after) >= 2048  # it was prefilled
+    assert max(seconds for _, _, seconds in after) < 3 * decode_step  # 256 tokens a step would be ~7x
+    assert sum(1 for _, tokens, _ in after if tokens) >= 10
