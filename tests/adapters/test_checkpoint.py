@@ -192,6 +192,39 @@ def test_duplicate_header_keys_and_bad_length_fields_are_refused(adapter, tmp_pa
             read_adapter_dir(str(path))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_module_gets_its_own_scaling_folded_into_b_across_widths_and_ranks(tmp_path, dtype):
+    """The whole adapter is scaled, checked and cast in a few ops (modules stacked by width): each module still
+    gets b x its own scaling (in fp32, then cast) and its own a, whatever its width, rank or file dtype."""
+    path = save_peft_adapter(tiny_llama(), tmp_path / "mixed", r=8, lora_alpha=16, target_modules=["q_proj", "k_proj",
+                             "v_proj", "o_proj"], rank_pattern={"k_proj": 4}, alpha_pattern={"v_proj": 3, "o_proj": 40})
+    config, tensors = read_adapter_dir(path)
+    tensors = {k: v.to(torch.bfloat16) if "q_proj" in k else v for k, v in tensors.items()}  # a file of two dtypes
+    weights = build_adapter("a", config, dict(tensors), SHAPES, max_rank=64, dtype=dtype)
+    assert len(weights.modules) == len(SHAPES)
+    scalings = {"q_proj": 16 / 8, "k_proj": 16 / 4, "v_proj": 3 / 8, "o_proj": 40 / 8}
+    for module, lora in weights.modules.items():
+        a = tensors[f"base_model.model.{module}.lora_A.weight"]
+        b = tensors[f"base_model.model.{module}.lora_B.weight"]
+        scaling = scalings[module.rsplit(".", 1)[-1]]
+        assert lora.a.dtype == lora.b.dtype == dtype
+        assert torch.equal(lora.a, a.to(dtype))
+        assert torch.equal(lora.b, (b.to(torch.float32) * scaling).to(dtype))
+
+
+def test_every_module_with_a_bad_value_is_named(adapter, tmp_path):
+    path = copy_adapter(adapter, tmp_path)
+    tensors = load_file(path / "adapter_model.safetensors")
+    for key in ("base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight",
+                "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"):
+        tensors[key][1, 1] = float("nan")
+    write_tensors(path, tensors)
+    with pytest.raises(InvalidAdapterError) as err:
+        build(str(path))
+    assert "layers.0.self_attn.v_proj.lora_A.weight has NaN" in str(err.value)
+    assert "layers.1.self_attn.q_proj.lora_B.weight (scaling 2 folded in) has NaN" in str(err.value)
+
+
 @pytest.mark.parametrize("value, words", [(float("nan"), "NaN"), (float("inf"), "Inf"), (1e18, "e+18")])
 @pytest.mark.parametrize("which", ["A", "B"])
 def test_non_finite_or_huge_weights_are_refused(adapter, tmp_path, value, words, which):
