@@ -421,14 +421,26 @@ class _Stack(NamedTuple):
         return dict(zip(self.modules, self.buffer.to(dtype).split(self.rows)))
 
 
+STACK_ELEMENTS = 32768
+"""torch's grain size for elementwise ops (at::internal::GRAIN_SIZE): an op on no more elements runs on the
+calling thread alone. The loader thread's ops stay within it, so a read never starts an OpenMP team of its
+own beside the step's (its threads would spin on the cores the step computes on)."""
+
+
 def _stacks(tensors: dict[str, torch.Tensor], scalings: dict[str, float] | None) -> list[_Stack]:
-    """The tensors ([rows, width] each) stacked into one fp32 buffer per width, each one's rows times its
-    module's scaling when given."""
-    by_width: dict[int, list[str]] = {}
+    """The tensors ([rows, width] each) stacked into fp32 buffers of one width and at most STACK_ELEMENTS
+    elements (or one tensor), each one's rows times its module's scaling when given."""
+    runs: list[list[str]] = []
+    filling: dict[int, tuple[list[str], int]] = {}  # width -> the run being filled, its elements
     for module, t in tensors.items():
-        by_width.setdefault(t.shape[1], []).append(module)
+        run, size = filling.get(t.shape[1], (None, 0))
+        if run is None or size + t.numel() > STACK_ELEMENTS:
+            run, size = [], 0
+            runs.append(run)
+        run.append(module)
+        filling[t.shape[1]] = (run, size + t.numel())
     stacks = []
-    for modules in by_width.values():
+    for modules in runs:
         buffer = torch.cat([tensors[m] for m in modules]).to(torch.float32)  # (a new buffer: scaled in place)
         rows = [tensors[m].shape[0] for m in modules]
         if scalings is not None:
