@@ -94,16 +94,14 @@ class _Sorted:
 
 def _sort_tensors(tensors: dict[str, torch.Tensor], saved: tuple[str, ...]) -> _Sorted:
     out = _Sorted()
-    for key, tensor in tensors.items():
-        pair = _KEY.match(key) or _EMBEDDING_PAIR.match(key)
-        base, whole = _BASE_COPY.match(key), _WHOLE.match(key)
+    for key, tensor in tensors.items():  # (each pattern tried only where the ones before it failed)
         if _ODD_KEY.search(key):
             out.odd.append(key)
-        elif pair:
+        elif pair := _KEY.match(key) or _EMBEDDING_PAIR.match(key):
             out.pairs.setdefault(pair["module"], {})[pair["ab"]] = tensor
-        elif base:
+        elif base := _BASE_COPY.match(key):
             out.base_copies[base["module"]] = tensor
-        elif whole and whole["module"].rsplit(".", 1)[-1] in saved:
+        elif (whole := _WHOLE.match(key)) and whole["module"].rsplit(".", 1)[-1] in saved:
             out.whole[whole["module"]] = tensor
         else:
             out.odd.append(key)
@@ -238,7 +236,7 @@ def _take_expert_pairs(pairs: dict, experts: dict, spec: AdapterSpec, linear: tu
     """Moves the pairs of `experts` blocks that the config targets out of `pairs` (the rest stay, and are
     refused as weights it does not target): {block: {("3d", depth) or (expert, proj): ({"A", "B"}, key)}}."""
     found: dict[str, dict] = {}
-    for module in list(pairs):
+    for module in list(pairs) if experts else ():  # (a model without MoE blocks: nothing to look for)
         nested, per = _NESTED.match(module), _PER_EXPERT.match(module)
         if nested["module"] in experts and spec.parameters_of(nested["module"]):
             found.setdefault(nested["module"], {})["3d", nested["depth"].count(".base_layer")] = (pairs.pop(module), module)
