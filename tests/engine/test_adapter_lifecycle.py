@@ -10,6 +10,7 @@ Sequences it found once are kept below as plain tests (the six-step reload/unloa
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import pytest
@@ -159,6 +160,7 @@ class Lifecycle(RuleBasedStateMachine):
             self.step()
 
     def step(self):
+        self._settle_reads()
         current = dict(self.current)  # what names resolve to in this step (control happens between steps)
         for out in self.engine.step():
             self._check_finished(out)
@@ -167,6 +169,14 @@ class Lifecycle(RuleBasedStateMachine):
             if name is not None and seq is not None and seq.adapter_ref is not None and rid not in self.admitted:
                 assert seq.adapter_ref == current[name], "admitted on another identity than its name's current one"
                 self.admitted[rid] = seq.adapter_ref
+
+    def _settle_reads(self):
+        """Every adapter read the engine started has finished before the next step. Reads run on the loader
+        thread; which step installs one must not depend on its timing, or an example would not run the same way
+        twice (hypothesis replays examples' prefixes and expects the same draws)."""
+        loader = self.engine.core.loader
+        if loader is not None:
+            concurrent.futures.wait([*loader._reading.values(), *(read for read, _, _ in loader._loads)])
 
     def _check_finished(self, out):
         if not out.finished:
