@@ -57,7 +57,7 @@ class Choice:
         # an engine "stop" is a stop token: kept in the count, left out of the text
         text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
         delta, hit_stop = self.detokenizer.update(text_ids, final=reason is not None)
-        if hit_stop and reason is None:
+        if hit_stop and reason in (None, "length"):  # a stop string in its last tokens ends it, as in vLLM
             reason = "stop"
         self.finish_reason, self.error, self.status = reason, out.error, out.status
         return delta, hit_stop and out.finish_reason is None
@@ -83,6 +83,8 @@ async def run_choices(stream: OutputStream, choices: list[Choice], on_tokens=Non
     by_id = {c.request.request_id: c for c in choices}
     async for out in stream:
         choice = by_id[out.request_id]
+        if choice.finish_reason is not None:
+            continue  # a stop string ended it: what the engine made before it heard so (queued) is not its
         delta, stopped_here = choice.update(out)
         if on_tokens is not None and out.new_token_ids:
             on_tokens(len(out.new_token_ids))
