@@ -83,8 +83,6 @@ async def run_choices(stream: OutputStream, choices: list[Choice], on_tokens=Non
     by_id = {c.request.request_id: c for c in choices}
     async for out in stream:
         choice = by_id[out.request_id]
-        if choice.finish_reason is not None:
-            continue  # a stop string ended it: what the engine made before it heard so (queued) is not its
         delta, stopped_here = choice.update(out)
         if on_tokens is not None and out.new_token_ids:
             on_tokens(len(out.new_token_ids))

@@ -95,15 +95,17 @@ class OutputStream:
         return self
 
     async def __anext__(self) -> CoreOutput:
-        if not self.open_ids:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, Exception):
-            self.open_ids.clear()
-            raise item
-        if item.finish_reason is not None:
-            self.finished(item.request_id)
-        return item
+        while self.open_ids:
+            item = await self.queue.get()
+            if isinstance(item, Exception):
+                self.open_ids.clear()
+                raise item
+            if item.request_id not in self.open_ids:
+                continue  # cancelled: what the engine made before it heard so was queued already
+            if item.finish_reason is not None:
+                self.finished(item.request_id)
+            return item
+        raise StopAsyncIteration
 
     def finished(self, request_id: str) -> None:
         self.open_ids.discard(request_id)
