@@ -452,10 +452,15 @@ def _stacks(tensors: dict[str, torch.Tensor], scalings: dict[str, float] | None)
 
 
 def _within_bounds(t: torch.Tensor) -> bool:
+    return _peak(t) <= MAX_ABS_WEIGHT
+
+
+def _peak(t: torch.Tensor) -> float:
+    """The largest |value| of t in one pass: NaN when t holds a NaN, inf when it holds an inf."""
     if not t.numel():
-        return True
+        return 0.0
     low, high = torch.aminmax(t)  # a NaN comes out as both
-    return max(-float(low), float(high)) <= MAX_ABS_WEIGHT
+    return max(-float(low), float(high))
 
 
 def _fold_checked(name, pairs, a, b, dtype, errors) -> dict[str, ModuleLoRA]:
@@ -474,9 +479,8 @@ def _fold_checked(name, pairs, a, b, dtype, errors) -> dict[str, ModuleLoRA]:
 
 
 def _check_values(name: str, what: str, t: torch.Tensor, *what_args) -> None:
-    """One pass: the max of |t| is NaN when t holds a NaN, and inf when it holds an inf. what.format(*what_args)
-    names t (formatted only for the error: an adapter has hundreds of tensors)."""
-    peak = float(t.abs().max()) if t.numel() else 0.0
+    """what.format(*what_args) names t (formatted only for the error: an adapter has hundreds of tensors)."""
+    peak = _peak(t)
     if peak <= MAX_ABS_WEIGHT:
         return
     what = what.format(*what_args) if what_args else what  # (module names come from the file: never a format)

@@ -69,10 +69,14 @@ class AdapterLoader:
     def busy(self) -> bool:
         return bool(self._reading or self._loads)
 
+    @property
+    def pending(self) -> list[Future]:
+        """The reads started and not installed yet (done or not)."""
+        return [*self._reading.values(), *(read for read, _, _ in self._loads)]
+
     def wait(self, timeout_s: float) -> None:
         """Block until a read finishes, for timeout_s at most (an idle step loop must not spin)."""
-        pending = [*self._reading.values(), *(read for read, _, _ in self._loads)]
-        if pending:
+        if pending := self.pending:
             futures.wait(pending, timeout_s, futures.FIRST_COMPLETED)
 
     def close(self) -> None:

@@ -176,7 +176,7 @@ class Lifecycle(RuleBasedStateMachine):
         twice (hypothesis replays examples' prefixes and expects the same draws)."""
         loader = self.engine.core.loader
         if loader is not None:
-            concurrent.futures.wait([*loader._reading.values(), *(read for read, _, _ in loader._loads)])
+            concurrent.futures.wait(loader.pending)
 
     def _check_finished(self, out):
         if not out.finished:
