@@ -1,8 +1,10 @@
 """One client's heavy requests — long prompts with prompt logprobs, n = 4, echo with logprobs — must not hold
-another client's ordinary requests: with chunked prefill (the default) and the step bound, the bystander's
-latency (p95 of 20 requests) stays within 3x of the idle server's (p95 of 10; unchunked it was ~25x, chunked
-without the step bound ~7x). (A model large enough that a long prompt's prefill costs
-real time here; see benchmarks/README.md for the default model.)"""
+another client's ordinary requests. With chunked prefill (the default) and the step bound (a step at most ~2x a
+decode step), the bystander's median latency over 20 requests stays within 3x of the idle server's median
+over 20, and its p95 within 5x (here ~2x and 2.3-3.6x; bound off ~5x and 8-10x; unchunked ~25x). Against the
+idle median: on 2 cores shared by the engine, the front end and this client, one idle sample or one spike
+moves a p95 of 10 or 20 by half the margin. (A model large enough that a long prompt's prefill costs real
+time here; see benchmarks/README.md for the default model.)"""
 import concurrent.futures
 import statistics
 import time
@@ -24,9 +26,9 @@ def server(tmp_path_factory):
     stop(proc)
 
 
-def bystander(url: str) -> float:
+def bystander(client: httpx.Client, url: str) -> float:
     started = time.monotonic()
-    response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "how are you", "max_tokens": 8,
+    response = client.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "how are you", "max_tokens": 8,
                                                         "temperature": 0, "ignore_eos": True}, timeout=120)
     assert response.status_code == 200, response.text
     return time.monotonic() - started
@@ -41,20 +43,19 @@ def heavy(url: str, i: int) -> int:
 
 
 def test_heavy_requests_keep_a_bystanders_latency_within_3x_of_idle(server):
-    bystander(server)  # warm
-    alone = sorted(bystander(server) for _ in range(10))
-    idle = alone[int(0.95 * (len(alone) - 1))]  # p95 against p95
+    client = httpx.Client()  # one connection, as a chat client keeps: its own overhead is not what is measured
+    bystander(client, server)  # warm
+    idle = statistics.median(bystander(client, server) for _ in range(20))
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         load = [pool.submit(heavy, server, i) for i in range(6)]
         time.sleep(0.3)  # the heavy prompts are queued and prefilling
         during = []
         while not all(f.done() for f in load) and len(during) < 20:
-            during.append(bystander(server))
+            during.append(bystander(client, server))
             time.sleep(0.05)
         assert [f.result() for f in load] == [200] * 6
     during.sort()
-    p95 = during[int(0.95 * (len(during) - 1))]
-    print(f"\nbystander latency: idle p95 {idle * 1000:.0f} ms; beside heavy requests p50 "
-          f"{statistics.median(during) * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, worst {during[-1] * 1000:.0f} ms "
-          f"of {len(during)}")
-    assert len(during) >= 10 and p95 <= 3 * max(idle, 0.04)
+    p50, p95 = statistics.median(during), during[int(0.95 * (len(during) - 1))]
+    print(f"\nbystander latency: idle p50 {idle * 1000:.0f} ms; beside heavy requests p50 {p50 * 1000:.0f} ms, "
+          f"p95 {p95 * 1000:.0f} ms, worst {during[-1] * 1000:.0f} ms of {len(during)}")
+    assert len(during) >= 10 and p50 <= 3 * idle and p95 <= 5 * idle
