@@ -59,7 +59,9 @@ def load_extension(name: str):
     _put_ninja_on_path()
     source = os.path.join(CSRC, f"{name}.cpp")
     cflags = ["-O3", "-march=native", "-fopenmp", *KERNEL_CFLAGS.get(name, [])]
-    digest = hashlib.sha256((torch.__version__ + " ".join(cflags)).encode())
+    # keyed by where the sources and torch live too: torch's load() rebuilds whenever its build command changes,
+    # so two checkouts (or venvs) sharing one cache dir would otherwise rebuild each other's kernels on every start
+    digest = hashlib.sha256("\0".join([torch.__version__, torch.__file__, CSRC, *cflags]).encode())
     for path in [source] + sorted(glob.glob(os.path.join(CSRC, "*.h"))):  # shared headers rebuild every kernel
         with open(path, "rb") as f:
             digest.update(f.read())
