@@ -404,7 +404,7 @@ def _fold_scaling(name: str, pairs: dict[str, tuple[torch.Tensor, torch.Tensor, 
     b_stacks = _stacks({m: b for m, (_, b, _) in pairs.items()}, {m: s for m, (_, _, s) in pairs.items()})
     ok = all(_within_bounds(stack.buffer) for stack in (*a_stacks, *b_stacks))
     a = {m: v for stack in a_stacks for m, v in stack.split(dtype if ok else torch.float32).items()}
-    b = {m: v for stack in b_stacks for m, v in stack.split(dtype if ok else torch.float32).items()}
+    b = {m: v for stack in b_stacks for m, v in stack.split_rank_major(dtype if ok else torch.float32).items()}
     if ok:
         return {m: ModuleLoRA(a=a[m], b=b[m]) for m in pairs}
     return _fold_checked(name, pairs, a, b, dtype, errors)
@@ -417,6 +417,13 @@ class _Stack(NamedTuple):
 
     def split(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return dict(zip(self.modules, self.buffer.to(dtype).split(self.rows)))
+
+    def split_rank_major(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """As split, each [out, r] a transposed view of [r, out] rows: a device slot holds B rank-major
+        (LoRALinear.lora_b), and a copy between the same layouts is a few row copies, not a transposing one
+        on the step thread. (The cast and the transpose are one op here.)"""
+        major = torch.empty(self.buffer.shape[::-1], dtype=dtype).copy_(self.buffer.t())
+        return {m: v.t() for m, v in zip(self.modules, major.split(self.rows, dim=1))}
 
 
 STACK_ELEMENTS = 32768

@@ -19,7 +19,8 @@ from torch import nn
 from loramux.adapters.checkpoint import AdapterWeights
 from loramux.config import LoRAConfig
 from loramux.layers import DirectCall
-from loramux.layers.lora import LoRAContext, LoRAEmbedding, LoRAExperts, LoRAHead, LoRALinear, PackedLoRALinear
+from loramux.layers.lora import (LoRAContext, LoRAEmbedding, LoRAExperts, LoRAHead, LoRALinear, PackedLoRALinear,
+                                 SlotWrites)
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from loramux.models.moe import FusedExperts
 from loramux.ops import LoRAMapping, select_backend, wants_grouped_tokens
@@ -172,11 +173,19 @@ class AdapterSlots:
 
     # ---- slot buffers ------------------------------------------------------------------------------
     def write(self, slot: int, weights: AdapterWeights) -> None:
+        """The linear layers' writes gathered and run at once (SlotWrites): all their parts are checked before
+        any is written. (Embeddings and experts, rarer, write their own.)"""
+        writes = SlotWrites()
         for layer, modules in self._layers.values():
             parts = [weights.modules.get(m) for m in modules]
-            layer.write_slot(slot, [None if p is None else (p.a, p.b) for p in parts])
+            parts = [None if p is None else (p.a, p.b) for p in parts]
+            if isinstance(layer, LoRALinear):
+                layer.plan_slot(slot, parts, writes)
+            else:
+                layer.write_slot(slot, parts)
             if isinstance(layer, (LoRAHead, LoRAEmbedding)):
                 layer.set_copy(slot, weights.copies.get(modules[0]))
+        writes.run()
 
     def clear(self, slot: int) -> None:
         for layer, _ in self._layers.values():

@@ -29,6 +29,37 @@ class LoRAContext:
         self.mapping = None
 
 
+class SlotWrites:
+    """Zero fills and copies that put adapters in slots, gathered over many layers and run as two calls. A
+    whole adapter is ~20 small writes a layer: one by one, their dispatch (not their bytes) cost the step
+    thread ~7 ms an adapter on CPU. `run` zeroes first, so a copy may land inside a region zeroed with it."""
+
+    def __init__(self):
+        self.zeros: list[torch.Tensor] = []
+        self.targets: list[torch.Tensor] = []
+        self.sources: list[torch.Tensor | int] = []
+
+    def zero(self, target: torch.Tensor) -> None:
+        self.zeros.append(target)
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor | int) -> None:
+        """source: a tensor of target's shape, or an int for a 0-d target."""
+        self.targets.append(target)
+        self.sources.append(source)
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if self.zeros:
+            torch._foreach_zero_(self.zeros)
+        numbers = [i for i, s in enumerate(self.sources) if isinstance(s, int)]
+        if numbers:  # one host tensor for all of them: a tensor per number would cost what the copies save
+            values = torch.tensor([self.sources[i] for i in numbers], dtype=self.targets[numbers[0]].dtype).unbind()
+            for i, value in zip(numbers, values):
+                self.sources[i] = value
+        if self.targets:
+            torch._foreach_copy_(self.targets, self.sources, non_blocking=True)
+
+
 class LoRALinear(nn.Module):
     def __init__(
         self,
@@ -68,6 +99,7 @@ class LoRALinear(nn.Module):
         # Real rank per slot (max over slices; 0 = free): ops may skip the zero padding beyond it.
         self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
                              persistent=False)
+        self._views: dict[int, tuple] = {}  # slot -> (the lora_a they view, _slot_views' views)
         # A quantized base of one format beside the C++ LoRA kernel: a one-token pass on an adapter runs the base
         # matmul and the LoRA as one op, `lora_op` (the quantized-matmul backend's quantized_linear_lora, set by the
         # model runner as QuantizedLinear's op): at batch 1 a second call per projection was most of an adapter's
@@ -117,20 +149,47 @@ class LoRALinear(nn.Module):
         """Fill `slot` with one (a [r, in], b [out_i, r]) pair per output slice; None leaves a slice zero.
 
         Scaling must already be folded into b. Ranks below max_rank are zero-padded."""
+        writes = SlotWrites()
+        self.plan_slot(slot, parts, writes)
+        writes.run()
+
+    def plan_slot(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
+                  writes: SlotWrites) -> None:
+        """Add to `writes` what write_slot(slot, parts) does (checking every part first: nothing is written
+        for parts that do not fit)."""
         if len(parts) != len(self.output_slices):
             raise ValueError(f"expected {len(self.output_slices)} parts, got {len(parts)}")
-        self.clear_slot(slot)
-        row = rank = 0
-        for i, (out_i, part) in enumerate(zip(self.output_slices, parts)):
-            if part is not None:
-                a, b = part
-                self._check_part(a, b, out_i)
-                col = i * self.max_rank
-                self.lora_a[slot, col : col + a.shape[0]].copy_(a, non_blocking=True)
-                self.lora_b[slot, row : row + out_i, : a.shape[0]].copy_(b, non_blocking=True)
-                rank = max(rank, a.shape[0])
-            row += out_i
-        self.slot_ranks[slot] = rank  # (computed here: reading the buffer back would wait for the copies on a GPU)
+        whole_a, whole_b, ranks, slices = self._slot_views(slot)
+        rank, whole = 0, True  # whole: every slice at max_rank, so the copies cover the slot and nothing is zeroed
+        for out_i, part, (a_view, b_view) in zip(self.output_slices, parts, slices):
+            if part is None:
+                whole = False
+                continue
+            a, b = part
+            self._check_part(a, b, out_i)
+            r = a.shape[0]
+            if r != self.max_rank:
+                whole, a_view, b_view = False, a_view[:r], b_view[:, :r]
+            writes.copy(a_view, a)
+            writes.copy(b_view, b)
+            rank = max(rank, r)
+        if not whole:
+            writes.zero(whole_a)
+            writes.zero(whole_b)
+        writes.copy(ranks, rank)  # (known here: reading the buffer back would wait for a GPU)
+
+    def _slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+        """slot's lora_a, lora_b and slot_ranks entry, and each slice's full-rank (A, B) views: made once (an
+        indexing op costs more than the small copy it feeds), again if the buffers were replaced (.to())."""
+        buffers = self._buffers
+        cached = self._views.get(slot)
+        if cached is None or cached[0] is not buffers["lora_a"]:
+            a, b, r = buffers["lora_a"][slot], buffers["lora_b"][slot], buffers["slot_ranks"][slot]
+            rows = [sum(self.output_slices[:i]) for i in range(len(self.output_slices))]
+            slices = [(a[i * self.max_rank:(i + 1) * self.max_rank], b[row:row + out_i])
+                      for i, (row, out_i) in enumerate(zip(rows, self.output_slices))]
+            cached = self._views[slot] = (buffers["lora_a"], (a, b, r, slices))
+        return cached[1]
 
     def set_slot(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float = 1.0) -> None:
         """Load one adapter's A [r, in] and B [out, r] into `slot`, folding `scaling` into B."""

@@ -110,3 +110,29 @@ def test_hooks_run_unless_the_layer_is_called_directly():
     layer.direct_call = True
     assert torch.equal(layer(torch.ones(2, 8)), layer.forward(torch.ones(2, 8))) and calls == ["hook"]
     assert y.shape == (2, 4)
+
+
+def test_a_slot_rewritten_holds_only_the_new_adapter_and_a_part_that_does_not_fit_writes_nothing():
+    """Slot writes are gathered (SlotWrites) and skip the zero fill when every slice is at max rank: what a
+    lower-rank or partial adapter does not cover must still read zero after a full one, and a refused part
+    must leave the slot as it was."""
+    sizes = (8, 4)
+    packed = make(nn.Linear(16, 12, bias=False), cls=PackedLoRALinear, output_slices=sizes)
+    packed.set_slot(1, [torch.ones(8, 16), torch.ones(8, 16)], [torch.ones(8, 8), torch.ones(4, 8)])
+    assert packed.lora_a[1].eq(1).all() and packed.lora_b[1].eq(1).all()
+    a, b = torch.full((3, 16), 2.0), torch.full((8, 3), 2.0)
+    packed.set_slot(1, [a, None], [b, None])
+    assert packed.lora_a[1, :3].eq(2).all() and packed.lora_a[1, 3:].eq(0).all()
+    assert packed.lora_b[1, :8, :3].eq(2).all() and packed.lora_b[1, :8, 3:].eq(0).all() and packed.lora_b[1, 8:].eq(0).all()
+    before = packed.lora_a.clone(), packed.lora_b.clone(), packed.slot_ranks.clone()
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        packed.set_slot(1, [torch.ones(8, 16), torch.ones(9, 16)], [torch.ones(8, 8), torch.ones(4, 9)])
+    assert all(torch.equal(x, y) for x, y in zip(before, (packed.lora_a, packed.lora_b, packed.slot_ranks)))
+
+
+def test_slot_writes_follow_buffers_that_were_replaced():
+    layer = make(nn.Linear(16, 12))
+    layer.set_slot(0, torch.ones(8, 16), torch.ones(12, 8))
+    layer.to(torch.float64)  # new buffers: views made of the old ones would write where no forward pass reads
+    layer.set_slot(0, torch.full((8, 16), 3.0), torch.ones(12, 8))
+    assert layer.lora_a.dtype == torch.float64 and layer.lora_a[0].eq(3).all()
