@@ -75,9 +75,9 @@ class AdapterWeights:
         """The same, in page-locked host memory (needs CUDA): slot writes to a GPU become DMA copies that
         return at once (the caching host allocator keeps a page until the copies reading it are done)."""
         def pin(t: torch.Tensor) -> torch.Tensor:  # (add_adapter may hand over tensors already on the GPU)
-            return t.cpu().pin_memory()
+            return t.cpu().contiguous().pin_memory()  # (a view pinned as it is would pin its whole stack)
 
-        modules = {k: ModuleLoRA(pin(m.a), pin(m.b)) for k, m in self.modules.items()}
+        modules = {k: ModuleLoRA(pin(m.a), pin(m.b.t()).t()) for k, m in self.modules.items()}  # B stays rank-major
         return replace(self, modules=modules, copies={k: pin(t) for k, t in self.copies.items()})
 
 
