@@ -49,19 +49,39 @@ KEEP_UP = 2  # short prompts' work a step may take against what is admitted: a b
 DEMAND_SMOOTHING = 1 / 32  # ~a stream's lifetime in steps: a closed loop's admissions average out over it
 
 
+class _Mean:
+    """An exponentially weighted mean of numbers or arrays: the newest value weighs `smoothing`; until there
+    are 1 / smoothing values, a plain mean."""
+
+    def __init__(self, smoothing: float, zero=0.0):
+        self.smoothing, self.count, self.value = smoothing, 0, zero
+
+    def add(self, x) -> None:
+        self.count += 1
+        self.value = self.value + max(self.smoothing, 1.0 / self.count) * (x - self.value)
+
+
 class _Moments:
-    """Exponentially weighted means of x x^T and x y (the newest point weighs `smoothing`; until there are
-    1 / smoothing points, a plain mean)."""
+    """Weighted means (_Mean) of x x^T and x y over the points added."""
 
     def __init__(self, smoothing: float):
-        self.smoothing, self.count = smoothing, 0
-        self.xx, self.xy = np.zeros((3, 3)), np.zeros(3)
+        self._xx, self._xy = _Mean(smoothing, np.zeros((3, 3))), _Mean(smoothing, np.zeros(3))
 
     def add(self, x: np.ndarray, y: float) -> None:
-        self.count += 1
-        w = max(self.smoothing, 1.0 / self.count)
-        self.xx += w * (np.outer(x, x) - self.xx)
-        self.xy += w * (x * y - self.xy)
+        self._xx.add(np.outer(x, x))
+        self._xy.add(x * y)
+
+    @property
+    def count(self) -> int:
+        return self._xx.count
+
+    @property
+    def xx(self) -> np.ndarray:
+        return self._xx.value
+
+    @property
+    def xy(self) -> np.ndarray:
+        return self._xy.value
 
 
 class StepCost:
@@ -73,14 +93,12 @@ class StepCost:
         self.slowdown = slowdown
         self._decode, self._mixed = _Moments(smoothing), _Moments(smoothing)
         self._costs: tuple[float, float, float] | None = None
-        self._demand, self._demand_steps = 0.0, 0  # short prompts' tokens admitted a step (moving average); steps
+        self._demand = _Mean(DEMAND_SMOOTHING)  # short prompts' tokens admitted a step
 
     def admitted(self, prompt_tokens: int) -> None:
         """A step was scheduled: the prompt tokens (past their cached prefixes) of the short prompts it admitted
         (ScheduledBatch.new_prompt_work; 0 for most steps)."""
-        self._demand_steps += 1
-        w = max(DEMAND_SMOOTHING, 1.0 / self._demand_steps)
-        self._demand += w * (prompt_tokens - self._demand)
+        self._demand.add(prompt_tokens)
 
     def observe(self, decode_rows: int, prompt_tokens: int, seconds: float) -> None:
         """A step ran: its decode rows, its prompt tokens and its wall time."""
@@ -124,5 +142,5 @@ class StepCost:
             return None
         limit = self.slowdown * self.decode_time(max(rows, demand or 0))
         capped = int((limit - fixed - per_chunk) / per_row + 1e-6) - rows  # (1e-6: rounding)
-        return max(MIN_CHUNK, capped, math.ceil(KEEP_UP * self._demand))
+        return max(MIN_CHUNK, capped, math.ceil(KEEP_UP * self._demand.value))
 
