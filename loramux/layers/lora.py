@@ -256,6 +256,10 @@ class LoRAHead(SavedCopies, LoRALinear):
                     flat_y[rows] = torch.nn.functional.linear(flat_x[rows], weight).to(y.dtype)
         return self._add_lora(x, y)
 
+    def write_slot(self, slot: int, parts) -> None:
+        self.copies.pop(slot, None)  # a write replaces all the slot held (AdapterSlots.write sets the new copy)
+        super().write_slot(slot, parts)
+
     def clear_slot(self, slot: int) -> None:
         super().clear_slot(slot)
         self.copies.pop(slot, None)

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch import nn
 
-from loramux.layers.lora import LoRAContext, LoRALinear, PackedLoRALinear
+from loramux.layers.lora import LoRAContext, LoRAHead, LoRALinear, PackedLoRALinear
 from loramux.ops import LoRAMapping, select_backend
 
 
@@ -136,3 +136,10 @@ def test_slot_writes_follow_buffers_that_were_replaced():
     layer.to(torch.float64)  # new buffers: views made of the old ones would write where no forward pass reads
     layer.set_slot(0, torch.full((8, 16), 3.0), torch.ones(12, 8))
     assert layer.lora_a.dtype == torch.float64 and layer.lora_a[0].eq(3).all()
+
+
+def test_a_head_slot_rewritten_drops_the_whole_copy_the_slot_held():
+    head = make(nn.Linear(16, 12), cls=LoRAHead)
+    head.set_copy(1, torch.ones(12, 16))
+    head.set_slot(1, torch.ones(8, 16), torch.ones(12, 8))
+    assert 1 not in head.copies
