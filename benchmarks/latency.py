@@ -26,14 +26,13 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from served import bench_serve, start_server  # noqa: E402
-from throughput import cpu_load, write_adapter  # noqa: E402
+from throughput import cpu_load, scratch_dir, write_adapter  # noqa: E402
 
 from loramux import LoRAConfig  # noqa: E402
 from loramux.llm import LLM  # noqa: E402
@@ -141,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     hf_dir = args.config_dir or (default_model_path() if args.model is None or args.model.endswith(".gguf") else args.model)
     hf_config = AutoConfig.from_pretrained(hf_dir)  # the adapter's shapes and the served phase's tokenizer
     prompt = torch.randint(10, hf_config.vocab_size, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    workdir = tempfile.mkdtemp(prefix="loramux-latency-")
+    workdir = scratch_dir("loramux-latency-")
     adapter_dir = write_adapter(os.path.join(workdir, "a0"), hf_config, 16, seed=0)
     report = {"model": os.path.basename((args.model or default_gguf_path()).rstrip("/")), "dtype": args.dtype,
               "quantization": args.quantization, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

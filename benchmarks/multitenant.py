@@ -49,7 +49,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from served import VLLM_CPU_ENV, bench_serve, check_load_generator, free_port, print_rows, serve, stop  # noqa: E402
-from throughput import cpu_load, write_adapter  # noqa: E402
+from throughput import cpu_load, scratch_dir, write_adapter  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 RUNS = ("loramux 8", "loramux 128", "loramux 1000", "loramux 1000, on demand", "loramux 1000, slow store",
@@ -123,7 +123,8 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
     if "on demand" in run:
         cmd += ["--lora-resolver-dir", root, "--max-cpu-loras", str(max(args.host_loras, args.max_loras))]
     elif "slow store" in run:
-        env = {**os.environ, "PYTHONPATH": EXAMPLES, "ADAPTER_STORE": root, "ADAPTER_STORE_DELAY_S": str(args.store_delay_s)}
+        env = {**os.environ, "PYTHONPATH": EXAMPLES, "ADAPTER_STORE": root, "ADAPTER_STORE_DELAY_S": str(args.store_delay_s),
+               "ADAPTER_CACHE": tempfile.mkdtemp(prefix="cache-", dir=os.path.dirname(root))}  # cold at every start
         cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras",
                 str(max(args.host_loras, args.max_loras))]
     else:
@@ -300,7 +301,7 @@ def main(argv=None) -> None:
     from loramux.models.loader import default_model_path
 
     model = default_model_path()
-    workdir = tempfile.mkdtemp(prefix="loramux-multitenant-")
+    workdir = scratch_dir("loramux-multitenant-")
     hf_config = AutoConfig.from_pretrained(model)
     weights = [write_adapter(os.path.join(workdir, "weights", f"w{i}"), hf_config, 8, seed=i) for i in range(8)]
     report = {"model": os.path.basename(model), "dtype": args.dtype, "requests": args.requests,

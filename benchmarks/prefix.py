@@ -25,11 +25,10 @@ import json
 import os
 import random
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from served import VLLM_CPU_ENV, bench_serve, check_load_generator, free_port, print_rows, serve, stop  # noqa: E402
-from throughput import cpu_load, write_adapter  # noqa: E402
+from throughput import cpu_load, scratch_dir, write_adapter  # noqa: E402
 
 SIDES = ("loramux", "loramux, no cache", "vllm", "vllm, no cache")
 
@@ -125,7 +124,7 @@ def main(argv=None) -> None:
     from loramux.models.loader import default_model_path
 
     model = default_model_path()
-    workdir = tempfile.mkdtemp(prefix="loramux-prefix-")
+    workdir = scratch_dir("loramux-prefix-")
     hf_config = AutoConfig.from_pretrained(model)
     adapters = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
                 for i in range(8)}

@@ -28,14 +28,13 @@ import os
 import re
 import signal
 import sys
-import tempfile
 import time
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from served import bench_serve, check_load_generator, start_server, workload_parser  # noqa: E402
-from throughput import cpu_load, write_adapter  # noqa: E402
+from throughput import cpu_load, scratch_dir, write_adapter  # noqa: E402
 
 PHASES = {"single": [], "replicas1": ["--replicas", "1"], "replicas2": ["--replicas", "2"]}
 
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     from loramux.models.loader import default_model_path
 
     path = args.model or default_model_path()
-    workdir = tempfile.mkdtemp(prefix="loramux-scaleout-")
+    workdir = scratch_dir("loramux-scaleout-")
     hf_config = AutoConfig.from_pretrained(path)
     adapters = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
                 for i in range(8)}

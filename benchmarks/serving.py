@@ -23,14 +23,13 @@ import random
 import signal
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from served import bench_serve, check_load_generator, start_server, workload_parser  # noqa: E402
-from throughput import cpu_load, write_adapter  # noqa: E402
+from throughput import cpu_load, scratch_dir, write_adapter  # noqa: E402
 
 from loramux import LoRAConfig  # noqa: E402
 from loramux.llm import LLM  # noqa: E402
@@ -113,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
 
     path = args.model or default_model_path()
     hf_config = AutoConfig.from_pretrained(path)
-    workdir = tempfile.mkdtemp(prefix="loramux-serving-")
+    workdir = scratch_dir("loramux-serving-")
     adapters = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
                 for i in range(8)}
     report = {"model": os.path.basename(path.rstrip("/")), "dtype": args.dtype, "requests": args.requests,

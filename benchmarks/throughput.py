@@ -23,8 +23,10 @@ and one JSON line.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -40,6 +42,14 @@ from loramux.models.loader import default_model_path
 from loramux.sampling_params import SamplingParams, StructuredOutputsParams
 
 PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
+
+
+def scratch_dir(prefix: str) -> str:
+    """A new working directory for a benchmark's adapters and datasets, removed when the process exits (with a
+    thousand adapters it holds GBs)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def write_adapter(path: str, hf_config, rank: int, seed: int, projections: tuple[str, ...] | None = None) -> str:
@@ -235,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     requests = max(args.requests, *args.batch_sizes) if args.sweep else args.requests
     prompts = torch.randint(10, hf_config.vocab_size, (requests, args.prompt_len), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
-    workdir = tempfile.mkdtemp(prefix="loramux-bench-")
+    workdir = scratch_dir("loramux-bench-")
     num_adapters = max(32, *args.distinct) if args.sweep else 32
     adapter_dirs = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
                     for i in range(num_adapters)}

@@ -1,7 +1,9 @@
 """benchmarks/throughput.py end to end on a tiny checkpoint: every row, peers, best and median runs, one JSON line."""
 import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +43,14 @@ def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, caps
     assert abs(report["ratios_paired"]["float32:mixed8/base"] - paired) < 1e-2 * paired
     assert set(report["ratios_paired"]) == {"float32:mixed8/base", "float32:distinct32/single(max_loras=32)",
                                             "float32:mixed8_invariant/mixed8", "float32:mixed8_json25/mixed8"}
+
+
+def test_a_benchmark_leaves_no_working_directory_behind(tmp_path):
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import throughput; "
+            "open(throughput.scratch_dir('loramux-bench-') + '/adapter', 'w').write('x')")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code, str(SCRIPT.parent)], env=env, check=True, timeout=120)
+    assert os.listdir(tmp_path) == []  # a thousand adapters' worth of GBs otherwise, at every run
 
 
 def test_latency_reports_ttft_and_decode_speed_with_and_without_an_adapter(tmp_path, capsys):

@@ -131,3 +131,31 @@ def test_the_example_store_plugin_copies_an_adapter_to_local_disk_on_first_use(t
     assert resolvers.resolve([plugin], "base", "acme/legal").path == os.path.realpath(tmp_path / "cache" / "acme" / "legal")
     for name in ("missing", "../store/tone", "/etc"):
         assert resolvers.resolve([plugin], "base", name) is None, name
+
+
+def test_the_example_store_plugin_keeps_copies_across_restarts_and_copies_a_replaced_adapter_again(tmp_path, monkeypatch):
+    examples = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    monkeypatch.syspath_prepend(examples)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("ADAPTER_CACHE", raising=False)
+    import store_resolver
+
+    store, other = tmp_path / "store", tmp_path / "other"
+    adapter_dir(store / "tone")
+    adapter_dir(other / "tone")
+    first = store_resolver.StoreResolver(str(store), delay_s=0)
+    local = first.resolve("base", "tone")
+    assert local.startswith(str(tmp_path / "xdg" / "loramux" / "adapter-store"))
+    assert store_resolver.StoreResolver(str(other), delay_s=0).cache != first.cache  # one cache per store
+
+    copies = []
+    restarted = store_resolver.StoreResolver(str(store), delay_s=0)
+    monkeypatch.setattr(restarted, "_copy", lambda source, dest: copies.append(source) or dest)
+    assert restarted.resolve("base", "tone") == local and copies == []  # the copy survives a restart
+    with open(store / "tone" / "adapter_config.json", "w") as f:  # replaced in the store (another size, as mtimes can tie)
+        json.dump({"peft_type": "LORA", "r": 16}, f)
+    monkeypatch.undo()
+    monkeypatch.syspath_prepend(examples)
+    assert store_resolver.StoreResolver(str(store), cache=os.path.dirname(local), delay_s=0).resolve("base", "tone") == local
+    with open(os.path.join(local, "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 16
