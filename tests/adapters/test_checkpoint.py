@@ -2,6 +2,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -212,25 +214,33 @@ def test_each_module_gets_its_own_scaling_folded_into_b_across_widths_and_ranks(
         assert torch.equal(lora.b, (b.to(torch.float32) * scaling).to(dtype))
 
 
+# In a process of its own: a thread that another test left starting would be counted too.
+_BUILD_OFF_THE_MAIN_THREAD = """
+import os, threading, torch
+from loramux.adapters.checkpoint import build_adapter, config_from_tensors
+shapes = {f"model.layers.{i}.self_attn.{p}": (1024, 1024) for i in range(8) for p in ("q_proj", "o_proj")}
+tensors = {f"base_model.model.{m}.lora_{ab}.weight": torch.randn(*((8, 1024) if ab == "A" else (1024, 8)))
+           for m in shapes for ab in "AB"}  # 16 A's of one width: 131,072 elements, 4x torch's grain size
+config = config_from_tensors(tensors, 16, "x.safetensors")
+torch.ones(1 << 20).mul_(2)  # the main thread's own team, if it starts one, before counting
+before = set(os.listdir("/proc/self/task"))
+built = []
+reader = threading.Thread(target=lambda: built.append(build_adapter("a", config, tensors, shapes, 8, torch.bfloat16)))
+reader.start()
+reader.join()  # (returns as the thread ends: it may still be listed for a moment, so it is not counted)
+print(len(built[0].modules), len(set(os.listdir("/proc/self/task")) - before - {str(reader.native_id)}))
+"""
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
 def test_an_adapter_built_off_the_main_thread_starts_no_openmp_threads():
     """Reads run on the engine's loader thread beside the step's OpenMP team: an op of theirs that went
     parallel would start a team of its own, whose threads spin on the cores the step computes on."""
-    import threading
-
-    from loramux.adapters.checkpoint import config_from_tensors
-
-    shapes = {f"model.layers.{i}.self_attn.{p}": (1024, 1024) for i in range(8) for p in ("q_proj", "o_proj")}
-    tensors = {f"base_model.model.{m}.lora_{ab}.weight": torch.randn(*((8, 1024) if ab == "A" else (1024, 8)))
-               for m in shapes for ab in "AB"}  # 16 A's of one width: 131,072 elements, 4x torch's grain size
-    config = config_from_tensors(tensors, 16, "x.safetensors")
-    torch.ones(1 << 20).mul_(2)  # the main thread's own team, if it starts one, before counting
-    before = len(os.listdir("/proc/self/task"))
-    built = []
-    reader = threading.Thread(target=lambda: built.append(build_adapter("a", config, tensors, shapes, 8, torch.bfloat16)))
-    reader.start()
-    reader.join()
-    assert len(built[0].modules) == 16 and len(os.listdir("/proc/self/task")) == before
+    out = subprocess.run([sys.executable, "-c", _BUILD_OFF_THE_MAIN_THREAD], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.returncode == 0, out.stderr
+    modules, started = map(int, out.stdout.split())
+    assert modules == 16 and started == 0
 
 
 def test_every_module_with_a_bad_value_is_named(adapter, tmp_path):
