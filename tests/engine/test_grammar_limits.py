@@ -129,3 +129,19 @@ def test_the_checker_refuses_what_the_engine_would_and_caches_verdicts(tokenizer
     verdicts, replaced = run_checks(tokenizer_file, GrammarLimits(), specs)
     assert "allows no output" in verdicts[0] and "at most 1000" in verdicts[1] and verdicts[2] == verdicts[0]
     assert replaced == 0
+
+
+def test_a_gbnf_grammar_past_the_rule_limit_is_refused_before_its_conversion(monkeypatch):
+    """GBNF -> Lark takes time quadratic in the rules (5,000: ~11 s of a worker): counted first, on the text."""
+    import llguidance.gbnf_to_lark
+
+    def never(_):
+        raise RuntimeError("converted")
+
+    monkeypatch.setattr(llguidance.gbnf_to_lark, "any_to_lark", never)
+    many = "root ::= r0\n" + "\n".join(f'r{i} ::= r{i + 1} | "q"' for i in range(1500)) + '\nr1500 ::= "e"'
+    with pytest.raises(ValueError, match="1502 rules; at most 1000"):
+        grammar.check(SO(grammar=many))
+    quoted = 'root ::= "x" r1\n' + "\n".join(f'r{i} ::= "r{i} ::= [a-z] ::= " | [:=]' for i in range(1, 800))
+    with pytest.raises(ValueError, match="could not be read: converted"):  # ::= in strings and classes is no rule
+        grammar.check(SO(grammar=quoted))
