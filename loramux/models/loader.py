@@ -8,6 +8,7 @@ weights are assigned, so no memory is spent on a random init.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -23,7 +24,7 @@ from torch import nn
 
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_parts, quantize_linears, weight_bytes
 from loramux.models import bitsandbytes, gptq_awq
-from loramux.models.gguf import read_gguf_tensors
+from loramux.models.gguf import gguf_index, read_gguf_tensors
 from loramux.models.moe import MOE_MODEL_TYPES, stack_expert_weights
 from loramux.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM, fuse_hf_state_dict, fuse_quantized
 from loramux.ops.quant_torch import QuantizedWeight
@@ -85,7 +86,8 @@ def default_model_path() -> str:
 def prepare_default_gguf() -> str:
     """The embedded default's GGUF, with what a start reads besides its tensors (config and tokenizer) cached."""
     path = default_gguf_path()
-    _gguf_config_and_tokenizer(path)
+    hf_config, _ = _gguf_config_and_tokenizer(path)
+    gguf_index(path, hf_config, _gguf_index_file(path))
     return path
 
 
@@ -178,18 +180,30 @@ def _read_gguf_kept(path: str, keep_quantized: bool) -> Checkpoint:
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     hf_config, tokenizer = _gguf_config_and_tokenizer(path)
     check_supported(hf_config)
-    tensors = read_gguf_tensors(path, hf_config, keep_quantized)
+    tensors = read_gguf_tensors(path, hf_config, keep_quantized, _gguf_index_file(path))
     return Checkpoint(hf_config, tensors.state, tensors.quantized, tokenizer)
+
+
+def _gguf_saved(path: str) -> str:
+    """Where what is read from a GGUF file besides its tensors is kept: under the cache dir, keyed by the
+    file's path, size and time."""
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)}-{key}")
+
+
+def _gguf_index_file(path: str) -> str | None:
+    """The tensor index's file, beside the saved config (None before that is saved)."""
+    saved = _gguf_saved(path)
+    return os.path.join(saved, "loramux-tensors-v1.json") if os.path.isdir(saved) else None
 
 
 def _gguf_config_and_tokenizer(path: str):
     """The HF config and tokenizer of a GGUF file (transformers' conversion, ~6 s for a 49k vocabulary), saved
-    once under the cache dir, keyed by the file's path, size and time, and read back in well under a second."""
+    once (_gguf_saved) and read back in well under a second."""
     from transformers import AutoConfig, AutoTokenizer
 
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    saved = os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)}-{key}")
+    saved = _gguf_saved(path)
     if os.path.isfile(os.path.join(saved, "config.json")):
         return AutoConfig.from_pretrained(saved), AutoTokenizer.from_pretrained(saved)
     folder, name = os.path.split(path)
@@ -248,7 +262,7 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
     if getattr(hf_config, "model_type", None) == "mistral" and window and max_model_len > window:
         raise ValueError(f"max_model_len {max_model_len} is above the sliding window {window}; "
                          f"sliding-window attention is not supported, so use max_model_len <= {window}")
-    with torch.device("meta"):
+    with torch.device("meta"), _without_random_init():
         model = LlamaForCausalLM(hf_config)
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     quantized = quantized or {}
@@ -264,10 +278,23 @@ def build_model(hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, d
                          f"unexpected {sorted(unexpected)}")
     for name, parts in layers.items():
         _put_quantized(model, name, parts, dtype)
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    model.rotary.init_table(LlamaRotaryEmbedding(hf_config), max_model_len, dtype, device)
+    model.rotary.init_table(hf_config, max_model_len, dtype, device)
     return model.eval()
+
+
+@contextlib.contextmanager
+def _without_random_init():
+    """Modules built on the meta device skip their random init (the checkpoint's weights replace them): a meta
+    tensor's normal_ / uniform_ runs through torch's Python refs, whose first use imports torch._dynamo, ~0.7 s
+    of every engine start. (No other thread builds modules while a model loads.)"""
+    saved = {cls: cls.__dict__["reset_parameters"] for cls in (nn.Linear, nn.Embedding)}
+    for cls in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method
 
 
 def _to(weight: QuantizedWeight, device) -> QuantizedWeight:
