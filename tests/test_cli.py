@@ -126,6 +126,9 @@ def test_prepare_builds_every_cpu_kernel_and_the_default_models_files(capsys):
     for source in glob.glob(os.path.join(CSRC, "*.cpp")):
         assert f"CPU kernel {os.path.basename(source)[:-4]}: " in out
     assert "embedded default model: " in out and ".gguf" in out
+    from loramux.models.loader import _gguf_index_file, default_gguf_path
+
+    assert os.path.isfile(_gguf_index_file(default_gguf_path()))  # a start maps the file, parsing nothing
 
 
 def test_generate_exits_with_the_refusal_of_an_adapter_it_cannot_load(tiny, tmp_path):

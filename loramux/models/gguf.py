@@ -4,10 +4,16 @@ raw blocks (ops.quant_torch.QuantizedWeight), the others are dequantized to floa
 Names map to HF's with gguf-py's own table (as transformers does), and llama.cpp's row permutation of
 q/k in "llama" files (its converter interleaves the rotary halves) is undone on the raw rows, which stay
 whole blocks. The config and tokenizer come from transformers' GGUF support.
+
+gguf-py's reader parses every metadata field (a 49k vocabulary: ~2.5 s) and the names need the HF model's
+parameter list (~1 s of imports): both are done once per file and kept as a tensor index (each tensor's
+type, place and shape in the file, and its HF name); a later read maps the file and takes the tensors from it.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,16 +32,59 @@ class GGUFTensors:
     dequantized_types: set[str] = field(default_factory=set)  # quantized types no kernel runs
 
 
-def read_gguf_tensors(path: str, hf_config, keep_quantized: bool) -> GGUFTensors:
-    """Every tensor of the file under its HF name; keep_quantized: the types of GGUF_FORMATS stay raw."""
+@dataclass
+class _Tensor:
+    """One tensor of the file as gguf-py's reader gives it (data: a view of the mapped file), with its HF name."""
+    name: str
+    hf_name: str | None
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: the fastest dimension first
+    data: np.ndarray
+
+
+def gguf_index(path: str, hf_config, index_file: str | None = None) -> dict:
+    """The file's tensor index: {"arch", "tensors": [{name, hf_name, type, shape, offset, dtype, data_shape}]},
+    read from index_file when it is there, else built with gguf-py's reader (and saved there, atomically)."""
+    if index_file is not None and os.path.isfile(index_file):
+        with open(index_file) as f:
+            return json.load(f)
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
     arch = _field(reader, "general.architecture")
     names = _gguf_to_hf_names(hf_config, arch)
+    index = {"arch": arch, "tensors": [
+        {"name": t.name, "hf_name": names.get(t.name), "type": t.tensor_type.name, "shape": [int(d) for d in t.shape],
+         "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
+        for t in reader.tensors]}
+    if index_file is not None:
+        tmp = f"{index_file}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(index, f)
+        os.replace(tmp, index_file)  # whole or not at all: another process may read it
+    return index
+
+
+def _mapped_tensors(path: str, index: dict) -> list[_Tensor]:
+    from gguf import GGMLQuantizationType
+
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for e in index["tensors"]:
+        dtype, shape = np.dtype(e["dtype"]), tuple(e["data_shape"])
+        data = file[e["offset"]:e["offset"] + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
+        tensors.append(_Tensor(e["name"], e["hf_name"], GGMLQuantizationType[e["type"]], tuple(e["shape"]), data))
+    return tensors
+
+
+def read_gguf_tensors(path: str, hf_config, keep_quantized: bool, index_file: str | None = None) -> GGUFTensors:
+    """Every tensor of the file under its HF name; keep_quantized: the types of GGUF_FORMATS stay raw.
+    index_file: where the file's tensor index is kept (see gguf_index)."""
+    index = gguf_index(path, hf_config, index_file)
+    arch = index["arch"]
     out = GGUFTensors()
-    for tensor in reader.tensors:
-        hf_name = names.get(tensor.name)
+    for tensor in _mapped_tensors(path, index):
+        hf_name = tensor.hf_name
         if hf_name is None:
             logger.info("GGUF tensor %s has no place in the model; skipped", tensor.name)
             continue

@@ -59,6 +59,33 @@ def gguf_case(request, tmp_path_factory):
     return request.param, path, reference
 
 
+def test_a_gguf_read_again_takes_its_tensors_from_the_saved_index_without_parsing_the_file(gguf_case, tmp_path,
+                                                                                           monkeypatch):
+    """gguf-py's reader parses every metadata field (a 49k vocabulary: ~2.5 s): a file's tensor index is kept
+    after the first read, and a later read maps the file and takes the same tensors from it."""
+    import gguf
+
+    from loramux.models import gguf as ours
+    from loramux.models.loader import _gguf_config_and_tokenizer
+
+    _, path, _ = gguf_case
+    hf_config, _ = _gguf_config_and_tokenizer(path)
+    index = str(tmp_path / "index.json")
+    first = ours.read_gguf_tensors(path, hf_config, keep_quantized=True, index_file=index)
+
+    def never(*_, **__):
+        raise AssertionError("the file was parsed again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", never)
+    again = ours.read_gguf_tensors(path, hf_config, keep_quantized=True, index_file=index)
+    assert again.state.keys() == first.state.keys() and again.quantized.keys() == first.quantized.keys()
+    assert all(torch.equal(again.state[k], v) for k, v in first.state.items())
+    assert all(torch.equal(again.quantized[k].data, v.data) and again.quantized[k].fmt == v.fmt
+               for k, v in first.quantized.items())
+    with pytest.raises(AssertionError, match="parsed again"):  # no index: the reader it is
+        ours.read_gguf_tensors(path, hf_config, keep_quantized=True, index_file=str(tmp_path / "other.json"))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gguf_kept_quantized_gives_the_logits_of_its_dequantized_weights(gguf_case, backend, caplog):
     case, path, reference = gguf_case
