@@ -35,7 +35,7 @@ from loramux.server.metrics import Metrics, RequestTimer
 from loramux.server.on_demand import OnDemand
 from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, PinAdapter, Ready, ResetPrefixCache,
                                  UnloadAdapter)
-from loramux.tokenizer import Tokenizer
+from loramux.tokenizer import Tokenizer, import_renderer
 
 logger = logging.getLogger("loramux.server")
 
@@ -95,6 +95,7 @@ class APIServer:
         server's first start (after a restart, an adapter that no longer loads is dropped instead)."""
         started = time.monotonic()
         logger.info("starting the engine (loading the model and the adapters)")
+        self._executor.submit(import_renderer)  # meanwhile, on the other core (the template renders at ready)
         ready = await self.client.start()
         if ready.failed_adapters and not self.restarts:
             await self.client.shutdown()
