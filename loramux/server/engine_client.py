@@ -10,11 +10,13 @@ gets fresh sockets in a fresh IPC directory, so nothing sent to a dead engine re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -76,6 +78,8 @@ class EngineProcess:
     def close(self) -> None:
         if self.process.is_alive():
             self.process.terminate()  # SIGTERM: the engine exits at once (it holds nothing worth saving)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGCONT)  # a stopped engine (SIGSTOP) takes its SIGTERM now
             self.process.join(5)
             if self.process.is_alive():
                 self.process.kill()
