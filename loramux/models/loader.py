@@ -214,9 +214,34 @@ def _gguf_config_and_tokenizer(path: str):
     tmp = f"{saved}.tmp-{os.getpid()}"
     hf_config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, _GGUF_SOURCE), "w") as f:
+        json.dump(_file_identity(path), f)
     shutil.rmtree(saved, ignore_errors=True)
     os.replace(tmp, saved)  # whole or not at all: another process may be reading the same file
+    _drop_stale_gguf_entries(os.path.dirname(saved))
     return hf_config, tokenizer
+
+
+_GGUF_SOURCE = "loramux-source.json"  # the GGUF file an entry was read from: {path, size, mtime_ns}
+
+
+def _file_identity(path: str) -> dict:
+    stat = os.stat(path)
+    return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _drop_stale_gguf_entries(root: str) -> None:
+    """Entries whose GGUF file is gone or has changed since (a new one is keyed apart): the cache keeps one
+    entry per file that exists."""
+    for entry in os.scandir(root):
+        try:
+            with open(os.path.join(entry.path, _GGUF_SOURCE)) as f:
+                source = json.load(f)
+            stale = not os.path.isfile(source["path"]) or _file_identity(source["path"]) != source
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not an entry (a copy being written), or one of an older loramux: left alone
+        if stale:
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _weight_files(path: str) -> list[str]:

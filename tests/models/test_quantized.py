@@ -86,6 +86,26 @@ def test_a_gguf_read_again_takes_its_tensors_from_the_saved_index_without_parsin
         ours.read_gguf_tensors(path, hf_config, keep_quantized=True, index_file=str(tmp_path / "other.json"))
 
 
+def test_the_gguf_cache_keeps_one_entry_per_file_that_still_exists(gguf_case, tmp_path, monkeypatch):
+    import shutil
+
+    from loramux.models.loader import _gguf_config_and_tokenizer
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    _, path, _ = gguf_case
+    a, b = shutil.copy(path, tmp_path / "a.gguf"), shutil.copy(path, tmp_path / "b.gguf")
+    _gguf_config_and_tokenizer(str(a))
+    _gguf_config_and_tokenizer(str(b))
+    root = tmp_path / "cache" / "loramux" / "gguf"
+    assert len(os.listdir(root)) == 2
+    os.remove(a)
+    os.utime(b, ns=(10**18, 10**18))  # b changed: read again under a new key
+    _gguf_config_and_tokenizer(str(b))
+    (entry,) = os.listdir(root)
+    with open(root / entry / "loramux-source.json") as f:
+        assert json.load(f)["mtime_ns"] == 10**18
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gguf_kept_quantized_gives_the_logits_of_its_dequantized_weights(gguf_case, backend, caplog):
     case, path, reference = gguf_case
