@@ -46,8 +46,11 @@ def gguf_index(path: str, hf_config, index_file: str | None = None) -> dict:
     """The file's tensor index: {"arch", "tensors": [{name, hf_name, type, shape, offset, dtype, data_shape}]},
     read from index_file when it is there, else built with gguf-py's reader (and saved there, atomically)."""
     if index_file is not None and os.path.isfile(index_file):
-        with open(index_file) as f:
-            return json.load(f)
+        try:
+            with open(index_file) as f:
+                return json.load(f)
+        except ValueError:  # not written by this code (whose writes are atomic): made again below
+            logger.warning("GGUF tensor index %s is not valid JSON; reading %s again", index_file, path)
     from gguf import GGUFReader
 
     reader = GGUFReader(path)

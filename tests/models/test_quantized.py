@@ -84,6 +84,12 @@ def test_a_gguf_read_again_takes_its_tensors_from_the_saved_index_without_parsin
                for k, v in first.quantized.items())
     with pytest.raises(AssertionError, match="parsed again"):  # no index: the reader it is
         ours.read_gguf_tensors(path, hf_config, keep_quantized=True, index_file=str(tmp_path / "other.json"))
+    monkeypatch.undo()
+    with open(index, "w") as f:
+        f.write('{"arch": "lla')  # damaged: read again, and the index made again
+    assert ours.read_gguf_tensors(path, hf_config, keep_quantized=True, index_file=index).state.keys() == first.state.keys()
+    with open(index) as f:
+        assert json.load(f)["arch"]
 
 
 def test_the_gguf_cache_keeps_one_entry_per_file_that_still_exists(gguf_case, tmp_path, monkeypatch):
