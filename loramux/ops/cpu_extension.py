@@ -90,7 +90,7 @@ def _build(module: str, source: str, build_dir: str, cflags: list[str]):
             logger.warning("removing %s, left by a kernel build that did not finish", stale)
             os.remove(stale)
         if not glob.glob(os.path.join(build_dir, f"{module}*.so")):
-            logger.warning("building the CPU kernel %s (first start only; about a minute)", module)
+            logger.warning("building the CPU kernel %s (first start only; 15-30 s)", module)
         return load(name=module, sources=[source], build_directory=build_dir, extra_cflags=cflags,
                     extra_ldflags=["-fopenmp"])
 
@@ -103,8 +103,8 @@ def build(name: str) -> tuple[str, bool, float]:
 
 def build_all() -> Iterator[tuple[str, bool, float]]:
     """Every kernel, as `build` gives it, in the order they finish. One compiler runs per core at once: a
-    kernel is one translation unit, so its build keeps one core busy (five kernels one after another: ~2.3
-    min on 2 cores; two at a time: about half)."""
+    kernel is one translation unit, so its build keeps one core busy (five kernels one after another: ~95 s
+    on 2-core Zen 4; two at a time: ~55 s)."""
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")), key=os.path.getsize, reverse=True)  # longest first
     names = [os.path.basename(path)[:-4] for path in sources]
     context = multiprocessing.get_context("spawn")  # fresh interpreters: nothing of this one's threads forked

@@ -25,7 +25,7 @@
 //     into the paged caches [S, KVH, D] (contiguous); k, v [T, KVH, D] with unit last stride (views of the
 //     fused qkv output), cache_rows [T] int64 in [0, S). What two index_copy_ calls do, in one call
 //     and plain row copies: index_copy_ cost ~1-1.8 ms of a 32-sequence decode step (60 calls).
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -339,8 +339,8 @@ static void decode_impl(const T* q, int64_t qs0, int64_t qs1, const T* kc, const
 
 }  // namespace
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                               torch::Tensor context_lens, int64_t block_size, double scale) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                               at::Tensor context_lens, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3, "decode_attention: q must be [batch, num_heads, head_dim], got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3,
               "decode_attention: k_cache/v_cache must be [num_blocks*block_size, kv_heads, head_dim]");
@@ -385,7 +385,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
       TORCH_CHECK(bt[b * bts0 + j] >= 0 && bt[b * bts0 + j] < num_blocks, "decode_attention: block_tables[", b, ", ",
                   j, "] = ", bt[b * bts0 + j], " outside [0, ", num_blocks, ")");
   }
-  auto out = torch::empty({B, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  auto out = at::empty({B, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (B == 0 || H == 0) return out;
   if (dt == at::kFloat) {
     decode_impl<float>(q.data_ptr<float>(), q.stride(0), q.stride(1), k_cache.data_ptr<float>(),
@@ -400,7 +400,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor k, torch::Tensor v, torch::Tensor cache_rows) {
+void store_kv(at::Tensor k_cache, at::Tensor v_cache, at::Tensor k, at::Tensor v, at::Tensor cache_rows) {
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous(),
               "store_kv: k_cache/v_cache must be contiguous [slots, kv_heads, head_dim] of one shape");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),

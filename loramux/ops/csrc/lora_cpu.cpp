@@ -44,7 +44,7 @@
 //   rank <= 32: AMX tiles instead (amx_groups, below), 16 tokens a tile, the group's A and B packed as B tiles
 //   by each thread that takes its tiles; the same roundings (h to bf16, y once); about twice the speed of the
 //   vector path on such groups.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <omp.h>
@@ -669,9 +669,9 @@ static void add_lora_impl(T* y, int64_t ys, const T* x, int64_t xs, const W* A, 
 
 // out_slices: optional sizes of output slices (packed projections, e.g. qkv = [576, 192, 192]): slice k's
 // output rows use shrunk rows [k*R/K, (k+1)*R/K). Empty list = one slice.
-void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Tensor lora_b,
-              torch::Tensor token_slots, std::vector<int64_t> out_slices = {},
-              c10::optional<torch::Tensor> slot_ranks = c10::nullopt) {
+void add_lora(at::Tensor y, at::Tensor x, at::Tensor lora_a, at::Tensor lora_b,
+              at::Tensor token_slots, std::vector<int64_t> out_slices = {},
+              c10::optional<at::Tensor> slot_ranks = c10::nullopt) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3 && token_slots.dim() == 1,
               "add_lora: bad ranks");
   TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu(), "add_lora: CPU only");
@@ -698,7 +698,7 @@ void add_lora(torch::Tensor y, torch::Tensor x, torch::Tensor lora_a, torch::Ten
   if (!(lora_b.stride(0) == out * (R / K) && lora_b.stride(1) == 1 && (R / K == 1 || lora_b.stride(2) == out)))
     lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2);
   // slot_ranks: real rank r_s <= R/K of each slot (adapters zero-padded to R/K per slice)
-  torch::Tensor ranks_t;
+  at::Tensor ranks_t;
   const int64_t* ranks = nullptr;
   if (slot_ranks.has_value() && slot_ranks->defined() && slot_ranks->numel() > 0) {
     ranks_t = slot_ranks->contiguous();

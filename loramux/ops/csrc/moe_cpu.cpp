@@ -23,7 +23,7 @@
 // runs (prefill) and fp32 go through torch's GEMM, one per expert. The rest runs here in one pass each,
 // rows in parallel: the reference's per-expert chain of small torch ops (nonzero, gathers, silu, mul,
 // index_add_) cost ~0.15 ms an expert on two cores.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <cstdint>
 #include <cstring>
@@ -120,7 +120,7 @@ static void amx_runs(const std::vector<AmxRun>& runs, const uint16_t* w, int64_t
 #endif
 
 // out[run of e] = in[run of e] @ w[e]^T for every expert with rows (in, out contiguous)
-static void per_expert_mm(const torch::Tensor& in, const torch::Tensor& w, const int64_t* offsets, torch::Tensor& out) {
+static void per_expert_mm(const at::Tensor& in, const at::Tensor& w, const int64_t* offsets, at::Tensor& out) {
   const int64_t N = w.size(1), K = w.size(2);
 #ifdef MOE_AMX
   const bool amx = in.scalar_type() == at::kBFloat16 && w.is_contiguous() && K % 32 == 0 && N % 16 == 0 && amx_usable();
@@ -150,8 +150,8 @@ static void per_expert_mm(const torch::Tensor& in, const torch::Tensor& w, const
 
 }  // namespace
 
-std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> experts_up(
-    torch::Tensor x, torch::Tensor gate_up, torch::Tensor topk_ids, torch::Tensor token_slots) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> experts_up(
+    at::Tensor x, at::Tensor gate_up, at::Tensor topk_ids, at::Tensor token_slots) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "experts_up: x must be a CPU [T, H], unit column stride");
   TORCH_CHECK(gate_up.dim() == 3 && gate_up.size(2) == x.size(1) && gate_up.scalar_type() == x.scalar_type(),
               "experts_up: gate_up must be [E, 2I, H] in x's dtype");
@@ -166,7 +166,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   auto slots_t = token_slots.contiguous();
   const int64_t* ids = ids_t.data_ptr<int64_t>();
   const auto lopt = topk_ids.options().dtype(at::kLong);
-  auto order_t = torch::empty({P}, lopt), offsets_t = torch::zeros({E + 1}, lopt), pslots_t = torch::empty({P}, lopt);
+  auto order_t = at::empty({P}, lopt), offsets_t = at::zeros({E + 1}, lopt), pslots_t = at::empty({P}, lopt);
   int64_t *order = order_t.data_ptr<int64_t>(), *offsets = offsets_t.data_ptr<int64_t>();
   for (int64_t p = 0; p < P; ++p) {
     TORCH_CHECK(ids[p] >= 0 && ids[p] < E, "experts_up: expert id ", ids[p], " out of range [0, ", E, ")");
@@ -181,7 +181,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     const int64_t s = tslots ? tslots[order[i] / k] : -1;
     pslots[i] = s < 0 ? -1 : s * E + ids[order[i]];
   }
-  auto xs = torch::empty({P, H}, x.options()), gu = torch::empty({P, gate_up.size(1)}, x.options());
+  auto xs = at::empty({P, H}, x.options()), gu = at::empty({P, gate_up.size(1)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "experts_up", [&] {
     at::parallel_for(0, P, grain_rows(H), [&](int64_t p0, int64_t p1) {
       gather_rows(x.data_ptr<scalar_t>(), x.stride(0), order, k, xs.data_ptr<scalar_t>(), p0, p1, H);
@@ -191,7 +191,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   return {order_t, offsets_t, pslots_t, xs, gu};
 }
 
-std::tuple<torch::Tensor, torch::Tensor> experts_down(torch::Tensor gu, torch::Tensor down, torch::Tensor offsets_t) {
+std::tuple<at::Tensor, at::Tensor> experts_down(at::Tensor gu, at::Tensor down, at::Tensor offsets_t) {
   TORCH_CHECK(gu.dim() == 2 && gu.is_contiguous() && down.dim() == 3 && down.scalar_type() == gu.scalar_type(),
               "experts_down: gu [P, 2I] contiguous, down [E, H, I] in its dtype");
   const int64_t P = gu.size(0), inter = down.size(2), H = down.size(1), E = down.size(0);
@@ -201,7 +201,7 @@ std::tuple<torch::Tensor, torch::Tensor> experts_down(torch::Tensor gu, torch::T
   const int64_t* off = offsets_t.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[E] == P, "experts_down: offsets must run from 0 to the number of pairs");
   for (int64_t e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "experts_down: offsets must not decrease");
-  auto h = torch::empty({P, inter}, gu.options()), y = torch::empty({P, H}, gu.options());
+  auto h = at::empty({P, inter}, gu.options()), y = at::empty({P, H}, gu.options());
   if (gu.scalar_type() == at::kFloat) {
     at::parallel_for(0, P, grain_rows(2 * inter), [&](int64_t p0, int64_t p1) {
       silu_and_mul_rows(gu.data_ptr<float>(), 2 * inter, h.data_ptr<float>(), p0, p1, inter);
@@ -217,7 +217,7 @@ std::tuple<torch::Tensor, torch::Tensor> experts_down(torch::Tensor gu, torch::T
   return {h, y};
 }
 
-torch::Tensor combine(torch::Tensor y, torch::Tensor order_t, torch::Tensor topk_weights) {
+at::Tensor combine(at::Tensor y, at::Tensor order_t, at::Tensor topk_weights) {
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && topk_weights.dim() == 2 && order_t.numel() == y.size(0) &&
               topk_weights.numel() == y.size(0), "combine: y [P, H] contiguous, topk_weights [T, k], order [P]");
   const int64_t T = topk_weights.size(0), k = topk_weights.size(1), H = y.size(1), P = y.size(0);
@@ -229,7 +229,7 @@ torch::Tensor combine(torch::Tensor y, torch::Tensor order_t, torch::Tensor topk
     rank[order[i]] = i;
   }
   auto w = topk_weights.contiguous();
-  auto out = torch::empty({T, H}, y.options());
+  auto out = at::empty({T, H}, y.options());
   const auto wt = w.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == y.scalar_type(), "combine: weights in fp32 or y's dtype");
   at::parallel_for(0, T, grain_rows(H * k), [&](int64_t t0, int64_t t1) {

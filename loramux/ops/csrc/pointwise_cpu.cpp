@@ -13,7 +13,7 @@
 //     the first index of each row's maximum, a NaN counting as the maximum (torch.argmax): greedy
 //     sampling over the vocabulary (torch's own argmax does not vectorize: ~1 ms for 32 x 49152)
 // x, q, k: unit last stride, any other strides. Rows (tokens) in parallel when there are many.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -72,9 +72,9 @@ static inline void rotate_row(T* x, const T* c, const T* s, int64_t half) {
 }
 
 template <typename T>
-static void rotary_tokens(torch::Tensor& q, torch::Tensor& k, const T* cos, const T* sin, int64_t t0, int64_t t1) {
+static void rotary_tokens(at::Tensor& q, at::Tensor& k, const T* cos, const T* sin, int64_t t0, int64_t t1) {
   const int64_t Dh = q.size(2), half = Dh / 2;
-  for (torch::Tensor* x : {&q, &k}) {
+  for (at::Tensor* x : {&q, &k}) {
     T* base = (T*)x->data_ptr();
     const int64_t heads = x->size(1), s0 = x->stride(0), s1 = x->stride(1);
     for (int64_t t = t0; t < t1; ++t)
@@ -109,7 +109,7 @@ static int64_t argmax_row(const float* x, int64_t V) {
 }  // namespace
 
 // x [N, D] and weight [D] as both norms take them; op names the caller in the messages
-static void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight, const char* op) {
+static void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), op, ": x must be a CPU [N, D] with unit column stride");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
               weight.scalar_type() == x.scalar_type(), op, ": weight must be [D], contiguous, x's dtype");
@@ -118,12 +118,12 @@ static void check_norm_args(const torch::Tensor& x, const torch::Tensor& weight,
 
 // t's data as T (float, or bf16raw for a bf16 tensor)
 template <typename T>
-static inline T* data_as(const torch::Tensor& t) { return (T*)t.data_ptr(); }
+static inline T* data_as(const at::Tensor& t) { return (T*)t.data_ptr(); }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_norm_args(x, weight, "rms_norm");
   const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0);
-  auto out = torch::empty({N, D}, x.options());
+  auto out = at::empty({N, D}, x.options());
   auto rows = [&](auto zero, int64_t n0, int64_t n1) {
     using T = decltype(zero);
     rms_norm_rows<T>(data_as<T>(x), xs, data_as<T>(weight), data_as<T>(out), n0, n1, D, (float)eps);
@@ -134,14 +134,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_norm_args(x, weight, "add_rms_norm");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.stride(1) == 1 && residual.device().is_cpu() &&
               residual.scalar_type() == x.scalar_type(), "add_rms_norm: residual must be x's shape, dtype and device, "
               "with unit column stride");
   const int64_t N = x.size(0), D = x.size(1), xs = x.stride(0), rs = residual.stride(0);
-  auto sum = torch::empty({N, D}, x.options());
-  auto out = torch::empty({N, D}, x.options());
+  auto sum = at::empty({N, D}, x.options());
+  auto out = at::empty({N, D}, x.options());
   auto rows = [&](auto zero, int64_t n0, int64_t n1) {  // add, then norm the rows while they are in L1
     using T = decltype(zero);
     add_rows<T>(data_as<T>(x), xs, data_as<T>(residual), rs, data_as<T>(sum), n0, n1, D);
@@ -153,13 +153,13 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {out, sum};
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.device().is_cpu(),
               "silu_and_mul: x must be a CPU [N, 2d] with unit column stride");
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "silu_and_mul: fp32 or bf16 only");
   const int64_t N = x.size(0), d = x.size(1) / 2, xs = x.stride(0);
-  auto out = torch::empty({N, d}, x.options());
+  auto out = at::empty({N, d}, x.options());
   at::parallel_for(0, N, grain_rows(d), [&](int64_t n0, int64_t n1) {
     if (dt == at::kFloat)
       silu_and_mul_rows<float>(x.data_ptr<float>(), xs, out.data_ptr<float>(), n0, n1, d);
@@ -169,7 +169,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
-void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+void rotary_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "rotary_: fp32 or bf16 only");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.device().is_cpu() &&
@@ -187,11 +187,11 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
   });
 }
 
-torch::Tensor argmax(torch::Tensor x) {
+at::Tensor argmax(at::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.size(1) > 0,
               "argmax: x must be a non-empty fp32 CPU [N, V] with unit column stride");
   const int64_t N = x.size(0), V = x.size(1), xs = x.stride(0);
-  auto out = torch::empty({N}, x.options().dtype(at::kLong));
+  auto out = at::empty({N}, x.options().dtype(at::kLong));
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, N, grain_rows(V), [&](int64_t n0, int64_t n1) {

@@ -22,7 +22,7 @@
 // Written as plain loops over 32 lanes that the compiler vectorizes (-march=native: AVX2 or AVX-512).
 // The formats' decoders are in quant_formats.h, the fused LoRA call in quant_lora.h, the AMX path in
 // quant_amx.h; this file holds the matmul strategies and the entry points.
-#include <torch/extension.h>
+#include "torch_api.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
