@@ -1,4 +1,5 @@
 """benchmarks/throughput.py end to end on a tiny checkpoint: every row, peers, best and median runs, one JSON line."""
+import argparse
 import importlib.util
 import json
 import os
@@ -160,3 +161,25 @@ def test_the_base_runs_serve_no_adapter_and_vllm_runs_without_lora(tmp_path, mon
     assert "--max-loras" in ours and "--lora-modules" not in ours  # LoRA on, nothing registered
     with_lora = module.start("vllm 8", args, "M", {"t0": "/a/t0"}, str(tmp_path))
     assert {"--enable-lora", "--max-loras"} <= set(with_lora) and "t0=/a/t0" in with_lora
+
+
+def test_startup_alternates_the_servers_and_reports_medians_and_ratios(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("startup", SCRIPT.parent / "startup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "vllm").touch()
+    order, times = [], {"loramux": iter([(6.0, 1.0), (5.0, 0.5), (7.0, 1.5)]), "vllm": iter([(40.0, 2.0)] * 3)}
+    monkeypatch.setattr(module, "start_and_stop", lambda side, args: order.append(side) or next(times[side]))
+    module.main(["--vllm-venv", str(tmp_path), "--repeats", "3"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert order == ["loramux", "vllm"] * 3
+    assert report["sides"]["loramux"]["start_s"] == [6.0, 5.0, 7.0] and report["sides"]["loramux"]["start_median_s"] == 6.0
+    assert report["ratios"] == {"vllm/loramux start": 40.0 / 6.0, "vllm/loramux stop": 2.0}
+    import loramux.models.loader
+
+    monkeypatch.setattr(loramux.models.loader, "default_model_path", lambda: "/hf/SmolLM2")  # (no conversion)
+    vllm, env = module.command("vllm", argparse.Namespace(vllm_venv=str(tmp_path)), 8123)
+    assert vllm[:3] == [str(tmp_path / "bin" / "vllm"), "serve", "/hf/SmolLM2"] and "--enable-lora" in vllm
+    assert [a.split("=")[0] for a in vllm[vllm.index("--lora-modules") + 1:]] == ["pirate", "french", "json"]
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
