@@ -10,8 +10,6 @@ import asyncio
 import itertools
 import logging
 import os
-import shutil
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -146,18 +144,14 @@ class APIServer:
         self._save_registry()
 
     def _grammar_source(self, ready: Ready) -> GrammarSource:
-        """The tokenizer for the grammar workers, in a directory of the front end's own (the engine's goes with
-        it when it restarts, and a replaced worker reads the file again)."""
-        # under the supervisor's state directory when there is one: it is removed even if this process is killed
-        parent = os.path.dirname(self.state_file) if self.state_file else None
-        self._own_dir = tempfile.mkdtemp(prefix="loramux-frontend-", dir=parent)
-        path = shutil.copy(os.path.join(ready.tokenizer_dir, "tokenizer.json"), self._own_dir)
-        return GrammarSource(path, ready.vocab_size, tuple(ready.eos_token_ids))
+        """The tokenizer for the grammar workers, as text: the engine's directory goes with it when it restarts,
+        and a worker replaced later still needs it (a file of the front end's own would outlive a killed one)."""
+        with open(os.path.join(ready.tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
+            return GrammarSource(f.read(), ready.vocab_size, tuple(ready.eos_token_ids))
 
     async def stop(self) -> None:
         if self.grammars is not None:
             self.grammars.close()
-            shutil.rmtree(self._own_dir, ignore_errors=True)
         await self.client.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
 

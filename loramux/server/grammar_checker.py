@@ -36,7 +36,7 @@ _decode_params = msgspec.msgpack.Decoder(StructuredOutputsParams).decode
 class GrammarSource:
     """What a worker needs to compile as the engine does: the tokenizer and the logits' width."""
 
-    tokenizer_file: str
+    tokenizer_json: str  # tokenizer.json's text
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
@@ -139,7 +139,7 @@ def _serve(conn, source: GrammarSource, limits: GrammarLimits) -> None:
 
     from loramux.engine import grammar
 
-    tokenizer = grammar.grammar_tokenizer(Tokenizer.from_file(source.tokenizer_file), source.vocab_size,
+    tokenizer = grammar.grammar_tokenizer(Tokenizer.from_str(source.tokenizer_json), source.vocab_size,
                                           list(source.eos_token_ids))
     conn.send_bytes(b"ready")
     while True:

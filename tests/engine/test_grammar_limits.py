@@ -95,7 +95,8 @@ def run_checks(tokenizer_file, limits: GrammarLimits, specs: list) -> tuple[list
     from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 
     async def main():
-        checker = GrammarChecker(GrammarSource(tokenizer_file, 128, (2,)), limits)
+        with open(tokenizer_file, encoding="utf-8") as f:
+            checker = GrammarChecker(GrammarSource(f.read(), 128, (2,)), limits)
         verdicts = []
         for spec in specs:
             try:
