@@ -186,16 +186,15 @@ def _read_gguf_kept(path: str, keep_quantized: bool) -> Checkpoint:
 
 def _gguf_saved(path: str) -> str:
     """Where what is read from a GGUF file besides its tensors is kept: under the cache dir, keyed by the
-    file's path, size and time."""
-    stat = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    file's identity (path, size and time)."""
+    identity = _file_identity(path)
+    key = hashlib.sha256(f"{identity['path']}:{identity['size']}:{identity['mtime_ns']}".encode()).hexdigest()[:16]
     return os.path.join(cache_dir(), "gguf", f"{os.path.basename(path)}-{key}")
 
 
-def _gguf_index_file(path: str) -> str | None:
-    """The tensor index's file, beside the saved config (None before that is saved)."""
-    saved = _gguf_saved(path)
-    return os.path.join(saved, "loramux-tensors-v1.json") if os.path.isdir(saved) else None
+def _gguf_index_file(path: str) -> str:
+    """The tensor index's file, beside the saved config (_gguf_config_and_tokenizer saves it first)."""
+    return os.path.join(_gguf_saved(path), "loramux-tensors-v1.json")
 
 
 def _gguf_config_and_tokenizer(path: str):
