@@ -195,6 +195,13 @@ class EngineCore:
             self._forget(seq)
         return seq is not None
 
+    def abort_all(self) -> list[str]:
+        """Stop every request wherever it is (a pause that aborts); their ids."""
+        request_ids = list(self._seqs)
+        for request_id in request_ids:
+            self.abort_request(request_id)
+        return request_ids
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._compiling)
 

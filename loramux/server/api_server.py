@@ -31,8 +31,8 @@ from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
 from loramux.server.on_demand import OnDemand
-from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, PinAdapter, Ready, ResetPrefixCache,
-                                 UnloadAdapter)
+from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
+                                 ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
 
 logger = logging.getLogger("loramux.server")
@@ -351,6 +351,22 @@ class APIServer:
     async def reset_prefix_cache(self) -> None:
         self.require_engine()
         await self._control(ResetPrefixCache(0))
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """vLLM's /pause (wire.Pause says what each mode does); mode "wait" returns once the requests in flight
+        have finished. HTTPError 409 if a /resume came first."""
+        self.require_engine()
+        if not (await self._control(Pause(0, mode, clear_cache))).paused:
+            raise HTTPError(409, "the engine was resumed before the requests in flight had finished", "conflict")
+
+    async def resume(self) -> None:
+        self.require_engine()
+        await self._control(Resume(0))
+
+    async def is_paused(self) -> bool:
+        """Asked of the engine, not remembered here."""
+        self.require_engine()
+        return (await self.client.stats()).paused
 
     async def _control(self, msg):
         try:

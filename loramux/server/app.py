@@ -29,6 +29,7 @@ from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.api_server import APIServer, ShuttingDown
 from loramux.logprobs import Logprobs
 from loramux.server.choices import Choice, new_choices, run_choices
+from loramux.server.wire import PauseMode
 from loramux.server.logprobs import merge_completion
 
 VERSION = "0.1.0"
@@ -498,6 +499,21 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
         """vLLM's route: forget every cached prefix block (requests running keep theirs)."""
         await server.reset_prefix_cache()
         return Response(status_code=200)
+
+    @app.post("/pause")
+    async def pause(mode: PauseMode = "abort", clear_cache: bool = True):
+        """vLLM's route: stop generating (mode: what the requests in flight do; see docs/server.md)."""
+        await server.pause(mode, clear_cache)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await server.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": await server.is_paused()}
 
     @app.get("/metrics")
     async def metrics():

@@ -4,8 +4,9 @@ its outputs to the requests that wait for them.
 Supervision: the engine writes a heartbeat (shared memory) every 0.25 s. No beat for `unresponsive_s` makes
 the engine unhealthy (/health answers 503); none for `kill_s` (frozen) gets it killed. When the engine
 process dies, every request in flight fails at once with EngineDeadError (HTTP 503), and a new engine is
-started with bounded exponential backoff, loading the adapters the front end had registered. Each engine
-gets fresh sockets in a fresh IPC directory, so nothing sent to a dead engine reaches its successor.
+started with bounded exponential backoff, loading the adapters the front end had registered (and paused if
+the engine it replaces was: the pause is the operator's, not the engine's). Each engine gets fresh sockets in
+a fresh IPC directory, so nothing sent to a dead engine reaches its successor.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from loramux.config import EngineConfig
 from loramux.engine.output import CoreOutput
 from loramux.server.engine_process import run_engine
 from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
-                                 ControlFailed, EngineStats, GetStats, Outputs, PrefixCacheReset, Ready, StartupFailed,
-                                 decode_from_engine, encode)
+                                 ControlFailed, EngineStats, GetStats, Outputs, Pause, PauseState, PrefixCacheReset,
+                                 Ready, StartupFailed, decode_from_engine, encode)
 
 logger = logging.getLogger("loramux.server")
 WATCH_INTERVAL_S = 0.1
@@ -136,6 +137,7 @@ class EngineClient:
         self.dead_reason: str | None = "the engine is starting (loading the model and the adapters)"
         self.restarts = 0
         self.stopping = False
+        self.paused = False  # as the last Pause / Resume the engine answered left it
         self._streams: dict[str, asyncio.Queue] = {}
         self._controls: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -152,6 +154,8 @@ class EngineClient:
         engine = EngineProcess(self.config, self.sources())
         try:
             ready = await self._first_message(engine)
+            if self.paused:  # before anything else reaches it (its answer's id, -1, is no control's)
+                await engine.send_sock.send(encode(Pause(-1, "keep", clear_cache=False)))
         except BaseException:
             engine.close()
             raise
@@ -255,7 +259,7 @@ class EngineClient:
                 queue = self._streams.get(output.request_id)
                 if queue is not None:
                     queue.put_nowait(output)
-        elif isinstance(msg, (AdapterResult, EngineStats, PrefixCacheReset, ControlFailed)):
+        elif isinstance(msg, (AdapterResult, EngineStats, PrefixCacheReset, PauseState, ControlFailed)):
             future = self._controls.pop(msg.control_id, None)
             if future is not None and not future.done():
                 future.set_result(msg)
@@ -296,6 +300,8 @@ class EngineClient:
             self._controls.pop(msg.control_id, None)
         if isinstance(answer, ControlFailed):
             raise ControlError(answer.message)
+        if isinstance(answer, PauseState):
+            self.paused = answer.paused
         return answer
 
     async def stats(self, timeout: float | None = None) -> EngineStats:

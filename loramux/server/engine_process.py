@@ -23,8 +23,8 @@ import zmq
 from loramux.config import EngineConfig
 from loramux.server import prctl
 from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
-                                 LoadAdapter, Outputs, PinAdapter, PrefixCacheReset, Ready, ResetPrefixCache,
-                                 StartupFailed, UnloadAdapter, decode_to_engine, encode)
+                                 LoadAdapter, Outputs, Pause, PauseState, PinAdapter, PrefixCacheReset, Ready,
+                                 ResetPrefixCache, Resume, StartupFailed, UnloadAdapter, decode_to_engine, encode)
 
 logger = logging.getLogger("loramux.engine")
 IDLE_POLL_MS = 50  # an idle engine blocks this long on its inbox at most (a message wakes it at once)
@@ -104,18 +104,24 @@ def _build_engine(config: EngineConfig):
 
 class EngineCoreProc:
     """Dispatches messages and steps the core. An unload is answered once the adapter's memory is free
-    (after the requests that started on it); meanwhile the name takes no new requests."""
+    (after the requests that started on it); meanwhile the name takes no new requests. While paused (wire.Pause)
+    no step runs; messages are still handled, and requests that arrive are held until Resume."""
 
     def __init__(self, core, outbox):
         self.core, self.outbox = core, outbox
         self.unloading: dict = {}  # adapter identity (AdapterRef) -> the UnloadAdapter messages waiting for it
         self.loading: list = []  # (LoadAdapter, the future of its LoRAResult): read off the step loop
         self._pending: list = []  # outputs of refused requests, sent with the next step's
+        self.paused = False
+        self.pausing: list[Pause] = []  # Pause(wait)s, answered once the requests in flight have finished
+        self.held: list[AddRequest] = []  # arrived while paused or pausing: added at Resume, in arrival order
 
     @property
     def busy(self) -> bool:
-        """Work to step: poll the inbox without waiting."""
-        return self.core.has_unfinished_requests() or bool(self.unloading) or bool(self._pending)
+        """Work to step: poll the inbox without waiting. (While paused, neither running requests nor the unloads
+        waiting for them can progress.)"""
+        stepping = not self.paused and (self.core.has_unfinished_requests() or bool(self.unloading))
+        return stepping or bool(self._pending)
 
     @property
     def poll_ms(self) -> int:
@@ -137,8 +143,13 @@ class EngineCoreProc:
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
-            self._add(msg)
+            if self.paused or self.pausing:
+                self.held.append(msg)
+            else:
+                self._add(msg)
         elif isinstance(msg, Abort):
+            aborted = set(msg.request_ids)
+            self.held = [m for m in self.held if m.request_id not in aborted]
             for request_id in msg.request_ids:
                 self.core.abort_request(request_id)
         else:
@@ -147,11 +158,12 @@ class EngineCoreProc:
     def step(self) -> None:
         self._answer_unloads()
         outputs, self._pending = self._pending, []
-        if self.core.has_unfinished_requests():
+        if self.core.has_unfinished_requests() and not self.paused:
             outputs += self.core.step()
         elif self.core.loading:
             outputs += self.core.install_loaded()
         self._answer_loads()
+        self._answer_pauses()
         if outputs:
             self.outbox.send(encode(Outputs(outputs)))
 
@@ -191,6 +203,10 @@ class EngineCoreProc:
                 return self._result(msg.control_id, msg.name, result.result())
             self.loading.append((msg, result))
             return None
+        if isinstance(msg, Pause):
+            return self._pause(msg)
+        if isinstance(msg, Resume):
+            return self._resume(msg.control_id)
         if isinstance(msg, PinAdapter):
             result = core.pin_adapter(msg.name) if msg.pinned else core.unpin_adapter(msg.name)
         else:
@@ -215,6 +231,50 @@ class EngineCoreProc:
         from loramux.adapters.status import LoRAResult, LoRAStatus
 
         return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
+
+    # ---- pause ---------------------------------------------------------------------------------------------
+    def _pause(self, msg: Pause) -> PauseState | None:
+        if msg.mode == "abort":
+            self._abort_all()
+        if msg.mode == "wait" and not self.paused and self.core.has_unfinished_requests():
+            self.pausing.append(msg)  # answered by _answer_pauses; meanwhile new requests are held
+            return None
+        return self._paused(msg)
+
+    def _paused(self, msg: Pause) -> PauseState:
+        if not self.paused:
+            logger.info("paused (%s)", msg.mode)
+        self.paused = True
+        if msg.clear_cache:
+            self.core.reset_prefix_cache()
+        return PauseState(msg.control_id, True)
+
+    def _abort_all(self) -> None:
+        """End every request in flight and every held one, each with finish_reason "abort"."""
+        from loramux.engine.output import CoreOutput
+
+        request_ids = self.core.abort_all() + [m.request_id for m in self.held]
+        self.held = []
+        self._pending += [CoreOutput(request_id, [], "abort") for request_id in request_ids]
+
+    def _answer_pauses(self) -> None:
+        if self.pausing and not self.core.has_unfinished_requests():
+            pauses, self.pausing = self.pausing, []
+            for msg in pauses:
+                self.outbox.send(encode(self._paused(msg)))
+
+    def _resume(self, control_id: int) -> PauseState:
+        """Step again: the kept requests go on, the held ones are added; a Pause(wait) still waiting is answered
+        as not paused."""
+        if self.paused:
+            logger.info("resumed")
+        self.paused = False
+        for msg in self.pausing:
+            self.outbox.send(encode(PauseState(msg.control_id, False)))
+        held, self.held, self.pausing = self.held, [], []
+        for msg in held:
+            self._add(msg)
+        return PauseState(control_id, False)
 
     def _answer_loads(self) -> None:
         for msg, result in [entry for entry in self.loading if entry[1].done()]:
@@ -241,4 +301,5 @@ class EngineCoreProc:
             kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
             lora_slot_bytes=adapters.slot_bytes if adapters is not None else 0,
             lora_host_bytes=adapters.host_bytes if adapters is not None else 0, finished=dict(core.num_finished),
-            prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits)
+            prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits,
+            paused=self.paused)

@@ -2,9 +2,9 @@
 MessagePack over ZMQ. No torch, and no pickle (a message is data, never code).
 
 front end -> engine: AddRequest, Abort; control: LoadAdapter, UnloadAdapter, PinAdapter, GetStats,
-ResetPrefixCache
+ResetPrefixCache, Pause, Resume
 engine -> front end: Ready, StartupFailed, Outputs; control answers: AdapterResult, EngineStats,
-PrefixCacheReset, ControlFailed
+PrefixCacheReset, PauseState, ControlFailed
 
 The engine sends each request's new tokens per step (CoreOutput deltas), never cumulative state; the
 front end, which tokenized the prompt, keeps the totals. Control requests are handled between engine steps,
@@ -12,7 +12,7 @@ as vLLM's engine core and MAX's process_lora_requests do; each carries a control
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Literal, Union
 
 import msgspec
 
@@ -67,6 +67,33 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
 class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset"):
     control_id: int
     num_blocks: int  # cached blocks forgotten
+
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class Pause(msgspec.Struct, tag="pause"):
+    """vLLM's /pause: the engine stops stepping. What happens to the requests in flight: "abort", they end now
+    (finish_reason "abort", with what they had generated); "wait", they run to their end first (the answer
+    comes then); "keep", they stay where they are, their K/V and adapters held, and go on at Resume.
+    Requests that arrive while the engine is paused or pausing are held until Resume; adapter admin goes on.
+    clear_cache: once paused, forget the cached prefix blocks (as ResetPrefixCache; running requests keep theirs)."""
+
+    control_id: int
+    mode: PauseMode = "abort"
+    clear_cache: bool = True
+
+
+class Resume(msgspec.Struct, tag="resume"):
+    control_id: int
+
+
+class PauseState(msgspec.Struct, tag="pause_state"):
+    """The answer to Pause and Resume: whether the engine is paused now (False for a Pause(wait) that a
+    Resume overtook)."""
+
+    control_id: int
+    paused: bool
 
 
 class AdapterSource(msgspec.Struct, array_like=True):
@@ -129,6 +156,7 @@ class EngineStats(msgspec.Struct, tag="engine_stats"):
     finished: dict[str, int]  # finish reason -> requests
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # and found there
+    paused: bool = False  # Pause: no step runs until Resume
 
 
 class ControlFailed(msgspec.Struct, tag="control_failed"):
@@ -138,10 +166,10 @@ class ControlFailed(msgspec.Struct, tag="control_failed"):
     message: str
 
 
-Control = Union[LoadAdapter, UnloadAdapter, PinAdapter, GetStats, ResetPrefixCache]
-ControlAnswer = Union[AdapterResult, EngineStats, PrefixCacheReset, ControlFailed]
-ToEngine = Union[AddRequest, Abort, LoadAdapter, UnloadAdapter, PinAdapter, GetStats, ResetPrefixCache]
-FromEngine = Union[Ready, StartupFailed, Outputs, AdapterResult, EngineStats, PrefixCacheReset, ControlFailed]
+Control = Union[LoadAdapter, UnloadAdapter, PinAdapter, GetStats, ResetPrefixCache, Pause, Resume]
+ControlAnswer = Union[AdapterResult, EngineStats, PrefixCacheReset, PauseState, ControlFailed]
+ToEngine = Union[AddRequest, Abort, Control]
+FromEngine = Union[Ready, StartupFailed, Outputs, ControlAnswer]
 
 encode = msgspec.msgpack.Encoder().encode
 decode_to_engine = msgspec.msgpack.Decoder(ToEngine).decode

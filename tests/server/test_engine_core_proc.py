@@ -7,8 +7,9 @@ from loramux.config import EngineConfig
 from loramux.engine.engine_core import EngineCore
 from loramux.server.engine_process import EngineCoreProc
 from loramux.adapters.status import LoRAStatus
-from loramux.server.wire import (AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
-                                 Outputs, PinAdapter, UnloadAdapter, decode_from_engine, decode_to_engine, encode)
+from loramux.server.wire import (Abort, AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
+                                 Outputs, Pause, PauseState, PinAdapter, Resume, UnloadAdapter, decode_from_engine,
+                                 decode_to_engine, encode)
 
 
 class Outbox:
@@ -128,3 +129,84 @@ def test_a_reload_in_place_answers_that_the_pin_carried_over(loop):
     results = {m.control_id: m for m in loop.outbox.results()}
     assert results[2].status is LoRAStatus.SUCCESS and results[2].pinned
     assert results[3].status is LoRAStatus.SUCCESS and "already loaded" in results[3].message
+
+
+def tokens_of(loop, request_id):
+    return [t for o in loop.outbox.outputs() if o.request_id == request_id for t in o.new_token_ids]
+
+
+def pause_answers(loop):
+    return [m for m in loop.outbox.sent if isinstance(m, PauseState)]
+
+
+def run_until_idle(loop, limit=100):
+    for _ in range(limit):
+        if not loop.busy:
+            return
+        loop.step()
+    raise AssertionError("the loop is still busy")
+
+
+def test_pause_keep_freezes_requests_in_place_and_holds_new_ones_until_resume(loop, tmp_path):
+    """keep: no step runs while paused, whatever arrives; adapter admin goes on; Resume continues the kept
+    request on the identity it started on and adds the held one, which starts on the name's identity then."""
+    alone = EngineCoreProc(loop.core, Outbox())  # the same request, never paused: the tokens to match
+    alone.handle(add("ref"))
+    run_until_idle(alone)
+    loop.handle(add("kept"))
+    loop.step()
+    before = tokens_of(loop, "kept")
+    control(loop, Pause(1, "keep", clear_cache=False))
+    assert pause_answers(loop) == [PauseState(1, True)] and loop.paused and not loop.busy
+    loop.handle(add("held"))
+    control(loop, LoadAdapter(2, "a", save_peft_adapter(tiny_llama(), tmp_path / "a2", r=8, seed=3), replace=True))
+    for _ in range(50):
+        loop.step()
+        if any(isinstance(m, AdapterResult) for m in loop.outbox.sent):
+            break
+    assert [m.status for m in loop.outbox.results()] == [LoRAStatus.SUCCESS]  # installed while paused
+    assert tokens_of(loop, "kept") == before and loop.core.scheduler.num_running == 1
+    assert loop.core.sequence("held") is None  # held in the loop, not queued in the core
+    control(loop, GetStats(3))
+    assert loop.outbox.results()[-1].paused and loop.outbox.results()[-1].num_running == 1
+    control(loop, Resume(4))
+    assert pause_answers(loop)[-1] == PauseState(4, False) and not loop.paused
+    run_until_idle(loop)
+    assert tokens_of(loop, "kept") == tokens_of(alone, "ref")  # the first load's weights, start to finish
+    assert len(tokens_of(loop, "held")) == 12 and tokens_of(loop, "held") != tokens_of(alone, "ref")
+
+
+def test_pause_abort_ends_every_request_and_wait_answers_once_they_have_finished(loop):
+    loop.handle(add("running"))
+    loop.step()
+    loop.handle(add("queued", max_tokens=4))
+    control(loop, Pause(1, "abort"))
+    loop.handle(add("held"))
+    loop.step()
+    ended = {o.request_id: o.finish_reason for o in loop.outbox.outputs() if o.finished}
+    assert ended == {"running": "abort", "queued": "abort"} and not loop.core.has_unfinished_requests()
+    control(loop, Resume(2))
+    loop.handle(add("late", max_tokens=3))
+    control(loop, Pause(3, "wait"))  # "held" and "late" are in flight: answered once both have finished
+    loop.handle(add("after-the-pause"))
+    assert pause_answers(loop)[-1] == PauseState(2, False)
+    run_until_idle(loop)
+    assert pause_answers(loop)[-1] == PauseState(3, True)
+    assert len(tokens_of(loop, "held")) == 12 and len(tokens_of(loop, "late")) == 3
+    assert tokens_of(loop, "after-the-pause") == []  # held until Resume
+    control(loop, Pause(4, "abort"))  # already paused: the held request ends too
+    loop.step()
+    assert [o.finish_reason for o in loop.outbox.outputs() if o.request_id == "after-the-pause"] == ["abort"]
+
+
+def test_a_held_request_can_be_aborted_and_a_resume_overtakes_a_pause_that_waits(loop):
+    loop.handle(add("running"))
+    loop.step()
+    control(loop, Pause(1, "wait"))
+    loop.handle(add("held"))
+    loop.handle(decode_to_engine(encode(Abort(["held"]))))
+    control(loop, Resume(2))
+    assert pause_answers(loop) == [PauseState(1, False), PauseState(2, False)]
+    run_until_idle(loop)
+    assert len(tokens_of(loop, "running")) == 12 and tokens_of(loop, "held") == []
+    assert loop.core.sequence("held") is None

@@ -433,23 +433,45 @@ def test_pin_and_unpin_routes(files, server, http, client):
     assert metric(server, "loramux:lora_host_bytes", http.headers) < host  # its weights left host memory
 
 
+def _paused_while_running(client, http, offline, model="x", weights="new"):
+    """A streamed 56-token request on `model`, admitted and then frozen where it is by POST /pause (mode keep):
+    while paused it stays running and nothing steps, whatever the machine's speed. If it ended before the
+    pause took effect, it is checked and tried again. Returns its stream and its text so far.
+    weights: the adapter whose tokens it gives (the offline oracle's name for `model` now)."""
+    for _ in range(10):
+        stream = iter(client.completions.create(model=model, prompt="w", max_tokens=56, temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True}))
+        first = next(stream).choices[0].text  # admitted, on the adapter's identity now
+        paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
+        assert paused.status_code == 200 and paused.json() == {"status": "paused"}
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        if metric(http.base_url, "loramux:num_requests_running", http.headers) == 1:
+            return stream, first
+        assert http.post("/resume").status_code == 200
+        assert first + "".join(chunk.choices[0].text for chunk in stream) == \
+            offline("w", weights, max_tokens=56, ignore_eos=True)
+    pytest.fail("the request ended before the pause every time")
+
+
 def test_reload_unload_load_while_the_first_version_runs_over_http(files, http, client, offline):
     """The six steps through the routes: R1 runs on x; x is reloaded in place, unloaded and loaded again (from
-    another path); R2 on x gets the last load's tokens, R1 finishes on its own; x stays listed and served."""
+    another path) while R1 is paused mid-way; R2 on x gets the last load's tokens, R1 finishes on the first
+    load's; x stays listed and served."""
     allowed = files["allowed"]
     load = lambda path, **kw: http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path, **kw})
     assert load(f"{allowed}/new").status_code == 200
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        stream = iter(client.completions.create(model="x", prompt="w", max_tokens=56, temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True}))
-        first = next(stream).choices[0].text  # R1 runs on the first load now
-        assert load(f"{allowed}/other", load_inplace=True).status_code == 200
-        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
-        assert load(f"{allowed}/v2").status_code == 200
-        assert metric(http.base_url, "loramux:num_requests_running", http.headers) >= 1  # R1 had not ended yet
-        again = load(f"{allowed}/v2")  # the same path again: a success (as MAX), nothing reloaded
-        assert again.status_code == 200 and "already loaded" in again.text
-        r2 = pool.submit(lambda: client.completions.create(model="x", prompt="hi", max_tokens=8, temperature=0))
+        stream, first = _paused_while_running(client, http, offline)  # R1
+        try:
+            assert load(f"{allowed}/other", load_inplace=True).status_code == 200
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+            assert load(f"{allowed}/v2").status_code == 200
+            assert metric(http.base_url, "loramux:num_requests_running", http.headers) == 1  # R1, frozen
+            again = load(f"{allowed}/v2")  # the same path again: a success (as MAX), nothing reloaded
+            assert again.status_code == 200 and "already loaded" in again.text
+            r2 = pool.submit(lambda: client.completions.create(model="x", prompt="hi", max_tokens=8, temperature=0))
+        finally:
+            assert http.post("/resume").json() == {"status": "resumed"}
         r1 = first + "".join(chunk.choices[0].text for chunk in stream)
         assert r2.result(timeout=60).choices[0].text == offline("hi", "v2")
     assert r1 == offline("w", "new", max_tokens=56, ignore_eos=True)
@@ -457,6 +479,34 @@ def test_reload_unload_load_while_the_first_version_runs_over_http(files, http, 
     assert client.completions.create(model="x", prompt="hi", max_tokens=8, temperature=0).choices[0].text == \
         offline("hi", "v2")
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
+
+
+def test_pause_abort_and_wait_over_http(http, client, offline):
+    """vLLM's /pause modes: abort ends the requests in flight (finish_reason "abort", with what they had);
+    wait answers once they have finished; a request sent while paused runs after /resume. Needs the key."""
+    assert httpx.post(f"{http.base_url}/pause").status_code == 401
+    assert http.post("/pause", params={"mode": "later"}).status_code == 400
+    chunks, first = _paused_while_running(client, http, offline, "s1", "s1")
+    assert http.post("/pause", params={"mode": "abort"}).status_code == 200  # paused already: it ends now
+    rest = list(chunks)
+    text = first + "".join(c.choices[0].text for c in rest)
+    assert rest[-1].choices[0].finish_reason == "abort"
+    assert offline("w", "s1", max_tokens=56, ignore_eos=True).startswith(text)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(lambda: client.completions.create(model="s1", prompt="hi", max_tokens=8, temperature=0))
+        assert http.post("/pause", params={"mode": "wait"}).json() == {"status": "paused"}  # already paused
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        assert http.post("/resume").json() == {"status": "resumed"}
+        assert held.result(timeout=60).choices[0].text == offline("hi", "s1")
+    running = iter(client.completions.create(model="s2", prompt="w", max_tokens=40, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True}))
+    first = next(running).choices[0].text  # in flight: the pause waits for it
+    assert http.post("/pause", params={"mode": "wait"}).status_code == 200
+    assert metric(http.base_url, "loramux:num_requests_running", http.headers) == 0
+    rest = list(running)
+    assert first + "".join(c.choices[0].text for c in rest) == offline("w", "s2", max_tokens=40, ignore_eos=True)
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert http.post("/resume").status_code == 200 and http.get("/is_paused").json() == {"is_paused": False}
 
 
 def test_prefix_cache_usage_metrics_and_reset(server, http, client):
