@@ -291,7 +291,7 @@ class EngineCoreProc:
         core, scheduler, adapters = self.core, self.core.scheduler, self.core.adapters
         counters = adapters.stats if adapters is not None else {}
         return EngineStats(
-            control_id, scheduler.num_running, scheduler.num_waiting,
+            control_id, scheduler.num_running, scheduler.num_waiting + len(self.held),
             running_adapters=sorted({ref.name for ref in scheduler.running_adapters()}),
             waiting_adapters=sorted(scheduler.waiting_adapters()), max_loras=scheduler.max_loras,
             num_adapters=len(adapters.loras) if adapters is not None else 0,

@@ -160,15 +160,15 @@ def test_pause_keep_freezes_requests_in_place_and_holds_new_ones_until_resume(lo
     assert pause_answers(loop) == [PauseState(1, True)] and loop.paused and not loop.busy
     loop.handle(add("held"))
     control(loop, LoadAdapter(2, "a", save_peft_adapter(tiny_llama(), tmp_path / "a2", r=8, seed=3), replace=True))
-    for _ in range(50):
+    while not any(isinstance(m, AdapterResult) for m in loop.outbox.sent):  # read on the loader thread
         loop.step()
-        if any(isinstance(m, AdapterResult) for m in loop.outbox.sent):
-            break
+        loop.core.loader.wait(0.05)
     assert [m.status for m in loop.outbox.results()] == [LoRAStatus.SUCCESS]  # installed while paused
     assert tokens_of(loop, "kept") == before and loop.core.scheduler.num_running == 1
     assert loop.core.sequence("held") is None  # held in the loop, not queued in the core
     control(loop, GetStats(3))
-    assert loop.outbox.results()[-1].paused and loop.outbox.results()[-1].num_running == 1
+    stats = loop.outbox.results()[-1]
+    assert stats.paused and stats.num_running == 1 and stats.num_waiting == 1  # "held" counts as waiting
     control(loop, Resume(4))
     assert pause_answers(loop)[-1] == PauseState(4, False) and not loop.paused
     run_until_idle(loop)

@@ -73,8 +73,27 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
         assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s2"}).status_code == 200
         assert metric(url, "loramux:engine_restarts") == 1.0
         assert "the engine process exited (code -9)" in server_log(proc)
+        _a_paused_engine_comes_back_paused(url, proc)
     finally:
         stop(proc)
+
+
+def _a_paused_engine_comes_back_paused(url, proc):
+    """The pause is the operator's: the engine that replaces a killed paused one is paused too, and a request
+    sent meanwhile runs after /resume."""
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}).status_code == 200
+    pid = engine_pid(proc.pid)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: health(url) == 200 and engine_pid(proc.pid) != pid, 60, "the engine restarted")
+    assert httpx.get(f"{url}/is_paused").json() == {"is_paused": True}
+    answer = []
+    asking = threading.Thread(target=lambda: answer.append(complete(url, "s0")))
+    asking.start()
+    wait_until(lambda: metric(url, "loramux:pending_requests") == 1, 60, "the request is held")
+    assert not answer  # held while paused
+    assert httpx.post(f"{url}/resume").status_code == 200
+    asking.join(60)
+    assert answer and answer[0] == complete(url, "s0")
 
 
 def test_a_frozen_engine_makes_health_fail_and_is_killed_after_the_kill_timeout(files):
