@@ -35,6 +35,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
                         help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
                              "least recently used leave until a new one fits")
     parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--lora-load-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a pinned load waits for host memory and a device slot held by requests in "
+                             "use (unpinned loads never wait: they are read into host memory on use)")
     parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
                         help="the LoRA weights' dtype (default: the activations'); bfloat16 on a float32 model (a "
                              "GGUF's default) halves what an adapter costs a decode step at batch 1")
@@ -77,7 +80,8 @@ def _engine_config(args, usage: str) -> EngineConfig:
     lora = LoRAConfig(max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras,
                       max_lora_rank=args.max_lora_rank, target_modules=targets,
                       max_module_copies_bytes=args.max_module_copies_bytes,
-                      max_cpu_lora_bytes=args.max_cpu_lora_bytes, lora_dtype=args.lora_dtype)
+                      max_cpu_lora_bytes=args.max_cpu_lora_bytes, lora_dtype=args.lora_dtype,
+                      load_timeout_s=args.lora_load_timeout)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     grammar = GrammarLimits(**{field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _GRAMMAR_LIMITS})
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,

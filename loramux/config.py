@@ -45,8 +45,15 @@ class LoRAConfig:
     as bfloat16 with a warning, as the model's dtype does. Embedding and expert LoRA keep the activations'
     dtype."""
 
+    load_timeout_s: float = 60.0
+    """A pinned load (or a pinned adapter's reload in place) needs host memory and a device slot now: while
+    requests in use hold them it waits, this long at most, then fails saying so. Unpinned loads never wait:
+    they are registered at once and read into host memory when their requests need it."""
+
     def __post_init__(self) -> None:
         _check_positive("max_loras", self.max_loras)
+        if not isinstance(self.load_timeout_s, (int, float)) or not self.load_timeout_s > 0:
+            raise ValueError(f"load_timeout_s must be a number of seconds > 0, got {self.load_timeout_s!r}")
         if self.max_cpu_loras is None:
             object.__setattr__(self, "max_cpu_loras", max(16, self.max_loras))
         _check_positive("max_cpu_loras", self.max_cpu_loras)

@@ -11,10 +11,15 @@ Never evicted: a pinned identity and one that running requests reference (`acqui
 in host memory (its slot may go): one that started requests hold (`hold`: a preempted request resumes on
 the weights it started with, which its files may no longer hold), and one with no disk copy. An identity
 referenced or held is never removed. When nothing can make room the caller gets CacheFullError, never a
-silent eviction. Mutators return a Changes record; the store carries it out.
+silent eviction: CacheBusyError (a kind of it) when room is only held by requests in use now (it frees up as
+they finish: callers wait), plain CacheFullError when pins, adapters with no disk copy or the budget itself
+leave none (waiting would not help). `register` records an identity on disk only (a load that found no room
+in host memory now: it is read back when its requests need it). Mutators return a Changes record; the store
+carries it out.
 """
 from __future__ import annotations
 
+import enum
 from collections import Counter, OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
@@ -26,12 +31,25 @@ class CacheFullError(RuntimeError):
     """Every adapter that could make room is pinned or in use."""
 
 
+class CacheBusyError(CacheFullError):
+    """Requests in use hold the room: there will be some once they finish."""
+
+
 class AdapterInUseError(RuntimeError):
     """The adapter is referenced by in-flight requests."""
 
 
 class AdapterPinnedError(RuntimeError):
     """The adapter is pinned, and the operation would take its slot."""
+
+
+class Readiness(enum.Enum):
+    """Where an identity a waiting request needs stands (the engine's AdapterLoader answers; the scheduler
+    admits on READY and holds new work back for the head of its queue on NO_ROOM)."""
+
+    READY = "in host memory"
+    READING = "being read from disk"
+    NO_ROOM = "read, waiting for room in host memory that requests in use hold"
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,15 @@ class AdapterCache:
             self._memory_only.add(key)
         return changes
 
+    def register(self, key: Key, nbytes: int) -> None:
+        """Know `key` (nbytes in host memory once there) without its weights in host memory: it has a disk copy,
+        read back on use."""
+        if self.max_cpu_bytes is not None and nbytes > self.max_cpu_bytes:
+            raise CacheFullError(f"adapter '{key}' takes {nbytes} bytes, more than max_cpu_lora_bytes="
+                                 f"{self.max_cpu_bytes}")
+        self._sizes[key] = nbytes
+        self._touch(key, self._known)
+
     def remove(self, key: Key) -> Changes:
         """Forget `key` entirely. Refused while requests reference or hold it."""
         self._require_known(key)
@@ -174,8 +201,9 @@ class AdapterCache:
         if not self._free_slots:
             victim = self._slot_victim()
             if victim is None:
-                raise CacheFullError(f"cannot activate adapter '{key}': all max_loras={self.max_loras} slots hold "
-                                     f"pinned or in-use adapters ({', '.join(map(str, self._slots))})")
+                error = CacheBusyError if any(k not in self._pinned for k in self._slots) else CacheFullError
+                raise error(f"cannot activate adapter '{key}': all max_loras={self.max_loras} slots hold "
+                            f"pinned or in-use adapters ({', '.join(map(str, self._slots))})")
             changes.slots.append(self._free_slot_of(victim))
         slot = self._free_slots.pop(0)
         self._slots[key] = slot
@@ -239,8 +267,8 @@ class AdapterCache:
         return count > self.max_cpu_loras or (self.max_cpu_bytes is not None and nbytes > self.max_cpu_bytes)
 
     def _host_victims(self, key: Key, nbytes: int) -> list[Key]:
-        """The identities to drop, least recently used first, for `key` (nbytes) to fit; CacheFullError if
-        even all that may go would not make room."""
+        """The identities to drop, least recently used first, for `key` (nbytes) to fit; CacheBusyError if
+        only requests in use keep it from fitting, CacheFullError if waiting for them would not help."""
         candidates = [k for k in self._host if self._evictable(k) and not self._holds[k] and k not in self._memory_only]
         count, used, victims = len(self._host) + 1, self.host_bytes + nbytes, []
         for victim in candidates:
@@ -249,15 +277,23 @@ class AdapterCache:
             victims.append(victim)
             count, used = count - 1, used - self._sizes.get(victim, 0)
         if self._over(count, used):
-            kept = [k for k in self._host if k not in victims]
-            limits = f"max_cpu_loras={self.max_cpu_loras}" + (
-                f", max_cpu_lora_bytes={self.max_cpu_bytes} ({self.host_bytes} bytes held, {nbytes} more needed)"
-                if self.max_cpu_bytes is not None else "")
-            raise CacheFullError(
-                f"cannot keep adapter '{key}' in host memory within {limits}: the adapters there that cannot be "
-                f"evicted now ({', '.join(map(str, kept))}) are pinned, in use by requests, or have no "
-                "disk copy; unpin or unload some, or raise the limits")
+            raise self._no_room(key, nbytes, victims)
         return victims
+
+    def _no_room(self, key: Key, nbytes: int, victims: list[Key]) -> CacheFullError:
+        kept = [k for k in self._host if k not in victims]
+        limits = f"max_cpu_loras={self.max_cpu_loras}" + (
+            f", max_cpu_lora_bytes={self.max_cpu_bytes} ({self.host_bytes} bytes held, {nbytes} more needed)"
+            if self.max_cpu_bytes is not None else "")
+        stuck = [k for k in self._host if k in self._pinned or k in self._memory_only]  # until an admin acts
+        if not self._over(len(stuck) + 1, sum(self._sizes.get(k, 0) for k in stuck) + nbytes):
+            in_use = [k for k in kept if k not in stuck]
+            return CacheBusyError(f"adapter '{key}' waits for room in host memory ({limits}): requests are using "
+                                  f"{', '.join(map(str, in_use))}")
+        return CacheFullError(
+            f"cannot keep adapter '{key}' in host memory within {limits}: the adapters there that cannot be "
+            f"evicted ({', '.join(map(str, stuck))}) are pinned or have no disk copy; unpin or unload some, "
+            "or raise the limits")
 
     def _evictable(self, key: Key) -> bool:
         return key not in self._pinned and not self._refs[key]

@@ -58,6 +58,7 @@ class AdapterWeights:
     modules: dict[str, ModuleLoRA]
     path: str | None = None
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    digest: str = ""  # of the files it was read from (files.AdapterFiles); "" when built from tensors
 
     @property
     def max_rank(self) -> int:

@@ -1,15 +1,20 @@
 """Reading adapters from disk, safely: a PEFT adapter directory, or one .safetensors file of LoRA pairs.
 
-Every file read resolves (symlinks and `..` followed) inside the allowed directories when some are given;
-a weights file's size is bounded before it is read; a safetensors header is checked before any tensor is
-read; pickle is read only when asked, and then with weights_only. What comes back is (PEFT config, tensors),
-for adapters/checkpoint.py to check against the model.
+Every file read resolves (symlinks and `..` followed) inside the allowed directories when some are given,
+and is opened once: what was checked is what is read (read_bytes). Its size is bounded before it is read;
+a safetensors header is checked before any tensor is read; pickle is read only when asked, and then with
+weights_only. What comes back is (PEFT config, tensors), for adapters/checkpoint.py to check against the
+model; read_adapter adds a digest of every byte read, which says whether two reads saw the same adapter.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
+import stat
+from typing import NamedTuple
 
 import torch
 
@@ -20,59 +25,73 @@ CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
+MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB
+# No symlink followed at the last component (one put there after the path was resolved), and no wait on a FIFO.
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 class AdapterPathError(FileNotFoundError):
     """The path is not a readable adapter, or leads outside the allowed directories."""
 
 
+class AdapterFiles(NamedTuple):
+    config: dict
+    tensors: dict[str, torch.Tensor]
+    digest: str  # of the names and bytes of every file read: equal digests, the same adapter
+
+
 def read_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
-                 max_weight_bytes: int | None = None, lora_alpha: float | None = None) -> tuple[dict, dict]:
+                 max_weight_bytes: int | None = None, lora_alpha: float | None = None) -> AdapterFiles:
     """A PEFT adapter directory, or a lone `.safetensors` file (read_adapter_file; lora_alpha is for it)."""
+    seen = hashlib.blake2b(digest_size=16)
     if isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path):
-        return read_adapter_file(path, lora_alpha, allowed_dirs, max_weight_bytes)
-    if lora_alpha is not None:
+        config, tensors = read_adapter_file(path, lora_alpha, allowed_dirs, max_weight_bytes, seen)
+    elif lora_alpha is not None:
         raise InvalidAdapterError(f"lora_alpha is for a lone .safetensors file; the adapter directory {path!r} "
                                   f"says its own in {CONFIG_FILE}")
-    return read_adapter_dir(path, allow_pickle, allowed_dirs, max_weight_bytes)
+    else:
+        config, tensors = read_adapter_dir(path, allow_pickle, allowed_dirs, max_weight_bytes, seen)
+    return AdapterFiles(config, tensors, seen.hexdigest())
 
 
 def read_adapter_dir(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
-                     max_weight_bytes: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+                     max_weight_bytes: int | None = None, seen=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read adapter_config.json and the weights. Pickle only when asked, and then weights_only.
 
     allowed_dirs: when given, every file read must resolve (symlinks and `..` followed) inside one of them.
-    max_weight_bytes: a weights file larger than this is refused before it is read."""
+    max_weight_bytes: a weights file larger than this is refused before it is read. seen: a hashlib object
+    that every file's name and bytes update."""
     _check_dir(path)
-    config_path = _resolve(os.path.join(path, CONFIG_FILE), allowed_dirs)
-    if not os.path.isfile(config_path):
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.lexists(config_path):
         raise AdapterPathError(f"adapter path {path!r} has no {CONFIG_FILE}")
-    return _read_config(config_path, path), _read_weights(path, allow_pickle, allowed_dirs, max_weight_bytes)
+    config = _read_config(config_path, path, allowed_dirs, seen)
+    return config, _read_weights(path, allow_pickle, allowed_dirs, max_weight_bytes, seen)
 
 
 def read_adapter_file(path: str, lora_alpha: float | None = None, allowed_dirs: tuple[str, ...] = (),
-                      max_weight_bytes: int | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+                      max_weight_bytes: int | None = None, seen=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """One .safetensors file of LoRA pairs (TensorRT Edge-LLM's loadWeights(name, file)). Its PEFT config is
     a sidecar when there is one (`x.json` beside `x.safetensors`; the directory's adapter_config.json beside
     an adapter_model.safetensors) or else made from the tensors (config_from_tensors: rank per module from
     the shapes, targets from the names, lora_alpha from the caller). A caller's lora_alpha that differs from
     a sidecar's is refused: which one holds is not clear."""
-    tensors = _read_safetensors(_resolve(path, allowed_dirs), max_weight_bytes)
+    tensors = _read_safetensors(path, allowed_dirs, max_weight_bytes, seen)
     stem = path.removesuffix(".safetensors")
     sidecar = os.path.join(os.path.dirname(path), CONFIG_FILE) if path.endswith(SAFETENSORS_FILE) else stem + ".json"
     if not os.path.lexists(sidecar):
         return config_from_tensors(tensors, lora_alpha, path), tensors
-    config = _read_config(_resolve(sidecar, allowed_dirs), path)
+    config = _read_config(sidecar, path, allowed_dirs, seen)
     if lora_alpha is not None and config.get("lora_alpha") != lora_alpha:
         raise InvalidAdapterError(f"lora_alpha={lora_alpha} given for {path}, but its config {sidecar} says "
                                   f"lora_alpha={config.get('lora_alpha')}: give one of them")
     return config, tensors
 
 
-def _read_config(config_path: str, path: str) -> dict:
+def _read_config(config_path: str, path: str, allowed_dirs: tuple[str, ...] = (), seen=None) -> dict:
+    data = read_bytes(config_path, allowed_dirs, MAX_CONFIG_BYTES, seen)
     try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
+        config = json.loads(data.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidAdapterError(f"{CONFIG_FILE} in {path!r}: not valid JSON ({e})") from e
     if not isinstance(config, dict):
@@ -120,20 +139,19 @@ def _resolve(file: str, allowed_dirs: tuple[str, ...]) -> str:
     return real
 
 
-def _read_weights(path: str, allow_pickle: bool, allowed_dirs, max_bytes) -> dict[str, torch.Tensor]:
+def _read_weights(path: str, allow_pickle: bool, allowed_dirs, max_bytes, seen) -> dict[str, torch.Tensor]:
     st_path, bin_path = os.path.join(path, SAFETENSORS_FILE), os.path.join(path, PICKLE_FILE)
     if os.path.lexists(st_path):
-        return _read_safetensors(_resolve(st_path, allowed_dirs), max_bytes)
+        return _read_safetensors(st_path, allowed_dirs, max_bytes, seen)
     if os.path.lexists(bin_path):
         if not allow_pickle:
             raise InvalidAdapterError(
                 f"{bin_path} is a pickle file; refusing to unpickle it. Convert it to "
                 f"{SAFETENSORS_FILE}, or pass allow_pickle=True to read it with torch.load(weights_only=True)"
             )
-        real = _resolve(bin_path, allowed_dirs)
-        _check_size(real, max_bytes)
+        data = read_bytes(bin_path, allowed_dirs, max_bytes, seen)
         try:
-            tensors = torch.load(real, map_location="cpu", weights_only=True)
+            tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for bad files
             raise InvalidAdapterError(f"{bin_path}: cannot be read with weights_only=True ({e})") from e
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
@@ -142,17 +160,47 @@ def _read_weights(path: str, allow_pickle: bool, allowed_dirs, max_bytes) -> dic
     raise AdapterPathError(f"adapter path {path!r} has neither {SAFETENSORS_FILE} nor {PICKLE_FILE}")
 
 
-def _check_size(file: str, max_bytes: int | None) -> int:
-    if not os.path.isfile(file):
+def read_bytes(file: str, allowed_dirs: tuple[str, ...] = (), max_bytes: int | None = None, seen=None) -> bytes:
+    """The bytes of `file`, through one descriptor: its real path (inside an allowed directory) opened with no
+    symlink followed at its end and no wait on a FIFO, then checked as opened — a regular file, at most
+    max_bytes (fstat), and on Linux still inside an allowed directory (a directory swapped for a symlink after
+    the check shows there) — and read up to the size seen. seen: updated with the file's name and bytes."""
+    real = _resolve(file, allowed_dirs)
+    try:
+        fd = os.open(real, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise AdapterPathError(f"{file} does not exist") from None
+    except OSError as e:  # ELOOP: the file became a symlink after it was resolved
+        raise AdapterPathError(f"{file} cannot be opened as the file it was checked to be ({e.strerror})") from None
+    try:
+        size = _checked_size(fd, file, allowed_dirs, max_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(size)
+    if len(data) != size:
+        raise InvalidAdapterError(f"{file} changed while it was read ({len(data)} of {size} bytes)")
+    if seen is not None:
+        seen.update(os.path.basename(file).encode() + b"\0" + size.to_bytes(8, "little"))
+        seen.update(data)
+    return data
+
+
+def _checked_size(fd: int, file: str, allowed_dirs: tuple[str, ...], max_bytes: int | None) -> int:
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         raise AdapterPathError(f"{file} is not a regular file")
-    size = os.path.getsize(file)
-    if max_bytes is not None and size > max_bytes:
-        raise InvalidAdapterError(f"{file} is {size} bytes; LoRA weights for this model's wrapped modules at "
-                                  f"max_lora_rank take at most {max_bytes}")
-    return size
+    if allowed_dirs and os.path.isdir("/proc/self/fd"):
+        _resolve(os.readlink(f"/proc/self/fd/{fd}"), allowed_dirs)
+    if max_bytes is not None and info.st_size > max_bytes:
+        kind = "a PEFT config takes" if file.endswith(".json") else \
+            "LoRA weights for this model's wrapped modules at max_lora_rank take"
+        raise InvalidAdapterError(f"{file} is {info.st_size} bytes; {kind} at most {max_bytes}")
+    return info.st_size
 
 
-def _read_safetensors(file: str, max_bytes: int | None) -> dict[str, torch.Tensor]:
+def _read_safetensors(file: str, allowed_dirs, max_bytes: int | None, seen=None) -> dict[str, torch.Tensor]:
     """The header is parsed here first: the safetensors library takes the last of two equal keys and reads
     any length prefix; then the library reads the tensors (and checks offsets and sizes).
 
@@ -162,11 +210,8 @@ def _read_safetensors(file: str, max_bytes: int | None) -> dict[str, torch.Tenso
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    size = _check_size(file, max_bytes)
-    with open(file, "rb") as f:
-        _read_header(f, size, file)
-        f.seek(0)
-        data = f.read()
+    data = read_bytes(file, allowed_dirs, max_bytes, seen)
+    _read_header(io.BytesIO(data), len(data), file)
     try:
         return load(data)
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:

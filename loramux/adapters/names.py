@@ -5,7 +5,9 @@ A name is what clients send as `model` and what /metrics lists, so it is never r
 holds a character that other formats give a meaning to: "=" (the name=path form), "," (the adapter
 lists of `lora_requests_info`), whitespace or control characters (headers, logs, label values). "/" is
 allowed inside (Hub-style "org/adapter" ids, as vLLM users name them), but a name may not look like a
-path (start with "/", ".", "~" or hold a ".." segment).
+path (start with "/", ".", "~" or hold a ".." segment), and it is canonical: no "." or empty segment and
+no "/" at its end, so that no two names are spellings of one path (`a0/.`, `a0/`, `a0//`, `acme/./legal`
+would all be the directory of `a0` or `acme/legal` under a resolver's directory).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 MAX_NAME_LENGTH = 128
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+/-]*")
 RULE = (f"1-{MAX_NAME_LENGTH} characters from letters, digits and _ . : @ + / -, starting with a letter, digit "
-        "or _, with no '..' segment")
+        "or _, with no '.', '..' or empty segment between '/'s and no '/' at the end")
 
 
 class InvalidAdapterNameError(ValueError):
@@ -30,7 +32,8 @@ def check_adapter_name(name) -> str:
     if not name:
         raise InvalidAdapterNameError("an adapter name must not be empty")
     shown = name if len(name) <= 80 else name[:77] + "..."
-    if len(name) > MAX_NAME_LENGTH or not _NAME.fullmatch(name) or ".." in name.split("/"):
+    segments = name.split("/")
+    if len(name) > MAX_NAME_LENGTH or not _NAME.fullmatch(name) or {"", ".", ".."} & set(segments):
         raise InvalidAdapterNameError(f"invalid adapter name {shown!r}: use {RULE}")
     return name
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as replaced
 
 import torch
 
-from loramux.adapters.cache import AdapterCache, CacheFullError, Changes
+from loramux.adapters.cache import AdapterCache, CacheBusyError, CacheFullError, Changes
 from loramux.adapters.checkpoint import AdapterWeights, build_adapter
 from loramux.adapters.files import AdapterPathError, read_adapter
 from loramux.adapters.names import AdapterRef
@@ -44,8 +44,18 @@ class Source:
         return os.path.realpath(self.path) == os.path.realpath(other.path) and self.lora_alpha == other.lora_alpha
 
 
+class AdapterChangedError(RuntimeError):
+    """An identity's files no longer hold what was loaded from them; `weights`: what they hold now."""
+
+    def __init__(self, ref: AdapterRef, weights: AdapterWeights):
+        super().__init__(f"adapter {ref.name!r} changed on disk since it was loaded")
+        self.ref, self.weights = ref, weights
+
+
 def refusal(name: str, error: Exception) -> LoRAResult:
     """Why a load failed, as a LoRAResult: a broken adapter must never take the caller down."""
+    if isinstance(error, CacheBusyError):
+        return LoRAResult(LoRAStatus.LOAD_BUSY, str(error))
     if isinstance(error, AdapterPathError):
         return LoRAResult(LoRAStatus.LOAD_INVALID_PATH, str(error))
     if isinstance(error, InvalidAdapterError):
@@ -65,6 +75,7 @@ class AdapterStore:
         self._sources: dict[AdapterRef, Source] = {}  # the disk tier (none for adapters built from tensors)
         self._modules: dict[AdapterRef, frozenset[str]] = {}  # module names each identity has weights for
         self._copies_bytes: dict[AdapterRef, int] = {}  # bytes of each identity's whole-module copies, any tier
+        self._digests: dict[AdapterRef, str] = {}  # what its files held when it was loaded (files.AdapterFiles)
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
 
@@ -97,8 +108,7 @@ class AdapterStore:
 
     def weights_of(self, ref: AdapterRef) -> AdapterWeights:
         """The identity's host copy (read back from disk first if it left host memory)."""
-        self._ensure_in_host(ref)
-        return self._weights[ref]
+        return self._weights[self._ensure_in_host(ref)]
 
     def modules_of(self, ref: AdapterRef) -> frozenset[str]:
         """The module names `ref` has weights for (recorded at load: no disk read, whichever tier it is in)."""
@@ -122,9 +132,9 @@ class AdapterStore:
     def read(self, name: str, source: Source) -> AdapterWeights:
         """Read and check an adapter directory into host tensors. Touches nothing of the store's, so it runs on
         a loader thread, off the step loop. Raises the reason it is refused."""
-        config, tensors = read_adapter(source.path, source.allow_pickle, source.allowed_dirs,
-                                       self.slots.max_weight_bytes(), source.lora_alpha)
-        return self._build(name, config, tensors, source.path)
+        files = read_adapter(source.path, source.allow_pickle, source.allowed_dirs, self.slots.max_weight_bytes(),
+                             source.lora_alpha)
+        return replaced(self._build(name, files.config, files.tensors, source.path), digest=files.digest)
 
     def install_read(self, name: str, source: Source, read: Callable[[], AdapterWeights], replace: bool = False,
                      pinned: bool = False) -> LoRAResult:
@@ -143,8 +153,9 @@ class AdapterStore:
         if old is not None and not replace:
             return self._load_again(old, source, pinned)
         ref = AdapterRef(name)
-        result = self._guarded_install(ref, weights, source)
-        if result and (pinned or (old is not None and self.cache.is_pinned(old))):
+        pin = pinned or (old is not None and self.cache.is_pinned(old))
+        result = self._guarded_install(ref, weights, source, park=not pin)  # a pin needs its host copy now
+        if result and pin:
             result = self._pin_or_drop(ref, old)
         if not result:
             return result
@@ -218,19 +229,33 @@ class AdapterStore:
         if old is not None:
             self._retire_later(old)
 
-    def _guarded_install(self, ref: AdapterRef, weights: AdapterWeights, source: Source | None) -> LoRAResult:
-        """Register one identity's weights; a refusal (the budgets) becomes a LoRAResult."""
+    def _guarded_install(self, ref: AdapterRef, weights: AdapterWeights, source: Source | None,
+                         park: bool = True) -> LoRAResult:
+        """Register one identity's weights; a refusal (the budgets) becomes a LoRAResult. With no room in host
+        memory now (requests in use hold it), an identity with a disk copy is parked: registered on disk only,
+        read back when its requests need it, which they wait for (the scheduler's `ready`)."""
+        parked = False
         try:
             self._check_copies_budget(ref.name, weights)
             self._apply(self.cache.add(ref, on_disk=source is not None, nbytes=weights.nbytes))
+        except CacheBusyError as e:
+            if source is None or not park:
+                return refusal(ref.name, e)
+            self.cache.register(ref, weights.nbytes)
+            parked = True
         except Exception as e:
             return refusal(ref.name, e)
-        self._weights[ref] = weights
+        if not parked:
+            self._weights[ref] = weights
         self._modules[ref] = frozenset(weights.modules)
         self._copies_bytes[ref] = weights.copies_nbytes
         self.stats["loads"] += 1
         if source is not None:
             self._sources[ref] = source
+            self._digests[ref] = weights.digest
+        if parked:
+            return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded (read into host memory when its "
+                                                  "requests need it: requests in use hold the room now)")
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded")
 
     def _build(self, name, config, tensors, path) -> AdapterWeights:
@@ -276,7 +301,7 @@ class AdapterStore:
 
     def _remove(self, ref: AdapterRef) -> None:
         self._apply(self.cache.remove(ref))
-        for record in (self._sources, self._modules, self._copies_bytes):
+        for record in (self._sources, self._modules, self._copies_bytes, self._digests):
             record.pop(ref, None)
 
     # ---- pins and tiers --------------------------------------------------------------------------
@@ -286,9 +311,9 @@ class AdapterStore:
         if ref is None:
             return LoRAResult(LoRAStatus.PIN_NAME_NONEXISTENT, f"cannot pin adapter {name!r}: it is not loaded")
         try:
-            self._ensure_in_host(ref)
+            ref = self._ensure_in_host(ref)  # a new identity, if its files had changed
             self._apply(self.cache.pin(ref))
-        except (CacheFullError, InvalidAdapterError, AdapterPathError) as e:
+        except (CacheFullError, InvalidAdapterError, AdapterPathError, AdapterChangedError) as e:
             return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
 
@@ -301,8 +326,10 @@ class AdapterStore:
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unpinned")
 
     def activate(self, ref: AdapterRef) -> int:
-        """Put the identity in a device slot (reading it from disk if it left host memory); its slot."""
-        self._ensure_in_host(ref)
+        """Put the identity in a device slot (reading it from disk if it left host memory); its slot.
+        AdapterChangedError if its files changed since: that identity can no longer be read."""
+        if self._ensure_in_host(ref) is not ref:
+            raise AdapterChangedError(ref, self._weights[self._current[ref.name]])
         slot, changes = self.cache.activate(ref)
         self._apply(changes)
         return slot
@@ -318,16 +345,42 @@ class AdapterStore:
             self._apply(changes)
         return changes is not None
 
-    def _ensure_in_host(self, ref: AdapterRef) -> None:
+    def _ensure_in_host(self, ref: AdapterRef) -> AdapterRef:
+        """The identity now in host memory for `ref`: `ref` (read back first if it had left), or, if its files
+        changed meanwhile, the new identity of its name they were loaded as (renew). AdapterChangedError if
+        they changed and could not be loaded so."""
         if ref not in self.cache:
             raise KeyError(f"adapter {ref.name!r} is not loaded")
-        if not self.cache.in_host(ref):
+        if self.cache.in_host(ref):
+            return ref
+        try:
             self.restore(ref, self.read_back(ref))
+            return ref
+        except AdapterChangedError as e:
+            renewed = self.renew(ref, e.weights)
+            new = self._current.get(ref.name)
+            if not renewed or new is None or not self.cache.in_host(new):
+                raise AdapterChangedError(ref, e.weights) from None
+            return new
 
     def read_back(self, ref: AdapterRef) -> AdapterWeights:
         """Read an identity evicted from host memory from disk again, under the rules it was loaded with (a
-        loader thread may run this; KeyError if it has no disk copy)."""
-        return self.read(ref.name, self._sources[ref])
+        loader thread may run this; KeyError if it has no disk copy). AdapterChangedError if the files no
+        longer hold what was loaded: never the old identity with new weights."""
+        weights = self.read(ref.name, self._sources[ref])
+        if weights.digest != self._digests.get(ref):
+            raise AdapterChangedError(ref, weights)
+        return weights
+
+    def renew(self, ref: AdapterRef, weights: AdapterWeights) -> LoRAResult:
+        """`ref`'s files changed on disk: what they hold now becomes a new identity of its name (as a reload in
+        place: requests that start from now run on it, with a cold prefix cache). Only while the name still
+        points to `ref`; a refusal otherwise, or if the new files do not install."""
+        if self._current.get(ref.name) is not ref:
+            return LoRAResult(LoRAStatus.LOAD_ERROR, f"adapter {ref.name!r} changed on disk since it was loaded")
+        logger.warning("adapter %r changed on disk since it was loaded (%s): loading it again as a new version",
+                       ref.name, self._sources[ref].path)
+        return self.install(ref.name, self._sources[ref], weights, replace=True)
 
     def restore(self, ref: AdapterRef, weights: AdapterWeights) -> None:
         """Put read-back weights in host memory (CacheFullError if nothing can make room now). A no-op if the

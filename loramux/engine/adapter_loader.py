@@ -1,38 +1,62 @@
 """AdapterLoader: adapter files are read on a loader thread, never on the step loop.
 
-Two kinds of read: an identity evicted from host memory that waiting requests need back (the scheduler asks
-`ready(ref)`, which starts its read; S-LoRA's prefetch of waiting requests' adapters), and a new load (a
-runtime load from the admin route). Reads run one at a time on the loader thread and touch nothing of the
-store's; what they produced is installed by the step loop between steps (`install_ready`), where the cache
-and the store change. Meanwhile every running stream keeps stepping, and a request waits in the queue until
-its adapter is in host memory.
+Two kinds of read: an identity evicted from host memory (or parked there by a load that found no room) that
+waiting requests need back (the scheduler asks `readiness(ref)`, which starts its read; S-LoRA's prefetch of
+waiting requests' adapters), and a new load (a runtime load from the admin route). Reads run one at a time on
+the loader thread and touch nothing of the store's; what they produced is installed by the step loop between
+steps (`install_ready`), where the cache and the store change. Meanwhile every running stream keeps stepping,
+and a request waits in the queue until its adapter is in host memory.
+
+Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays
+read and is installed as soon as they finish (the scheduler stops admitting new work for it when the head of
+its queue waits so: Readiness.NO_ROOM); a pinned load waits so too, up to LoRAConfig.load_timeout_s. Files
+that changed on disk since their identity was loaded become a new identity of the name (AdapterStore.renew).
+Only what can never load is an error.
 """
 from __future__ import annotations
 
+import time
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from loramux.adapters.cache import CacheFullError
+from loramux.adapters.cache import CacheBusyError, Readiness
 from loramux.adapters.names import AdapterRef
-from loramux.adapters.store import AdapterStore, Source
+from loramux.adapters.status import LoRAResult, LoRAStatus
+from loramux.adapters.store import AdapterChangedError, AdapterStore, Source
+
+
+@dataclass
+class _Load:
+    read: Future
+    args: tuple  # AdapterStore.install's: name, source, replace, pinned
+    result: Future
+    deadline: float  # a pinned load that finds no room waits until then
 
 
 class AdapterLoader:
-    def __init__(self, store: AdapterStore, max_prefetch: int):
+    def __init__(self, store: AdapterStore, max_prefetch: int, load_timeout_s: float = 60.0):
         """max_prefetch: identities read back ahead of their requests at a time (each takes host memory)."""
-        self.store, self.max_prefetch = store, max(1, max_prefetch)
+        self.store, self.max_prefetch, self.load_timeout_s = store, max(1, max_prefetch), load_timeout_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="loramux-adapter-loader")
         self._reading: dict[AdapterRef, Future] = {}  # identities read back for waiting requests
-        self._loads: list[tuple[Future, tuple, Future]] = []  # (the read, install's arguments, the result)
+        self._no_room: set[AdapterRef] = set()  # of those, read and waiting for room in host memory
+        self._loads: list[_Load] = []
 
-    def ready(self, ref: AdapterRef) -> bool:
-        """Whether `ref` is in host memory; if it is not, its read starts (if max_prefetch allows)."""
+    def readiness(self, ref: AdapterRef, first: bool = False) -> Readiness:
+        """Whether `ref` is in host memory; if it is not, its read starts (if max_prefetch allows, or always
+        for `first`: the request at the head of the queue, so the queue always moves)."""
         cache = self.store.cache
         if ref not in cache or cache.in_host(ref):
-            return True
-        if ref not in self._reading and len(self._reading) < self.max_prefetch:
+            return Readiness.READY
+        if ref in self._no_room:
+            return Readiness.NO_ROOM
+        if ref not in self._reading and (first or len(self._reading) < self.max_prefetch):
             self._reading[ref] = self._executor.submit(self.store.read_back, ref)
-        return False
+        return Readiness.READING
+
+    def ready(self, ref: AdapterRef) -> bool:
+        return self.readiness(ref) is Readiness.READY
 
     def load(self, name: str, source: Source, replace: bool = False, pinned: bool = False) -> Future:
         """A runtime load: the files are read on the loader thread; the future's LoRAResult comes once the step
@@ -42,28 +66,53 @@ class AdapterLoader:
             result.set_result(self.store.install(name, source, None, replace, pinned))
             return result
         read = self._executor.submit(self.store.read, name, source)
-        self._loads.append((read, (name, source, replace, pinned), result))
+        self._loads.append(_Load(read, (name, source, replace, pinned), result, time.monotonic() + self.load_timeout_s))
         return result
 
     def install_ready(self) -> list[tuple[AdapterRef, str]]:
-        """Between steps: install what the loader has read. Returns the identities whose read-back failed (their
-        files went away or changed), with why: their waiting requests cannot run."""
+        """Between steps: install what the loader has read. Returns the identities that can never be read back
+        (their files went away, became unreadable, or pins fill host memory), with why: their waiting requests
+        cannot run."""
         failed = []
         for ref, read in list(self._reading.items()):
             if not read.done():
                 continue
-            try:
-                self.store.restore(ref, read.result())
-            except CacheFullError:
-                continue  # the adapters in host memory are all in use: it goes in when one is not
-            except Exception as e:
-                failed.append((ref, f"adapter {ref.name!r} could not be read again: {type(e).__name__}: {e}"))
+            error = self._restore(ref, read)
+            if error is Readiness.NO_ROOM:
+                self._no_room.add(ref)
+                continue
+            self._no_room.discard(ref)
             del self._reading[ref]
-        for entry in [e for e in self._loads if e[0].done()]:
-            self._loads.remove(entry)
-            read, (name, source, replace, pinned), result = entry
-            result.set_result(self.store.install_read(name, source, read.result, replace, pinned))
+            if error is not None:
+                failed.append((ref, error))
+        for load in [entry for entry in self._loads if entry.read.done()]:
+            self._install(load)
         return failed
+
+    def _restore(self, ref: AdapterRef, read: Future) -> str | Readiness | None:
+        """Put a read-back identity in host memory: None when done, NO_ROOM while requests in use hold the room,
+        or why it never can."""
+        try:
+            self.store.restore(ref, read.result())
+        except CacheBusyError:
+            return Readiness.NO_ROOM
+        except AdapterChangedError as e:  # its requests start on the new identity of its name instead
+            renewed = self.store.renew(ref, e.weights)
+            return None if renewed else f"{e}, and could not be loaded again: {renewed.message}"
+        except Exception as e:  # gone, unreadable, or host memory full of pinned adapters
+            return f"adapter {ref.name!r} could not be read again: {type(e).__name__}: {e}"
+        return None
+
+    def _install(self, load: _Load) -> None:
+        name, source, replace, pinned = load.args
+        result = self.store.install_read(name, source, load.read.result, replace, pinned)
+        if result.status is LoRAStatus.LOAD_BUSY:
+            if time.monotonic() < load.deadline:
+                return  # a pinned load: tried again between the next steps
+            result = LoRAResult(LoRAStatus.LOAD_BUSY, f"{result.message}; waited {self.load_timeout_s:g} s "
+                                                      "(--lora-load-timeout)")
+        self._loads.remove(load)
+        load.result.set_result(result)
 
     @property
     def busy(self) -> bool:
@@ -72,12 +121,16 @@ class AdapterLoader:
     @property
     def pending(self) -> list[Future]:
         """The reads started and not installed yet (done or not)."""
-        return [*self._reading.values(), *(read for read, _, _ in self._loads)]
+        return [*self._reading.values(), *(load.read for load in self._loads)]
 
     def wait(self, timeout_s: float) -> None:
-        """Block until a read finishes, for timeout_s at most (an idle step loop must not spin)."""
-        if pending := self.pending:
-            futures.wait(pending, timeout_s, futures.FIRST_COMPLETED)
+        """Block until a read finishes, or for timeout_s (an idle step loop must not spin, also while what was
+        read waits for room)."""
+        reading = [f for f in self.pending if not f.done()]
+        if reading:
+            futures.wait(reading, timeout_s, futures.FIRST_COMPLETED)
+        elif self.pending:
+            time.sleep(timeout_s)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -6,8 +6,12 @@ is mixed instead: every decoding request, then chunks of the prompts being prefi
 ones, shortest remaining prompt first, up to max_num_batched_tokens (and the engine's bound on the prompt
 tokens of a step that decodes); each sequence's `span` says which of its tokens run. On top of that, the adapter rule: the adapters of running requests plus the pinned
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
-each adapter there needs its own device slot. A request whose adapter has no slot is skipped, not
-blocking, until it has been passed over max_wait_steps times; then it goes first (age bound).
+each adapter there needs its own device slot. A request whose adapter has no slot, or is not in host memory
+yet, is skipped, not blocking, until it has been passed over max_wait_steps times; then it goes first (age
+bound): the step admits nothing else until it has a slot, and while its adapter waits for room in host memory
+that requests in use hold, nothing else that would take more of that room (only requests that already hold
+their identity, and base-model ones) — so the room comes as running requests finish, and the head of the
+queue always moves.
 
 Adapters: a request names one; when it is admitted the name is resolved to the adapter's current identity
 (an AdapterRef, one per load) and the request runs on that identity to the end, through preemptions. While
@@ -24,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from loramux.adapters.cache import AdapterCache
+from loramux.adapters.cache import AdapterCache, Readiness
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import Sequence, SequenceStatus
@@ -58,6 +62,7 @@ class _Verdict(enum.Enum):
     NO_SLOT = "no slot"  # only the adapter rule: skip, later requests may fit
     IN_FLIGHT = "in flight"  # another request is computing its prefix's blocks: it waits to share them
     NOT_READY = "not ready"  # its adapter is being read back into host memory (off the step loop)
+    NO_HOST_ROOM = "no host room"  # its adapter is read, and waits for room in host memory
 
 
 @dataclass
@@ -82,11 +87,11 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None = None,
                  current: Callable[[str], Hashable | None] | None = None,
-                 ready: Callable[[Hashable], bool] | None = None):
+                 ready: Callable[[Hashable, bool], Readiness] | None = None):
         """adapters: the engine's AdapterCache (None: base model only); current(name): the identity requests
-        for `name` start on now, None once it is unloaded (the adapter store's); ready(identity): whether it
-        is in host memory — if not, its read starts, off the step loop (the engine's AdapterLoader; None:
-        always ready)."""
+        for `name` start on now, None once it is unloaded (the adapter store's); ready(identity, first): where
+        it stands — if not in host memory, its read starts, off the step loop (first: for the head of the
+        queue, past any prefetch limit; the engine's AdapterLoader.readiness; None: always ready)."""
         self.block_manager = block_manager
         self.adapters, self.current, self.ready = adapters, current, ready
         self.max_num_seqs = config.max_num_seqs
@@ -225,25 +230,31 @@ class Scheduler:
         prefill): tokens left in this step; an admitted request needs one of them, not its whole prompt."""
         step = _Pass(needed=self.running_adapters() | self._pinned())
         step.budget = budget
+        started_only = False
         while (head := self._head_of_line()) is not None:
-            verdict = self._try_admit(head, step)
+            verdict = self._try_admit(head, step, first=True)
             if verdict in (_Verdict.IN_FLIGHT, _Verdict.NOT_READY):
                 break  # it waits for its prefix or its adapter a step or two: the others go on meanwhile
+            if verdict is _Verdict.NO_HOST_ROOM:
+                started_only = True  # the room it waits for comes as running requests finish
+                break
             if verdict is not _Verdict.ADMITTED:
                 # Hold everything else back so running requests drain and free a slot for its adapter.
                 return step.admitted
         for seq in list(self.waiting):
+            if started_only and seq.adapter is not None and seq.adapter_ref is None:
+                continue
             verdict = self._try_admit(seq, step)
             if verdict is _Verdict.NO_ROOM:
                 break
-            if verdict is _Verdict.NO_SLOT:
+            if verdict in (_Verdict.NO_SLOT, _Verdict.NOT_READY, _Verdict.NO_HOST_ROOM):
                 step.skipped.append(seq)
         if step.admitted:
             for seq in step.skipped:
                 seq.waited_steps += 1
         return step.admitted
 
-    def _try_admit(self, seq: Sequence, step: _Pass) -> _Verdict:
+    def _try_admit(self, seq: Sequence, step: _Pass, first: bool = False) -> _Verdict:
         ref = self._ref(seq)
         salt = b"base" if ref is None else repr(ref).encode()  # its K/V are this identity's alone
         if salt != seq.cache_salt:  # its name moved to another identity since it was last looked at
@@ -253,8 +264,9 @@ class Scheduler:
             return _Verdict.NO_ROOM
         if ref is not None and not self._slot_fits(ref, step.needed):
             return _Verdict.NO_SLOT
-        if ref is not None and self.ready is not None and not self.ready(ref):
-            return _Verdict.NOT_READY
+        readiness = Readiness.READY if ref is None or self.ready is None else self.ready(ref, first)
+        if readiness is not Readiness.READY:
+            return _Verdict.NO_HOST_ROOM if readiness is Readiness.NO_ROOM else _Verdict.NOT_READY
         if self.block_manager.in_flight(seq):
             return _Verdict.IN_FLIGHT
         self.waiting.remove(seq)
@@ -335,7 +347,7 @@ class Scheduler:
         for seq in itertools.islice(self.waiting, self.max_num_seqs):
             ref = self._ref(seq)
             if ref is not None:
-                self.ready(ref)
+                self.ready(ref, False)
 
     def fail_waiting_on(self, ref: Hashable) -> list[Sequence]:
         """Finish (with "error") the waiting requests that would run on `ref`: it cannot be read any more."""

@@ -287,7 +287,7 @@ class APIServer:
             choices = new_choices(requests, self.tokenizer, discard)
             timers = self.timers(choices)
             try:
-                await _until_disconnected(raw, self._drain(stream, choices, timers))
+                await until_disconnected(raw, self._drain(stream, choices, timers))
             finally:
                 await stream.close()
         finally:
@@ -310,6 +310,8 @@ class APIServer:
         the pin of the adapter it replaces)."""
         dirs = self.config.allowed_adapter_dirs if allowed_dirs is None else tuple(allowed_dirs)
         result = await self._control(LoadAdapter(0, name, path, dirs, pinned, replace))
+        if result.status is LoRAStatus.LOAD_BUSY:  # a pinned load that found no room within --lora-load-timeout
+            raise HTTPError(503, result.message, "service_unavailable", "adapter_busy", {"Retry-After": "5"})
         if result.status is not LoRAStatus.SUCCESS:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
@@ -396,7 +398,7 @@ def work_tokens(request: AddRequest) -> int:
     return weight * len(request.prompt_token_ids) + request.params.max_tokens
 
 
-async def _until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:
+async def until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:
     """Run `work`; cancel it if the client disconnects first (Starlette does not, for a plain response)."""
     task = asyncio.ensure_future(work)
     try:

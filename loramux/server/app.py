@@ -26,7 +26,7 @@ from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.api_server import APIServer, ShuttingDown
+from loramux.server.api_server import APIServer, ShuttingDown, until_disconnected
 from loramux.logprobs import Logprobs
 from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.wire import PauseMode
@@ -370,13 +370,18 @@ class ChatChunks(_Chunks):
 
 
 async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> StreamingResponse:
-    """Admission and the engine requests happen before the response starts (a refusal is a plain HTTP
-    error); after that, an error ends the stream with finish_reason "error" (or "abort") on every unfinished
-    choice, then an error event, then [DONE]."""
+    """Admission, the engine requests and their first output happen before the response starts: a refusal
+    (the adapter unloaded before the request started: 404, as a plain request gets) is a plain HTTP error.
+    After that, an error ends the stream with finish_reason "error" (or "abort") on every unfinished choice,
+    then an error event, then [DONE]."""
     ticket = server.admit(requests, raw)
+    stream = None
     try:
         stream = await server.client.generate(requests)
+        await until_disconnected(raw, _refused_before_start(stream))
     except BaseException:
+        if stream is not None:
+            await stream.close()
         server.admission.release(ticket)
         raise
     choices = new_choices(requests, server.tokenizer, chunks.discard)
@@ -411,6 +416,14 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _refused_before_start(stream) -> None:
+    """HTTPError if the engine's first output for these requests refuses one (it never started)."""
+    first = await stream.peek()
+    if first is not None and first.finish_reason == "error" and first.status and not first.new_token_ids:
+        raise HTTPError(first.status, first.error or "the request was refused",
+                        "not_found_error" if first.status == 404 else "invalid_request_error")
 
 
 def _event(data: dict) -> str:

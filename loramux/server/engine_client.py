@@ -95,11 +95,24 @@ class OutputStream:
     def __init__(self, client: EngineClient, request_ids: list[str]):
         self.client, self.queue = client, asyncio.Queue()
         self.open_ids = set(request_ids)
+        self._head: CoreOutput | None = None  # read by peek, not yet by iteration
 
     def __aiter__(self):
         return self
 
+    async def peek(self) -> CoreOutput | None:
+        """The next output, which iteration then yields too (None: there is none)."""
+        if self._head is None:
+            try:
+                self._head = await self.__anext__()
+            except StopAsyncIteration:
+                return None
+        return self._head
+
     async def __anext__(self) -> CoreOutput:
+        if self._head is not None:
+            head, self._head = self._head, None
+            return head
         while self.open_ids:
             item = await self.queue.get()
             if isinstance(item, Exception):

@@ -8,13 +8,17 @@ server (api_server.py) and the Ray Serve ingress. No torch.
   queue behind other tenants' copies); the load is the engine's, read off its step loop.
 - A name no resolver knows: 404, naming the resolvers asked. An adapter found that does not load (broken,
   unsupported, outside its resolver's directory): 400 with the engine's reason, answered again without a
-  second read for FAILURE_TTL_S (a client retrying a broken adapter costs nothing), then tried afresh.
+  second read for FAILURE_TTL_S (a client retrying a broken adapter costs nothing), then tried afresh. The
+  refusal is remembered under the name and under the directory it resolved to (another name for the same
+  files is not read again either), for at most MAX_FAILURES entries. Only a refusal is remembered: a load
+  never fails for want of room (the engine parks it until its requests need it).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +29,7 @@ from loramux.server.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 FAILURE_TTL_S = 10.0
+MAX_FAILURES = 4096
 # Resolvers wait on stores and networks, not on the CPU: as many copies at once as cold names (asyncio's default
 # pool, cpu_count + 4 threads, made 32 cold names wait behind each other's copies on 2 cores).
 RESOLVE_THREADS = 64
@@ -38,13 +43,48 @@ def build_resolvers(config: ServerConfig) -> list:
                            plugins=config.lora_resolver_plugins)
 
 
+class _Failures:
+    """Refusals by key (a name, or the directory one resolved to), each for ttl_s; at most `limit` of them,
+    the oldest dropped first, and the expired ones whenever one is added."""
+
+    def __init__(self, ttl_s: float = FAILURE_TTL_S, limit: int = MAX_FAILURES):
+        self.ttl_s, self.limit = ttl_s, limit
+        self._entries: OrderedDict[str, tuple[float, str]] = OrderedDict()  # key -> (when, the engine's reason)
+
+    def get(self, key: str) -> str | None:
+        entry = self._entries.get(key)
+        if entry is not None and time.monotonic() - entry[0] < self.ttl_s:
+            return entry[1]
+        return None
+
+    def add(self, keys: tuple[str, ...], reason: str) -> None:
+        now = time.monotonic()
+        for key in keys:
+            self._entries.pop(key, None)
+            self._entries[key] = (now, reason)
+        while self._entries and (len(self._entries) > self.limit
+                                 or now - next(iter(self._entries.values()))[0] >= self.ttl_s):
+            self._entries.popitem(last=False)
+
+    def forget(self, keys: tuple[str, ...]) -> None:
+        for key in keys:
+            self._entries.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _refused(name: str, path: str, reason: str) -> HTTPError:
+    return HTTPError(400, f"adapter '{name}' (resolved to {path}) does not load: {reason}", code="invalid_adapter")
+
+
 class OnDemand:
     def __init__(self, config: ServerConfig, install: Install):
         """install(name, resolved): load and register it (HTTPError with the refusal if it does not load)."""
         self.resolvers = build_resolvers(config)
         self._install = install
         self._pending: dict[str, asyncio.Future] = {}
-        self._failed: dict[str, tuple[float, HTTPError]] = {}
+        self.failed = _Failures()
         self._pool = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="loramux-resolve")  # threads made as needed
 
     def __bool__(self) -> bool:
@@ -55,9 +95,8 @@ class OnDemand:
         adapter name or no resolver has it, the refusal if it does not load."""
         if not self.resolvers:
             raise model_not_found(name)
-        failed = self._failed.get(name)
-        if failed is not None and time.monotonic() - failed[0] < FAILURE_TTL_S:
-            raise failed[1]
+        if (reason := self.failed.get(name)) is not None:
+            raise HTTPError(400, reason, code="invalid_adapter")
         future = self._pending.get(name)
         if future is None:
             future = self._pending[name] = asyncio.ensure_future(self._resolve_and_install(name, base_model))
@@ -78,13 +117,16 @@ class OnDemand:
         if found is None:
             raise model_not_found(name, f" It is not registered, and no adapter resolver has it "
                                         f"({resolvers.describe(self.resolvers)}).")
+        if (reason := self.failed.get(found.path)) is not None:  # the same files under another name
+            raise _refused(name, found.path, reason)
         logger.info("adapter %r resolved to %s; loading it", name, found.path)
         try:
             await self._install(name, found)
         except HTTPError as e:
-            if e.status_code == 400:
-                e = HTTPError(400, f"adapter '{name}' (resolved to {found.path}) does not load: {e.message}",
-                              code=e.code or "invalid_adapter")
-                self._failed[name] = (time.monotonic(), e)
-            raise e from None
-        self._failed.pop(name, None)
+            if e.status_code != 400:
+                raise
+            refused = _refused(name, found.path, e.message)
+            self.failed.add((found.path,), e.message)
+            self.failed.add((name,), refused.message)
+            raise refused from None
+        self.failed.forget((name, found.path))

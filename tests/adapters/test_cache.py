@@ -2,7 +2,7 @@
 adapter identities; any hashable stands in for one here.)"""
 import pytest
 
-from loramux.adapters.cache import AdapterCache, AdapterInUseError, CacheFullError, SlotUpdate
+from loramux.adapters.cache import AdapterCache, AdapterInUseError, CacheBusyError, CacheFullError, SlotUpdate
 
 
 def run(cache: AdapterCache, steps: str):
@@ -56,13 +56,14 @@ def test_tiers(max_loras, max_cpu, steps, active, in_host):
     "max_loras, max_cpu, steps, error, words",
     [
         (2, 4, "add a, add b, add c, pin a, pin b, activate c", CacheFullError, ["'c'", "max_loras=2", "pinned"]),
-        (1, 4, "add a, add b, acquire a, activate a, activate b", CacheFullError, ["'b'", "in-use"]),
+        (1, 4, "add a, add b, acquire a, activate a, activate b", CacheBusyError, ["'b'", "in-use"]),
         (2, 4, "pin ghost", KeyError, ["ghost", "not loaded"]),
         (2, 4, "activate ghost", KeyError, ["ghost"]),
-        (1, 1, "add a, pin a, add b", CacheFullError, ["'b'", "max_cpu_loras=1"]),
+        (1, 1, "add a, pin a, add b", CacheFullError, ["'b'", "max_cpu_loras=1", "(a) are pinned"]),
         (2, 4, "add a, acquire a, remove a", AdapterInUseError, ["'a'", "1 request"]),
         (2, 4, "add a, hold a, remove a", AdapterInUseError, ["'a'", "1 request"]),
-        (1, 1, "add a, hold a, add b", CacheFullError, ["'b'", "in use by requests"]),
+        (1, 1, "add a, hold a, add b", CacheBusyError, ["'b'", "waits for room", "requests are using a"]),
+        (2, 2, "add a, pin a, add b, acquire b, add c", CacheBusyError, ["'c'", "requests are using b"]),
         (2, 4, "add a, unhold a", RuntimeError, ["'a'", "unheld"]),
         (2, 4, "add a, acquire a, deactivate a", AdapterInUseError, ["'a'"]),
         (1, 2, "add a, add b, add c, activate a", KeyError, ["'a'", "not in host memory"]),
@@ -74,6 +75,7 @@ def test_refusals_name_their_cause(max_loras, max_cpu, steps, error, words):
     cache = AdapterCache(max_loras, max_cpu)
     with pytest.raises(error) as err:
         run(cache, steps)
+    assert type(err.value) is error  # waiting helps for CacheBusyError only
     for word in words:
         assert word in str(err.value)
 

@@ -33,13 +33,15 @@ def test_parse_adapter_arg_refuses_empty_parts_and_unusable_paths(arg):
         parse_adapter_arg(arg)
 
 
-@pytest.mark.parametrize("name", ["pirate", "org/adapter-v1.2", "a_b:c@d+e", "7"])
+@pytest.mark.parametrize("name", ["pirate", "org/adapter-v1.2", "a_b:c@d+e", "7", "a0.", "acme/legal/v.2"])
 def test_adapter_names_allowed(name):
     assert check_adapter_name(name) == name
 
 
 @pytest.mark.parametrize("name", ["", "x=/elsewhere/e", "a,b", "a b", "tab\t", "nul\x00", "/abs", "../up", "a/../b",
-                                  ".hidden", "~home", "é", "x" * 129, 5, None])
+                                  ".hidden", "~home", "é", "x" * 129, 5, None,
+                                  # spellings of another name's path: one canonical name per adapter
+                                  "a0/.", "a0/", "a0//", "acme/./legal", "acme//legal", "a0/./", "acme/legal/."])
 def test_adapter_names_refused(name):
     with pytest.raises(InvalidAdapterNameError, match="adapter name"):
         check_adapter_name(name)
@@ -323,6 +325,50 @@ def test_files_are_resolved_inside_the_allowed_dirs_one_by_one(adapter, tmp_path
     with pytest.raises(AdapterPathError, match="adapter_config.json resolves to"):
         read_adapter_dir(str(inside), allowed_dirs=(str(allowed),))
     assert read_adapter_dir(str(outside))[1]  # no rule given: read as before
+
+
+@pytest.mark.parametrize("swapped", ["file", "directory"])
+def test_a_file_swapped_for_a_symlink_after_its_check_is_not_read(adapter, tmp_path, monkeypatch, swapped):
+    """Check, then open by path: a weights file (or the adapter's directory) replaced by a symlink out of the
+    allowed directory between the check and the open is refused, never read (it is opened once, O_NOFOLLOW,
+    and where the opened file really is is checked)."""
+    from loramux.adapters import files
+
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    inside = allowed / "pirate"
+    shutil.copytree(adapter, inside)
+    shutil.copytree(adapter, outside)
+    real_resolve = files._resolve
+
+    def resolve_then_swap(file, allowed_dirs):
+        real = real_resolve(file, allowed_dirs)
+        if file.endswith("adapter_model.safetensors") and not os.path.islink(inside):
+            if swapped == "file":
+                os.remove(real)
+                os.symlink(outside / "adapter_model.safetensors", real)
+            else:
+                os.rename(inside, allowed / "moved")
+                os.symlink(outside, inside)
+        return real
+
+    monkeypatch.setattr(files, "_resolve", resolve_then_swap)
+    with pytest.raises(AdapterPathError, match="cannot be opened as the file it was checked|outside the allowed"):
+        read_adapter_dir(str(inside), allowed_dirs=(str(allowed),))
+
+
+def test_a_config_is_read_up_to_a_size_cap_and_a_fifo_is_not_waited_on(adapter, tmp_path):
+    big = shutil.copytree(adapter, tmp_path / "big")
+    (big / "adapter_config.json").write_text('{"r": 8' + " " * (2 << 20) + "}")
+    with pytest.raises(InvalidAdapterError, match="adapter_config.json is 2097160 bytes; a PEFT config takes at most"):
+        read_adapter_dir(str(big))
+    fifo = shutil.copytree(adapter, tmp_path / "fifo")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        os.remove(fifo / name)
+        os.mkfifo(fifo / name)  # nothing ever writes it: an open that waited would hang here
+        with pytest.raises(AdapterPathError, match="is not a regular file"):
+            read_adapter_dir(str(fifo))
+        os.remove(fifo / name)
+        shutil.copy(f"{adapter}/{name}", fifo / name)
 
 
 def test_a_weights_file_larger_than_any_adapter_for_the_model_is_refused_unread(adapter, tmp_path):

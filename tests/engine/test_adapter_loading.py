@@ -40,21 +40,25 @@ def test_no_adapter_is_read_on_the_step_loop(checkpoints, reads):  # noqa: F811
 
 
 def test_running_streams_keep_stepping_while_an_adapter_is_read(checkpoints, monkeypatch):  # noqa: F811
+    """The read of "hot" is held open (a slow store) until "other" has streamed 5 tokens: the step loop never
+    waits for it, whatever the machine's speed."""
     _, path, adapters = checkpoints["llama"]
     llm = make_llm(path, {"hot": adapters["r4"], "cold": adapters["r8_rslora"], "other": adapters["r16_patterns"]},
                    lora=LoRAConfig(max_loras=1, max_cpu_loras=2, max_lora_rank=64))
-    engine, real = llm.engine, AdapterStore.read
+    engine, real, streamed = llm.engine, AdapterStore.read, threading.Event()
 
     def slow_read(self, name, source):
-        time.sleep(0.5)  # a network store
+        assert streamed.wait(60), "the step loop did not stream while the adapter was read"
         return real(self, name, source)
 
     monkeypatch.setattr(AdapterStore, "read", slow_read)
     assert not engine.adapters.cache.in_host(engine.adapters.resolve("hot"))  # evicted by the later loads
-    engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "other")
+    other = engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "other")
     engine.step()
     cold = engine.add_request([5, 6, 7], PARAMS, "hot")
-    started, steps = time.monotonic(), 0
+    tokens = 1
     while engine.core.sequence(cold).adapter_ref is None:
-        steps += len(engine.step())
-    assert time.monotonic() - started >= 0.5 and steps >= 5  # "other" streamed tokens while "hot" was read
+        tokens = max([tokens] + [len(o.token_ids) for o in engine.step() if o.request_id == other])
+        if tokens >= 5:
+            streamed.set()  # only now may the read finish
+    assert streamed.is_set()  # "other" streamed 5 tokens while "hot" was being read

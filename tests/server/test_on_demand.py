@@ -54,9 +54,11 @@ def plugin(monkeypatch):
 class Installs:
     def __init__(self, refuse: set = frozenset()):
         self.done: list[tuple[str, str]] = []
+        self.tried: list[str] = []
         self.refuse = refuse
 
     async def __call__(self, name, found):
+        self.tried.append(name)
         await asyncio.sleep(0.05)
         if name in self.refuse:
             raise HTTPError(400, "lora_B has the wrong shape", code="invalid_adapter")
@@ -120,14 +122,41 @@ def test_a_refused_adapter_is_400_and_remembered_a_short_while(tmp_path, plugin,
         first = await attempt(demand, "broken")
         again = await attempt(demand, "broken")  # answered from memory
         fine = await attempt(demand, "fine")  # the others are not affected
-        monkeypatch.setattr(on_demand, "FAILURE_TTL_S", 0.0)
+        demand.failed.ttl_s = 0.0
         later = await attempt(demand, "broken")  # tried afresh once the memory expires
         return first, again, fine, later
 
     first, again, fine, later = asyncio.run(main())
     assert first.status_code == 400 and "wrong shape" in first.message and "resolved to" in first.message
-    assert again is first and fine is None and later.status_code == 400
-    assert resolver.calls == ["broken", "fine", "broken"]
+    assert again.message == first.message and fine is None and later.status_code == 400
+    assert resolver.calls == ["broken", "fine", "broken"] and installs.done == [("fine", installs.done[0][1])]
+
+
+def test_another_name_for_the_files_of_a_refused_adapter_is_not_read_again(tmp_path, plugin):
+    """The refusal is remembered by the directory a name resolved to too (here a resolver with two names for
+    one directory); the memory is bounded and drops expired entries."""
+    broken = adapter_dir(tmp_path / "broken")
+    installs = Installs(refuse={"broken", "alias"})
+
+    async def main():
+        demand = on_demand.OnDemand(plugin(Counting({"broken": broken, "alias": broken})), installs)
+        errors = []
+        for name in ("broken", "alias", "alias"):
+            with pytest.raises(HTTPError) as e:
+                await demand.load(name, "base")
+            errors.append(e.value)
+        return demand, errors
+
+    demand, errors = asyncio.run(main())
+    assert [e.status_code for e in errors] == [400] * 3 and "'alias'" in errors[1].message
+    assert "wrong shape" in errors[1].message and installs.tried == ["broken"]  # one read for both names
+    memory = on_demand._Failures(ttl_s=60, limit=3)
+    for i in range(10):
+        memory.add((f"n{i}",), "no")
+    assert len(memory) == 3 and memory.get("n9") == "no" and memory.get("n0") is None
+    memory.ttl_s = 0.0
+    memory.add(("fresh",), "no")
+    assert len(memory) == 0  # every entry had expired, the new one too
 
 
 def test_a_failing_resolver_is_a_server_error_not_a_crash(tmp_path, plugin):

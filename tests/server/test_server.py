@@ -14,7 +14,7 @@ import pytest
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
 from support.serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, metric, openai_client,
-                     start_server, stop)
+                     start_server, stop, wait_until)
 
 KEY = "test-key"
 
@@ -507,6 +507,24 @@ def test_pause_abort_and_wait_over_http(http, client, offline):
     assert first + "".join(c.choices[0].text for c in rest) == offline("w", "s2", max_tokens=40, ignore_eos=True)
     assert rest[-1].choices[0].finish_reason == "length"
     assert http.post("/resume").status_code == 200 and http.get("/is_paused").json() == {"is_paused": False}
+
+
+def test_a_stream_for_an_adapter_unloaded_before_it_starts_gets_404_not_200(files, http, client):
+    """The same 404 a plain request gets: the stream's first output is awaited before its headers go out. The
+    request is held by a pause while its adapter is unloaded, so it cannot start first."""
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": f"{files['allowed']}/new"}).status_code == 200
+    assert http.post("/pause", params={"mode": "keep", "clear_cache": False}).status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            stream = pool.submit(lambda: list(client.completions.create(model="y", prompt="w", max_tokens=4,
+                                                                         stream=True)))
+            wait_until(lambda: metric(http.base_url, "loramux:num_requests_waiting", http.headers) == 1, 60,
+                       "the engine holds the request")
+            assert http.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
+        finally:
+            assert http.post("/resume").status_code == 200
+        with pytest.raises(openai.NotFoundError, match="y"):
+            stream.result(timeout=60)
 
 
 def test_prefix_cache_usage_metrics_and_reset(server, http, client):

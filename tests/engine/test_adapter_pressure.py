@@ -1,0 +1,134 @@
+"""The adapter tiers under pressure and under change: a load into a host tier full of adapters in use waits
+instead of failing, the head of the queue always gets its adapter in, and files that changed on disk are a
+new version of the adapter (fresh weights, a cold prefix cache), never the old identity with new weights."""
+import shutil
+
+import pytest
+
+from loramux import LoRAConfig, SamplingParams
+from loramux.adapters.status import LoRAStatus
+from test_llm import checkpoints, make_llm, prompts  # noqa: F401  (the module fixture)
+
+PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+def alone(path, adapter_dir, prompt, params=PARAMS):
+    """The tokens of `prompt` on a fresh engine with only this adapter: the oracle."""
+    llm = make_llm(path, {"x": adapter_dir})
+    return llm.generate([prompt], params, adapters=["x"], use_tqdm=False)[0].token_ids
+
+
+def copy_over(src, dst):
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(f"{src}/{name}", f"{dst}/{name}")
+
+
+def run_until_done(engine, request_ids, max_steps=2000):
+    """Step until every request in `request_ids` has finished; their outputs by id."""
+    done = {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.request_id in request_ids and out.finished:
+                done[out.request_id] = out
+        if set(done) == set(request_ids):
+            return done
+        engine.core.loader.wait(0.01) if engine.core.loading else None
+    raise AssertionError(f"not finished after {max_steps} steps: {set(request_ids) - set(done)}")
+
+
+def test_files_changed_on_disk_are_a_new_version_with_a_cold_prefix_cache(checkpoints, tmp_path):  # noqa: F811
+    _, path, adapters = checkpoints["llama"]
+    upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
+    llm = make_llm(path, {"upd": upd, "other": adapters["r8_rslora"]},
+                   lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+    store, blocks = llm.engine.adapters.store, llm.engine.core.block_manager
+    prompt = prompts(1, seed=3)[0] * 5  # several full blocks: a second request reads them from the prefix cache
+    first = llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids
+    hits = blocks.hits
+    assert llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids == first
+    assert blocks.hits > hits  # the prefix cache holds upd's blocks
+    old = store.current("upd")
+    copy_over(adapters["r16_patterns"], upd)
+    llm.generate([prompt], PARAMS, adapters=["other"], use_tqdm=False)  # pushes upd out of host memory
+    assert not store.cache.in_host(old)
+    hits = blocks.hits
+    got = llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids
+    assert got == alone(path, adapters["r16_patterns"], prompt) != first  # the files as they are now
+    assert blocks.hits == hits  # and none of the old version's cached blocks
+    assert store.current("upd") != old and old not in store  # a new version; the old one is gone
+
+
+def test_changed_files_that_no_longer_load_fail_their_requests_with_the_reason(checkpoints, tmp_path):  # noqa: F811
+    _, path, adapters = checkpoints["llama"]
+    upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
+    llm = make_llm(path, {"upd": upd, "other": adapters["r8_rslora"]},
+                   lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+    (upd / "adapter_model.safetensors").write_bytes(b"not safetensors")  # upd is not in host memory now
+    out = llm.generate([[5, 6, 7]], PARAMS, adapters=["upd"], use_tqdm=False)[0]
+    assert out.finish_reason == "error" and "not a safetensors file" in out.error
+
+
+def test_a_load_into_a_host_tier_full_of_adapters_in_use_waits_instead_of_failing(checkpoints):  # noqa: F811
+    """max_cpu_loras=1 and "a" running: a runtime load of "c" used to be refused (400); now it is registered at
+    once and read into host memory when "a"'s request is done, and "c"'s request gets c's tokens."""
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, {"a": adapters["r4"]}, lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+    engine = llm.engine
+    running = engine.add_request([5, 6, 7], LONG, "a")
+    engine.step()
+    loaded = engine.core.load_adapter_async("c", adapters["r16_patterns"])
+    while not loaded.done():
+        engine.step()
+        engine.core.loader.wait(0.01)
+    assert loaded.result().status is LoRAStatus.SUCCESS, loaded.result()
+    assert "requests in use hold the room" in loaded.result().message
+    c = engine.add_request([9, 8, 7], PARAMS, "c")
+    done = run_until_done(engine, {running, c})
+    assert done[c].finish_reason == "length" and done[c].token_ids == alone(path, adapters["r16_patterns"], [9, 8, 7])
+    assert done[running].token_ids == alone(path, adapters["r4"], [5, 6, 7], LONG)
+
+
+def test_a_pinned_load_waits_for_room_and_a_tier_of_pins_is_a_clear_error(checkpoints):  # noqa: F811
+    _, path, adapters = checkpoints["llama"]
+    llm = make_llm(path, {"a": adapters["r4"]}, lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+    engine = llm.engine
+    running = engine.add_request([5, 6, 7], LONG, "a")
+    engine.step()
+    pinned = engine.core.load_adapter_async("p", adapters["r8_rslora"], pinned=True)
+    finished = set()
+    for _ in range(2000):
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if pinned.done():
+            break
+        engine.core.loader.wait(0.01)
+    assert pinned.result().status is LoRAStatus.SUCCESS and engine.adapters.pinned == ["p"]
+    assert running in finished  # it waited for "a"'s request to end
+    blocked = engine.core.load_adapter_async("q", adapters["r16_patterns"], pinned=True)
+    while not blocked.done():
+        engine.step()
+        engine.core.loader.wait(0.01)
+    result = blocked.result()  # at once: waiting for requests would not help
+    assert result.status is LoRAStatus.LOAD_ERROR and "'q'" in result.message and "(p) are pinned" in result.message
+
+
+def test_the_head_of_the_queue_gets_its_adapter_in_while_others_keep_arriving(checkpoints):  # noqa: F811
+    """Host memory holds 2 adapters, both kept in use by a steady stream of requests; a request for a third
+    adapter reaches the head of the queue and gets it in (new work for the others waits meanwhile)."""
+    _, path, adapters = checkpoints["llama"]
+    names = {"a": adapters["r4"], "b": adapters["r8_rslora"], "c": adapters["r16_patterns"]}
+    llm = make_llm(path, names, lora=LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=64), max_wait_steps=4)
+    engine = llm.engine
+    assert not engine.adapters.cache.in_host(engine.adapters.resolve("a"))  # "c" and "b" are in: "a" must come back
+    busy = [engine.add_request([5, 6, 7], LONG, name) for name in ("b", "c")]
+    engine.step()
+    cold = engine.add_request([4, 4, 4], PARAMS, "a")
+    for step in range(3000):
+        for out in engine.step():
+            if out.request_id == cold and out.finished:
+                assert out.token_ids == alone(path, adapters["r4"], [4, 4, 4])
+                return
+        if step % 2 == 0:  # keep "b" and "c" in use: a new request for each, every other step
+            busy += [engine.add_request([5, 6, 7], LONG, name) for name in ("b", "c")]
+        engine.core.loader.wait(0.001) if engine.core.loading else None
+    pytest.fail("the request for the adapter that was not in host memory never ran")
