@@ -29,6 +29,7 @@ import zmq.asyncio
 
 from loramux.config import EngineConfig
 from loramux.engine.output import CoreOutput
+from loramux.server import prctl
 from loramux.server.engine_process import run_engine
 from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
                                  ControlFailed, EngineStats, GetStats, Outputs, Pause, PauseState, PrefixCacheReset,
@@ -201,8 +202,9 @@ class EngineClient:
         return self.dead_reason is None and self.engine is not None and self.engine.process.is_alive()
 
     def health(self) -> str | None:
-        """None when healthy, else why not (dead, restarting, or no heartbeat)."""
-        if not self.alive:
+        """None when healthy, else why not (dead, restarting, or no heartbeat). Read off the process itself,
+        not the watcher's last look: a killed engine is reported before the watcher or waitpid sees it gone."""
+        if not self.alive or prctl.exiting(self.engine.process.pid):
             return self.dead_reason or "the engine process is not running"
         age = self.engine.heartbeat_age()
         if age > self.supervision.unresponsive_s:

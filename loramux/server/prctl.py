@@ -1,11 +1,13 @@
-"""Linux process controls for the server's processes (no-ops elsewhere): die with the parent, and a name that
-`ps -o comm`, `top` and /proc/PID/comm show (loramux-http, loramux-engine, loramux-grammar)."""
+"""Linux process controls for the server's processes (no-ops elsewhere): die with the parent, a name that
+`ps -o comm`, `top` and /proc/PID/comm show (loramux-http, loramux-engine, loramux-grammar), and whether a
+process is on its way out."""
 from __future__ import annotations
 
 import signal
 import sys
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15
+_PF_EXITING = 0x4  # linux/sched.h: the task is in do_exit
 
 
 def _prctl(option: int, value) -> None:
@@ -26,3 +28,16 @@ def set_name(name: str) -> None:
         import ctypes
 
         _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def exiting(pid: int) -> bool:
+    """Whether the process is dying or dead as the kernel sees it now: exiting (a killed process can spend a
+    while freeing its memory before waitpid reports it), a zombie, or gone. False where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after "pid (comm)": state, ppid, ..., flags (9th)
+    except FileNotFoundError:
+        return sys.platform == "linux"
+    except OSError:
+        return False
+    return fields[0] in (b"Z", b"X", b"x") or bool(int(fields[6]) & _PF_EXITING)

@@ -317,3 +317,18 @@ def test_clients_that_go_away_free_their_requests(files):
         assert metric(url, 'loramux:engine_finished_requests_total{reason="length"}') == 0
     finally:
         stop(proc)
+
+
+def test_a_process_on_its_way_out_is_seen_as_such_before_it_is_reaped():
+    """/health reads the engine's state off the process (prctl.exiting): a killed process is reported before
+    waitpid says so (it may spend a while freeing its memory first), and a zombie or a gone pid is dead."""
+    import subprocess
+
+    from loramux.server import prctl
+
+    child = subprocess.Popen(["sleep", "600"])
+    assert not prctl.exiting(child.pid) and not prctl.exiting(os.getpid())
+    os.kill(child.pid, signal.SIGKILL)
+    wait_until(lambda: prctl.exiting(child.pid), 60, "the killed process shows as exiting")  # not reaped yet
+    child.wait()
+    assert prctl.exiting(child.pid)  # gone
