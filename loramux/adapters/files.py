@@ -54,6 +54,24 @@ def read_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str,
     return AdapterFiles(config, tensors, seen.hexdigest())
 
 
+def signature(path: str) -> tuple:
+    """(size, mtime_ns, inode) of each file an adapter at `path` is read from, as they are now (None: absent):
+    a cheap look at whether they may have changed since a read. The digest of a read decides."""
+    if path.endswith(".safetensors"):
+        names = (path, path.removesuffix(".safetensors") + ".json", os.path.join(os.path.dirname(path), CONFIG_FILE))
+    else:
+        names = tuple(os.path.join(path, n) for n in (CONFIG_FILE, SAFETENSORS_FILE, PICKLE_FILE))
+    stats = []
+    for name in names:
+        try:
+            info = os.stat(name)
+        except (OSError, ValueError):
+            stats.append(None)
+            continue
+        stats.append((info.st_size, info.st_mtime_ns, info.st_ino))
+    return tuple(stats)
+
+
 def read_adapter_dir(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
                      max_weight_bytes: int | None = None, seen=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read adapter_config.json and the weights. Pickle only when asked, and then weights_only.

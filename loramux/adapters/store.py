@@ -19,7 +19,7 @@ import torch
 
 from loramux.adapters.cache import AdapterCache, CacheBusyError, CacheFullError, Changes
 from loramux.adapters.checkpoint import AdapterWeights, build_adapter
-from loramux.adapters.files import AdapterPathError, read_adapter
+from loramux.adapters.files import AdapterPathError, read_adapter, signature
 from loramux.adapters.names import AdapterRef
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.slots import AdapterSlots
@@ -76,6 +76,7 @@ class AdapterStore:
         self._modules: dict[AdapterRef, frozenset[str]] = {}  # module names each identity has weights for
         self._copies_bytes: dict[AdapterRef, int] = {}  # bytes of each identity's whole-module copies, any tier
         self._digests: dict[AdapterRef, str] = {}  # what its files held when it was loaded (files.AdapterFiles)
+        self._signatures: dict[AdapterRef, tuple] = {}  # how they looked then (files.signature)
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
 
@@ -126,15 +127,22 @@ class AdapterStore:
         return self.install_read(name, source, lambda: self.read(name, source), replace, pinned)
 
     def needs_read(self, name: str, source: Source, replace: bool) -> bool:
-        """Whether loading `name` from `source` reads files (not: the same directory again, or a refusal)."""
-        return name not in self._current or replace
+        """Whether loading `name` from `source` reads files: a new name, a reload in place, or the files it was
+        loaded from again when they may have changed since (not: the same unchanged files again, a refusal)."""
+        ref = self._current.get(name)
+        if ref is None or replace:
+            return True
+        loaded = self._sources.get(ref)
+        return loaded is not None and loaded.same_place(source) and signature(source.path) != self._signatures.get(ref)
 
     def read(self, name: str, source: Source) -> AdapterWeights:
         """Read and check an adapter directory into host tensors. Touches nothing of the store's, so it runs on
         a loader thread, off the step loop. Raises the reason it is refused."""
+        seen = signature(source.path)  # before the read: a change during it makes the next look read again
         files = read_adapter(source.path, source.allow_pickle, source.allowed_dirs, self.slots.max_weight_bytes(),
                              source.lora_alpha)
-        return replaced(self._build(name, files.config, files.tensors, source.path), digest=files.digest)
+        weights = self._build(name, files.config, files.tensors, source.path)
+        return replaced(weights, digest=files.digest, signature=seen)
 
     def install_read(self, name: str, source: Source, read: Callable[[], AdapterWeights], replace: bool = False,
                      pinned: bool = False) -> LoRAResult:
@@ -150,6 +158,10 @@ class AdapterStore:
                 pinned: bool = False) -> LoRAResult:
         """A read adapter becomes `name`'s new identity (between steps); weights None: nothing was read."""
         old = self._current.get(name)
+        if old is not None and not replace and weights is not None and self._changed(old, source, weights):
+            logger.warning("adapter %r changed on disk since it was loaded (%s): loading it again as a new version",
+                           name, source.path)
+            replace = True
         if old is not None and not replace:
             return self._load_again(old, source, pinned)
         ref = AdapterRef(name)
@@ -161,6 +173,17 @@ class AdapterStore:
             return result
         self._publish(ref, old)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} reloaded in place") if old else result
+
+    def _changed(self, ref: AdapterRef, source: Source, weights: AdapterWeights) -> bool:
+        """A load of `ref`'s own files read them again (they looked changed): whether they hold something else.
+        If not, their new look is recorded."""
+        loaded = self._sources.get(ref)
+        if loaded is None or not loaded.same_place(source):
+            return False
+        if weights.digest != self._digests.get(ref):
+            return True
+        self._signatures[ref] = weights.signature
+        return False
 
     def _load_again(self, ref: AdapterRef, source: Source, pinned: bool) -> LoRAResult:
         loaded = self._sources.get(ref)
@@ -252,7 +275,7 @@ class AdapterStore:
         self.stats["loads"] += 1
         if source is not None:
             self._sources[ref] = source
-            self._digests[ref] = weights.digest
+            self._digests[ref], self._signatures[ref] = weights.digest, weights.signature
         if parked:
             return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded (read into host memory when its "
                                                   "requests need it: requests in use hold the room now)")
@@ -301,7 +324,7 @@ class AdapterStore:
 
     def _remove(self, ref: AdapterRef) -> None:
         self._apply(self.cache.remove(ref))
-        for record in (self._sources, self._modules, self._copies_bytes, self._digests):
+        for record in (self._sources, self._modules, self._copies_bytes, self._digests, self._signatures):
             record.pop(ref, None)
 
     # ---- pins and tiers --------------------------------------------------------------------------

@@ -132,3 +132,31 @@ def test_the_head_of_the_queue_gets_its_adapter_in_while_others_keep_arriving(ch
             busy += [engine.add_request([5, 6, 7], LONG, name) for name in ("b", "c")]
         engine.core.loader.wait(0.001) if engine.core.loading else None
     pytest.fail("the request for the adapter that was not in host memory never ran")
+
+
+def test_loading_the_same_files_again_reads_them_only_if_they_changed(checkpoints, tmp_path, monkeypatch):  # noqa: F811
+    """A load of a loaded name from its own path is "already loaded" and reads nothing while the files are as
+    they were; after they changed, it is a new version of the adapter (the old one finishes its requests)."""
+    from loramux.adapters.store import AdapterStore
+
+    _, path, adapters = checkpoints["llama"]
+    upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
+    llm = make_llm(path, {"upd": upd})
+    reads, real = [], AdapterStore.read
+    def read(self, name, source):
+        reads.extend([name] if name == "upd" else [])
+        return real(self, name, source)
+
+    monkeypatch.setattr(AdapterStore, "read", read)
+    old = llm.engine.adapters.identity("upd")
+    again = llm.load_adapter("upd", str(upd))
+    assert again and "already loaded" in again.message and reads == []
+    copy_over(adapters["r16_patterns"], upd)
+    changed = llm.load_adapter("upd", str(upd))
+    assert changed and reads == ["upd"] and llm.engine.adapters.identity("upd") != old
+    prompt = [5, 6, 7]
+    assert llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids == \
+        alone(path, adapters["r16_patterns"], prompt)
+    (upd / "adapter_config.json").touch()  # a new look, the same bytes: read, found equal, nothing changes
+    assert "already loaded" in llm.load_adapter("upd", str(upd)).message and reads == ["upd", "upd"]
+    assert "already loaded" in llm.load_adapter("upd", str(upd)).message and reads == ["upd", "upd"]
