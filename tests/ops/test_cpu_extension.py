@@ -1,13 +1,14 @@
 """Building the C++ kernels: a build that was killed never makes later starts wait forever."""
+import concurrent.futures
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import torch.utils.cpp_extension
 
 from loramux.ops import cpu_extension
+from support.serving import wait_until
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_goes_on(tmp_path, monkeypatch):
@@ -26,20 +27,37 @@ def test_a_lock_left_by_a_killed_build_is_removed_and_the_build_goes_on(tmp_path
 
 
 def test_a_live_build_is_waited_for_not_broken_into(tmp_path, monkeypatch):
+    """The live build (another process holding the flock) ends only when the test says so: the build here is
+    seen waiting in the kernel's lock table meanwhile, and it goes on, finding no `lock`, only after."""
     build_dir = tmp_path / "kernel"
     build_dir.mkdir()
     (build_dir / "lock").write_text("")  # a live build's lock, under the flock its process holds
+    flock = build_dir / "loramux.flock"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"f = open({str(build_dir / 'loramux.flock')!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
-        "print('held', flush=True); time.sleep(1.0)\n"
-        f"os.remove({str(build_dir / 'lock')!r})\n")], stdout=subprocess.PIPE, text=True)
+        "import fcntl, os, sys\n"
+        f"f = open({str(flock)!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('held', flush=True); sys.stdin.readline()\n"
+        f"os.remove({str(build_dir / 'lock')!r})\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "held\n"
-    started = time.monotonic()
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda name, **kwargs: name)
-    assert cpu_extension._build("loramux_k", "k.cpp", str(build_dir), []) == "loramux_k"
-    assert time.monotonic() - started > 0.5  # it waited for the live build to finish
-    assert holder.wait() == 0  # whose lock was still there for it to remove itself
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda name, **kwargs: seen.append(os.path.exists(build_dir / "lock")) or name)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        build = pool.submit(cpu_extension._build, "loramux_k", "k.cpp", str(build_dir), [])
+        wait_until(lambda: _blocked_on(flock), 60, "the build waiting on the live build's flock")
+        assert not build.done() and seen == []
+        holder.stdin.write("done\n")
+        holder.stdin.flush()
+        assert build.result(timeout=60) == "loramux_k"
+    assert seen == [False]  # it went on after the live build, whose lock was still there for it to remove itself
+    assert holder.wait() == 0
+
+
+def _blocked_on(path) -> bool:
+    """Whether some process waits for an flock on `path` (a "->" line of /proc/locks names its inode)."""
+    inode = f":{os.stat(path).st_ino} "
+    with open("/proc/locks") as f:
+        return any("->" in line and "FLOCK" in line and inode in line for line in f)
 
 
 def test_two_checkouts_sharing_a_cache_build_into_their_own_directories(tmp_path, monkeypatch):

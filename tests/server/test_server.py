@@ -14,7 +14,7 @@ import pytest
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
 from support.serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, metric, openai_client,
-                     start_server, stop, wait_until)
+                     paused_while_running, start_server, stop, wait_until)
 
 KEY = "test-key"
 
@@ -433,26 +433,6 @@ def test_pin_and_unpin_routes(files, server, http, client):
     assert metric(server, "loramux:lora_host_bytes", http.headers) < host  # its weights left host memory
 
 
-def _paused_while_running(client, http, offline, model="x", weights="new"):
-    """A streamed 56-token request on `model`, admitted and then frozen where it is by POST /pause (mode keep):
-    while paused it stays running and nothing steps, whatever the machine's speed. If it ended before the
-    pause took effect, it is checked and tried again. Returns its stream and its text so far.
-    weights: the adapter whose tokens it gives (the offline oracle's name for `model` now)."""
-    for _ in range(10):
-        stream = iter(client.completions.create(model=model, prompt="w", max_tokens=56, temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True}))
-        first = next(stream).choices[0].text  # admitted, on the adapter's identity now
-        paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
-        assert paused.status_code == 200 and paused.json() == {"status": "paused"}
-        assert http.get("/is_paused").json() == {"is_paused": True}
-        if metric(http.base_url, "loramux:num_requests_running", http.headers) == 1:
-            return stream, first
-        assert http.post("/resume").status_code == 200
-        assert first + "".join(chunk.choices[0].text for chunk in stream) == \
-            offline("w", weights, max_tokens=56, ignore_eos=True)
-    pytest.fail("the request ended before the pause every time")
-
-
 def test_reload_unload_load_while_the_first_version_runs_over_http(files, http, client, offline):
     """The six steps through the routes: R1 runs on x; x is reloaded in place, unloaded and loaded again (from
     another path) while R1 is paused mid-way; R2 on x gets the last load's tokens, R1 finishes on the first
@@ -461,7 +441,8 @@ def test_reload_unload_load_while_the_first_version_runs_over_http(files, http, 
     load = lambda path, **kw: http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": path, **kw})
     assert load(f"{allowed}/new").status_code == 200
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        stream, first = _paused_while_running(client, http, offline)  # R1
+        stream, first = paused_while_running(client, http, "x", check=lambda text: text == offline(
+            "w", "new", max_tokens=56, ignore_eos=True))  # R1, frozen on x's first load
         try:
             assert load(f"{allowed}/other", load_inplace=True).status_code == 200
             assert http.post("/v1/unload_lora_adapter", json={"lora_name": "x"}).status_code == 200
@@ -486,7 +467,7 @@ def test_pause_abort_and_wait_over_http(http, client, offline):
     wait answers once they have finished; a request sent while paused runs after /resume. Needs the key."""
     assert httpx.post(f"{http.base_url}/pause").status_code == 401
     assert http.post("/pause", params={"mode": "later"}).status_code == 400
-    chunks, first = _paused_while_running(client, http, offline, "s1", "s1")
+    chunks, first = paused_while_running(client, http, "s1")
     assert http.post("/pause", params={"mode": "abort"}).status_code == 200  # paused already: it ends now
     rest = list(chunks)
     text = first + "".join(c.choices[0].text for c in rest)

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from support.serving import (engine_pid, frontend_pid, make_files, metric, openai_client, server_log, start_server, stop,
-                     wait_until)
+from support.serving import (engine_pid, frontend_pid, make_files, metric, openai_client, paused_while_running,
+                     server_log, start_server, stop, wait_until)
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +44,18 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
                                                                 "lora_path": f"{files['allowed']}/new"})
         assert reload.status_code == 200, reload.text  # in place: it keeps its pin, in the engine and after a restart
         before = {m: complete(url, m) for m in ("tiny", "s0", "late")}
-        client = openai_client(url)
-        stream = client.completions.create(model="s1", prompt="x", max_tokens=60, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        first = next(iter(stream))
-        pid = engine_pid(proc.pid)
-        os.kill(pid, signal.SIGSTOP)  # hold it mid-request, then kill it
-        unload = []  # an unload the engine never answers: the name must stay usable (and unloadable) after
+        client, http = openai_client(url), httpx.Client(base_url=url, timeout=60)
+        stream, first = paused_while_running(client, http, "s1", prompt="x", max_tokens=60)  # frozen mid-request
+        adapters = metric(url, "loramux:num_loaded_adapters")
+        unload = []  # an unload the engine never answers (s1's request holds it): the name must stay usable
         asking = threading.Thread(target=lambda: unload.append(
-            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s2"}, timeout=60)))
+            httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s1"}, timeout=60)))
         asking.start()
-        time.sleep(0.5)
+        wait_until(lambda: metric(url, "loramux:num_loaded_adapters") == adapters - 1, 60,
+                   "the engine dropped the name: the unload is in it, waiting for s1's request")
+        pid = engine_pid(proc.pid)
         os.kill(pid, signal.SIGKILL)
-        chunks = [first]
+        chunks = []
         with pytest.raises(openai.APIError, match="engine"):
             for chunk in stream:
                 chunks.append(chunk)
@@ -65,12 +64,14 @@ def test_a_killed_engine_fails_its_requests_and_comes_back_with_every_adapter(fi
         wait_until(lambda: health(url) == 200, 60, "the engine restarted")
         print(f"\nkill -9 of the engine: healthy again after {time.monotonic() - killed:.1f} s")
         assert engine_pid(proc.pid) != pid
+        assert http.get("/is_paused").json() == {"is_paused": True}  # the operator's pause outlives the engine
+        assert http.post("/resume").status_code == 200
         assert {m: complete(url, m) for m in before} == before  # the runtime-loaded adapter is back too
         assert metric(url, "loramux:num_pinned_adapters") == 1.0  # and still pinned
-        asking.join(10)
+        asking.join(60)
         assert unload[0].status_code == 503, unload[0].text
-        assert "s2" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] and complete(url, "s2")
-        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s2"}).status_code == 200
+        assert "s1" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] and complete(url, "s1")
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "s1"}).status_code == 200
         assert metric(url, "loramux:engine_restarts") == 1.0
         assert "the engine process exited (code -9)" in server_log(proc)
         _a_paused_engine_comes_back_paused(url, proc)
@@ -102,17 +103,17 @@ def test_a_frozen_engine_makes_health_fail_and_is_killed_after_the_kill_timeout(
         pid = engine_pid(proc.pid)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
-        wait_until(lambda: health(url) == 503, 4, "/health reports the frozen engine")
+        wait_until(lambda: health(url) == 503, 60, "/health reports the frozen engine")
         print(f"\nSIGSTOP of the engine: /health 503 after {time.monotonic() - stopped:.1f} s", end="")
         assert "not responded" in httpx.get(f"{url}/health").json()["error"]["message"]
         os.kill(pid, signal.SIGCONT)  # a pause shorter than the kill timeout: the same engine carries on
-        wait_until(lambda: health(url) == 200, 4, "/health recovers")
+        wait_until(lambda: health(url) == 200, 60, "/health recovers")
         assert engine_pid(proc.pid) == pid
         os.kill(pid, signal.SIGSTOP)  # frozen for good: killed and replaced, and its request fails
         started = time.monotonic()
-        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
+        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=120)
         assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
-        assert 5 < time.monotonic() - started < 20
+        assert 5 < time.monotonic() - started < 120  # not before the kill timeout (6 s); at most a generous bound
         print(f"; frozen for good: its request got 503 after {time.monotonic() - started:.1f} s", end="")
         wait_until(lambda: health(url) == 200, 60, "a new engine serves")
         print(f", a new engine served {time.monotonic() - started:.1f} s after the freeze")
@@ -191,7 +192,7 @@ def test_sigterm_refuses_new_work_ends_what_outlives_the_grace_period_and_exits_
     with pytest.raises(openai.APIError, match="shut down"):
         for chunk in stream:
             chunks.append(chunk)
-    assert chunks[-1].choices[0].finish_reason == "abort" and 1.5 < time.monotonic() - started < 10
+    assert chunks[-1].choices[0].finish_reason == "abort" and 1.5 < time.monotonic() - started < 60
     ended = time.monotonic() - started
     assert proc.wait(20) == 0
     print(f"\nSIGTERM with a 2 s grace: the stuck stream ended (abort) after {ended:.1f} s, "

@@ -1,15 +1,18 @@
-"""Hostile structured outputs against `loramux serve`: each is a valid 200 or a 400 within a few seconds,
-the error body never echoes the input, the server stays healthy, and a bystander's plain requests are not
-held up by them. This server's rule limit is raised past what the grammar engine survives, so that a grammar
+"""Hostile structured outputs against `loramux serve`: each is a valid 200 or a short 400 (within the check's
+time limit), the error body never echoes the input, the server stays healthy, and a bystander's plain requests
+are not held up by a grammar check. This server's rule limit is raised past what the grammar engine survives, so that a grammar
 that crashes it reaches the worker process that checks it (the default limit refuses it first)."""
 import concurrent.futures
+import contextlib
 import json
+import os
+import signal
 import time
 
 import httpx
 import pytest
 
-from support.serving import NO_KEEPALIVE, make_files, metric, start_server, stop
+from support.serving import NO_KEEPALIVE, frontend_pid, make_files, metric, start_server, stop
 
 
 def chain_lark(rules: int) -> str:
@@ -26,10 +29,15 @@ def files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(files):
+def served(files):
     proc, url = start_server(files, "--max-grammar-rules", "100000", "--max-body-bytes", str(2 << 20))
-    yield url
+    yield proc, url
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +70,7 @@ def test_each_hostile_structured_output_is_a_short_400_and_the_server_stays_up(h
     started = time.monotonic()
     response = complete(http, **fields)
     assert response.status_code == 400 and words in response.json()["error"]["message"], response.text[:500]
-    assert len(response.content) < 1024 and time.monotonic() - started < 15
+    assert len(response.content) < 1024 and time.monotonic() - started < 60  # the check's limit is 10 s
     assert http.get("/health").status_code == 200 and complete(http).status_code == 200
 
 
@@ -82,20 +90,35 @@ def test_bad_words_that_forbid_all_a_grammar_allows_leave_the_grammar_its_way(ht
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "yes"
 
 
-def test_grammar_checks_never_hold_up_a_bystander(http, server):
-    """Hostile grammars crash and restart the checker meanwhile; a plain request's latency stays its own."""
-    idle = min(_timed(http) for _ in range(3))
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        hostile = [pool.submit(complete, http, guided_grammar=chain_gbnf(5000 + i)) for i in range(3)]
-        time.sleep(0.2)
-        during = [_timed(http) for _ in range(5)]
-        assert all(f.result().status_code == 400 for f in hostile)
-    print(f"\nbystander: idle {idle * 1000:.0f} ms, during 3 hostile grammar checks {max(during) * 1000:.0f} ms")
-    assert max(during) < max(1.0, 5 * idle)
-    assert metric(server, "loramux:pending_requests") == 0
+def test_grammar_checks_never_hold_up_a_bystander(http, served):
+    """Checks run in worker processes, never on the thread every request goes through: with every worker frozen
+    mid-check (SIGSTOP), plain requests are served while the structured one waits for its check (whose time
+    limit, 10 s, is far above what five plain requests take even on a loaded machine)."""
+    proc, _ = served
+    workers = _grammar_workers(frontend_pid(proc.pid))
+    assert workers
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            fresh = ["yes", "no", f"never checked before {time.time_ns()}"]  # verdicts are cached by spec
+            structured = pool.submit(complete, http, guided_choice=fresh)
+            plain = [complete(http, max_tokens=4).status_code for _ in range(5)]
+            assert plain == [200] * 5 and not structured.done()
+        finally:
+            for pid in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        assert structured.result(timeout=120).status_code == 200
+    assert metric(served[1], "loramux:pending_requests") == 0
 
 
-def _timed(http) -> float:
-    started = time.monotonic()
-    assert complete(http, max_tokens=4).status_code == 200
-    return time.monotonic() - started
+def _grammar_workers(parent: int) -> list[int]:
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        pids = [int(pid) for pid in f.read().split()]
+    named = []
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/comm") as comm:
+            if comm.read().strip() == "loramux-grammar":
+                named.append(pid)
+    return named

@@ -102,6 +102,27 @@ def metric(url: str, name: str, headers: dict | None = None) -> float:
     return 0.0
 
 
+def paused_while_running(client, http: httpx.Client, model: str, prompt: str = "w", max_tokens: int = 56,
+                         check=None):
+    """A streamed greedy request on `model`, admitted and then frozen where it is by POST /pause (mode keep):
+    while paused it stays running and nothing steps, whatever the machine's speed. If it ended before the pause
+    took effect, check(text) must hold for it and a new one is tried. Returns its stream and its text so far.
+    (The engine must run nothing else.)"""
+    for _ in range(10):
+        stream = iter(client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        first = next(stream).choices[0].text  # admitted, on the adapter's identity now
+        paused = http.post("/pause", params={"mode": "keep", "clear_cache": False})
+        assert paused.status_code == 200 and paused.json() == {"status": "paused"}, paused.text
+        assert http.get("/is_paused").json() == {"is_paused": True}
+        if metric(str(http.base_url).rstrip("/"), "loramux:num_requests_running", dict(http.headers)) == 1:
+            return stream, first
+        assert http.post("/resume").status_code == 200
+        text = first + "".join(chunk.choices[0].text for chunk in stream)
+        assert check is None or check(text), text
+    raise AssertionError("the request ended before the pause every time")
+
+
 def stop(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGINT)
     try:
