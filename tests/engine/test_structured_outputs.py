@@ -113,7 +113,7 @@ def test_grammars_compile_off_the_step_loop_and_are_cached(checkpoints, monkeypa
     real = GrammarCompiler._matcher
 
     def slow(self, params):
-        release.wait(10)
+        release.wait(120)
         return real(self, params)
 
     monkeypatch.setattr(GrammarCompiler, "_matcher", slow)
@@ -139,7 +139,7 @@ def test_aborting_a_request_whose_grammar_is_compiling(checkpoints, monkeypatch)
     _, path, _ = checkpoints["llama"]
     llm = make_llm(path, max_model_len=64)
     release = threading.Event()
-    monkeypatch.setattr(GrammarCompiler, "_matcher", lambda self, params: release.wait(10))
+    monkeypatch.setattr(GrammarCompiler, "_matcher", lambda self, params: release.wait(120))
     core = llm.engine.core
     core.add_request("a", [5, 6], SamplingParams(structured_outputs=SPECS["choice"]))
     assert core.abort_request("a") and not core.has_unfinished_requests()
@@ -153,7 +153,7 @@ def test_an_adapter_unloaded_while_the_grammar_compiles_ends_the_request_not_the
     core, release, real = llm.engine.core, threading.Event(), GrammarCompiler._matcher
 
     def slow(self, params):
-        release.wait(10)
+        release.wait(120)
         return real(self, params)
 
     monkeypatch.setattr(GrammarCompiler, "_matcher", slow)
