@@ -13,7 +13,7 @@ class LoRAStatus(enum.Enum):
     LOAD_INVALID_PATH = "load_invalid_path"
     LOAD_INVALID_ADAPTER = "load_invalid_adapter"
     LOAD_ERROR = "load_error"
-    LOAD_BUSY = "load_busy"  # no room now (requests in use hold it); the same load succeeds once they finish
+    LOAD_BUSY = "load_busy"  # no room now (requests in use hold it); the same load or pin succeeds once they finish
     UNLOAD_NAME_NONEXISTENT = "unload_name_nonexistent"
     PIN_NAME_NONEXISTENT = "pin_name_nonexistent"
     PIN_ERROR = "pin_error"

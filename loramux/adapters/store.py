@@ -107,6 +107,10 @@ class AdapterStore:
     def source(self, ref: AdapterRef) -> Source | None:
         return self._sources.get(ref)
 
+    def digest(self, ref: AdapterRef) -> str | None:
+        """What the identity's files held when it was read (files.AdapterFiles.digest; None: no disk copy)."""
+        return self._digests.get(ref)
+
     def weights_of(self, ref: AdapterRef) -> AdapterWeights:
         """The identity's host copy (read back from disk first if it left host memory)."""
         return self._weights[self._ensure_in_host(ref)]
@@ -155,8 +159,9 @@ class AdapterStore:
         return self.install(name, source, weights, replace, pinned)
 
     def install(self, name: str, source: Source, weights: AdapterWeights | None, replace: bool = False,
-                pinned: bool = False) -> LoRAResult:
-        """A read adapter becomes `name`'s new identity (between steps); weights None: nothing was read."""
+                pinned: bool = False, *, park_past_pins: bool = False) -> LoRAResult:
+        """A read adapter becomes `name`'s new identity (between steps); weights None: nothing was read.
+        park_past_pins: parked also when pinned adapters fill host memory (a version its requests wait for)."""
         old = self._current.get(name)
         if old is not None and not replace and weights is not None and self._changed(old, source, weights):
             logger.warning("adapter %r changed on disk since it was loaded (%s): loading it again as a new version",
@@ -166,7 +171,8 @@ class AdapterStore:
             return self._load_again(old, source, pinned)
         ref = AdapterRef(name)
         pin = pinned or (old is not None and self.cache.is_pinned(old))
-        result = self._guarded_install(ref, weights, source, park=not pin)  # a pin needs its host copy now
+        result = self._guarded_install(ref, weights, source, park=not pin,  # a pin needs its host copy now
+                                       past_pins=park_past_pins)
         if result and pin:
             result = self._pin_or_drop(ref, old)
         if not result:
@@ -205,12 +211,14 @@ class AdapterStore:
             self.cache.unpin(old)  # its slot may go to the new identity (unless running requests hold it)
         try:
             self._apply(self.cache.pin(ref))
-        except CacheFullError:
+        except CacheFullError as e:
             self._remove(ref)
             if old_pinned:
                 self._apply(self.cache.pin(old))  # still in its slot: nothing moves
+            if isinstance(e, CacheBusyError):  # requests use the slots now: the load may wait for them
+                return LoRAResult(LoRAStatus.LOAD_BUSY, f"cannot pin adapter {ref.name!r} yet: {e}")
             return LoRAResult(LoRAStatus.PIN_ERROR, f"cannot pin adapter {ref.name!r}: all max_loras="
-                              f"{self.config.max_loras} device slots hold pinned or in-use adapters; it was not loaded")
+                              f"{self.config.max_loras} device slots hold pinned adapters; it was not loaded")
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded and pinned")
 
     def add_tensors(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
@@ -253,18 +261,22 @@ class AdapterStore:
             self._retire_later(old)
 
     def _guarded_install(self, ref: AdapterRef, weights: AdapterWeights, source: Source | None,
-                         park: bool = True) -> LoRAResult:
+                         park: bool = True, past_pins: bool = False) -> LoRAResult:
         """Register one identity's weights; a refusal (the budgets) becomes a LoRAResult. With no room in host
-        memory now (requests in use hold it), an identity with a disk copy is parked: registered on disk only,
-        read back when its requests need it, which they wait for (the scheduler's `ready`)."""
+        memory now (requests in use hold it; past_pins: or pinned adapters), an identity with a disk copy is
+        parked: registered on disk only, read back when its requests need it, which they wait for (the
+        scheduler's `ready`)."""
         parked = False
         try:
             self._check_copies_budget(ref.name, weights)
             self._apply(self.cache.add(ref, on_disk=source is not None, nbytes=weights.nbytes))
-        except CacheBusyError as e:
-            if source is None or not park:
+        except CacheFullError as e:
+            if source is None or not park or not (past_pins or isinstance(e, CacheBusyError)):
                 return refusal(ref.name, e)
-            self.cache.register(ref, weights.nbytes)
+            try:
+                self.cache.register(ref, weights.nbytes)  # (larger than the whole budget: refused)
+            except CacheFullError as too_big:
+                return refusal(ref.name, too_big)
             parked = True
         except Exception as e:
             return refusal(ref.name, e)
@@ -336,6 +348,8 @@ class AdapterStore:
         try:
             ref = self._ensure_in_host(ref)  # a new identity, if its files had changed
             self._apply(self.cache.pin(ref))
+        except CacheBusyError as e:  # requests use the room now: the same pin succeeds once they finish
+            return LoRAResult(LoRAStatus.LOAD_BUSY, f"cannot pin adapter {name!r} yet: {e}")
         except (CacheFullError, InvalidAdapterError, AdapterPathError, AdapterChangedError) as e:
             return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
@@ -382,8 +396,11 @@ class AdapterStore:
         except AdapterChangedError as e:
             renewed = self.renew(ref, e.weights)
             new = self._current.get(ref.name)
-            if not renewed or new is None or not self.cache.in_host(new):
+            if not renewed or new is None:
                 raise AdapterChangedError(ref, e.weights) from None
+            if not self.cache.in_host(new):  # parked: requests in use hold the room
+                raise CacheBusyError(f"adapter {ref.name!r} changed on disk and was loaded again as a new version, "
+                                     "which waits for room in host memory") from None
             return new
 
     def read_back(self, ref: AdapterRef) -> AdapterWeights:
@@ -403,7 +420,7 @@ class AdapterStore:
             return LoRAResult(LoRAStatus.LOAD_ERROR, f"adapter {ref.name!r} changed on disk since it was loaded")
         logger.warning("adapter %r changed on disk since it was loaded (%s): loading it again as a new version",
                        ref.name, self._sources[ref].path)
-        return self.install(ref.name, self._sources[ref], weights, replace=True)
+        return self.install(ref.name, self._sources[ref], weights, replace=True, park_past_pins=True)
 
     def restore(self, ref: AdapterRef, weights: AdapterWeights) -> None:
         """Put read-back weights in host memory (CacheFullError if nothing can make room now). A no-op if the

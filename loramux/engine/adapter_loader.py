@@ -9,7 +9,8 @@ and a request waits in the queue until its adapter is in host memory.
 
 Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays
 read and is installed as soon as they finish (the scheduler stops admitting new work for it when the head of
-its queue waits so: Readiness.NO_ROOM); a pinned load waits so too, up to LoRAConfig.load_timeout_s. Files
+its queue waits so: Readiness.NO_ROOM); one that pinned adapters keep out waits for an unpin, holding back
+no one; a pinned load waits for requests in use, up to LoRAConfig.load_timeout_s. Files
 that changed on disk since their identity was loaded become a new identity of the name (AdapterStore.renew).
 Only what can never load is an error.
 """
@@ -20,7 +21,7 @@ from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from loramux.adapters.cache import CacheBusyError, Readiness
+from loramux.adapters.cache import CacheBusyError, CacheFullError, Readiness
 from loramux.adapters.names import AdapterRef
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.adapters.store import AdapterChangedError, AdapterStore, Source
@@ -28,7 +29,7 @@ from loramux.adapters.store import AdapterChangedError, AdapterStore, Source
 
 @dataclass
 class _Load:
-    read: Future
+    read: Future | None  # None: nothing to read (the same files again)
     args: tuple  # AdapterStore.install's: name, source, replace, pinned
     result: Future
     deadline: float  # a pinned load that finds no room waits until then
@@ -62,30 +63,32 @@ class AdapterLoader:
         """A runtime load: the files are read on the loader thread; the future's LoRAResult comes once the step
         loop has installed them (install_ready)."""
         result: Future = Future()
-        if not self.store.needs_read(name, source, replace):
-            result.set_result(self.store.install(name, source, None, replace, pinned))
-            return result
-        read = self._executor.submit(self.store.read, name, source)
-        self._loads.append(_Load(read, (name, source, replace, pinned), result, time.monotonic() + self.load_timeout_s))
+        read = self._executor.submit(self.store.read, name, source) if self.store.needs_read(name, source, replace) \
+            else None
+        load = _Load(read, (name, source, replace, pinned), result, time.monotonic() + self.load_timeout_s)
+        if read is None:
+            self._install(load, queued=False)  # answered now, or queued to wait for room (a pin)
+        else:
+            self._loads.append(load)
         return result
 
     def install_ready(self) -> list[tuple[AdapterRef, str]]:
         """Between steps: install what the loader has read. Returns the identities that can never be read back
-        (their files went away, became unreadable, or pins fill host memory), with why: their waiting requests
-        cannot run."""
+        (their files went away or became unreadable), with why: their waiting requests cannot run. (One that
+        pinned adapters keep out waits for an unpin.)"""
         failed = []
         for ref, read in list(self._reading.items()):
             if not read.done():
                 continue
             error = self._restore(ref, read)
-            if error is Readiness.NO_ROOM:
-                self._no_room.add(ref)
+            if isinstance(error, Readiness):  # read, not in yet: tried again between the next steps
+                (self._no_room.add if error is Readiness.NO_ROOM else self._no_room.discard)(ref)
                 continue
             self._no_room.discard(ref)
             del self._reading[ref]
             if error is not None:
                 failed.append((ref, error))
-        for load in [entry for entry in self._loads if entry.read.done()]:
+        for load in [entry for entry in self._loads if entry.read is None or entry.read.done()]:
             self._install(load)
         return failed
 
@@ -96,22 +99,30 @@ class AdapterLoader:
             self.store.restore(ref, read.result())
         except CacheBusyError:
             return Readiness.NO_ROOM
+        except CacheFullError:  # pinned adapters fill host memory: it waits for an unpin, holding back no one
+            return Readiness.READING
         except AdapterChangedError as e:  # its requests start on the new identity of its name instead
             renewed = self.store.renew(ref, e.weights)
             return None if renewed else f"{e}, and could not be loaded again: {renewed.message}"
-        except Exception as e:  # gone, unreadable, or host memory full of pinned adapters
+        except Exception as e:  # gone, or unreadable
             return f"adapter {ref.name!r} could not be read again: {type(e).__name__}: {e}"
         return None
 
-    def _install(self, load: _Load) -> None:
+    def _install(self, load: _Load, queued: bool = True) -> None:
         name, source, replace, pinned = load.args
-        result = self.store.install_read(name, source, load.read.result, replace, pinned)
+        if load.read is None:
+            result = self.store.install(name, source, None, replace, pinned)
+        else:
+            result = self.store.install_read(name, source, load.read.result, replace, pinned)
         if result.status is LoRAStatus.LOAD_BUSY:
             if time.monotonic() < load.deadline:
+                if not queued:
+                    self._loads.append(load)
                 return  # a pinned load: tried again between the next steps
             result = LoRAResult(LoRAStatus.LOAD_BUSY, f"{result.message}; waited {self.load_timeout_s:g} s "
                                                       "(--lora-load-timeout)")
-        self._loads.remove(load)
+        if queued:
+            self._loads.remove(load)
         load.result.set_result(result)
 
     @property
@@ -121,7 +132,7 @@ class AdapterLoader:
     @property
     def pending(self) -> list[Future]:
         """The reads started and not installed yet (done or not)."""
-        return [*self._reading.values(), *(load.read for load in self._loads)]
+        return [*self._reading.values(), *(load.read for load in self._loads if load.read is not None)]
 
     def wait(self, timeout_s: float) -> None:
         """Block until a read finishes, or for timeout_s (an idle step loop must not spin, also while what was
@@ -129,7 +140,7 @@ class AdapterLoader:
         reading = [f for f in self.pending if not f.done()]
         if reading:
             futures.wait(reading, timeout_s, futures.FIRST_COMPLETED)
-        elif self.pending:
+        elif self.busy:
             time.sleep(timeout_s)
 
     def close(self) -> None:

@@ -344,6 +344,8 @@ class APIServer:
         if name not in self.registry:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
         result = await self._control(PinAdapter(0, name, pinned))
+        if result.status is LoRAStatus.LOAD_BUSY:
+            raise HTTPError(503, result.message, "service_unavailable", "adapter_busy", {"Retry-After": "5"})
         if result.status is not LoRAStatus.SUCCESS:
             raise HTTPError(400, result.message)
         source = self.registry[name]

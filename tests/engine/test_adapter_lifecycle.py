@@ -79,7 +79,8 @@ class Lifecycle(RuleBasedStateMachine):
         if name in self.loaded and self.loaded[name] != path:
             assert result == LoRAStatus.LOAD_NAME_EXISTS and self._snapshot() == before
         elif name in self.loaded:  # the same path again: a success that reads nothing new
-            assert result == LoRAStatus.SUCCESS or (pinned and result == LoRAStatus.PIN_ERROR), result
+            assert result == LoRAStatus.SUCCESS or (pinned and result.status in (LoRAStatus.PIN_ERROR,
+                                                                                 LoRAStatus.LOAD_BUSY)), result
             assert self.adapters.resolve(name) == self.current[name]
             if pinned and result:
                 self.pinned.add(name)
@@ -94,7 +95,8 @@ class Lifecycle(RuleBasedStateMachine):
 
     def _loaded(self, name, path, pinned, result, before):
         if not result:  # refused: a full host tier or no slot to pin; nothing changed
-            assert result.status in (LoRAStatus.LOAD_ERROR, LoRAStatus.PIN_ERROR) and "max_" in result.message, result
+            assert result.status in (LoRAStatus.LOAD_ERROR, LoRAStatus.PIN_ERROR, LoRAStatus.LOAD_BUSY) and \
+                "max_" in result.message, result
             assert self._snapshot() == before
             return
         ref = self.adapters.resolve(name)
@@ -129,8 +131,8 @@ class Lifecycle(RuleBasedStateMachine):
             self.pinned.discard(name)
         elif result:
             self.pinned.add(name)
-        else:  # every slot is pinned or runs requests of other adapters
-            assert result == LoRAStatus.PIN_ERROR and "max_" in result.message, result
+        else:  # every slot is pinned (PIN_ERROR) or runs requests of other adapters (LOAD_BUSY: retry later)
+            assert result.status in (LoRAStatus.PIN_ERROR, LoRAStatus.LOAD_BUSY) and "max_" in result.message, result
 
     # ---- requests --------------------------------------------------------------------------------
     @rule(asks=st.lists(st.tuples(st.sampled_from((None, *NAMES)), st.sampled_from(PROMPTS)), min_size=1, max_size=4))
