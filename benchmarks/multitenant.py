@@ -16,6 +16,12 @@ among the run's. Runs:
   loramux 1000, all in host       registered, a host tier holding all 1000 (the baseline of the slow store)
   loramux base / vllm base       no adapter asked for: loramux with its LoRA slots as above, vLLM with LoRA off
                                  (each engine's ceiling on this machine and workload)
+  loramux 64 / 1000, host 16     host pressure: 16 device slots and a host tier of 16 (--max-cpu-loras equal to
+                                 --max-loras), 4x / 62x more adapters in flight, each read on its first request
+                                 through the slow store; against the same adapters registered with 16 slots and
+                                 all in host memory ("loramux 64 / 1000, all in host, 16 slots"). Every request
+                                 must succeed (the `failed` count), at >= 0.9x the throughput and <= 1.10x the
+                                 TPOT p99 of all in host.
 During the slow-store run, --probes requests for adapters nobody has asked for yet are sent one at a time, each
 beside the same request for an adapter read into host memory earlier: a cold adapter's TTFT against its copy +
 the TTFT of an adapter already read, under the same load.
@@ -28,7 +34,10 @@ prompts and is a chat of 1-4 turns resending the conversation; --open-sessions u
 Poisson arrivals at each of --trace-rates requests/s (`--dataset-name custom` in arrival order, each request's
 adapter given round robin). Reported: goodput, the requests/s whose TTFT <= --slo-ttft-ms and TPOT <=
 --slo-tpot-ms, for loramux (adapters on demand from a directory, host tier --host-loras, prefix cache on) and
-vLLM-CPU (all 1,000 registered and in host memory, prefix cache on), a fresh server for each rate.
+vLLM-CPU (all 1,000 registered and in host memory, prefix cache on), a fresh server for each rate. Then each
+side's SLO capacity on the same trace: the highest Poisson rate at which >= 90% of the requests meet both SLOs,
+found by stepping the rate from --capacity-start (doubling while it holds, halving while it does not; --no-capacity
+skips it).
 
   .venv/bin/python benchmarks/multitenant.py [--vllm-venv /tmp/vllm-cpu-venv]     # ~60 min on 2 cores
 """
@@ -53,7 +62,11 @@ from throughput import cpu_load, scratch_dir, write_adapter  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 RUNS = ("loramux 8", "loramux 128", "loramux 1000", "loramux 1000, on demand", "loramux 1000, slow store",
-        "loramux 1000, all in host", "vllm 8", "vllm 1000", "loramux base", "vllm base")
+        "loramux 1000, all in host", "vllm 8", "vllm 1000", "loramux base", "vllm base",
+        "loramux 64, host 16", "loramux 64, all in host, 16 slots", "loramux 1000, host 16",
+        "loramux 1000, all in host, 16 slots")
+HOST16_SLOTS = 16
+CAPACITY_SHARE = 0.9  # of the requests that must meet both SLOs at a rate within the capacity
 TRACE_SIDES = ("loramux", "vllm")
 WORDS = "the a ship sails north over calm grey water while gulls circle and the crew sings of home".split()
 
@@ -71,7 +84,7 @@ def parse_args(argv=None):
     parser.add_argument("--probes", type=int, default=6, help="cold adapters probed during the slow-store run")
     parser.add_argument("--registry", type=int, default=10_000)
     parser.add_argument("--trace-requests", type=int, default=200)
-    parser.add_argument("--trace-rates", type=float, nargs="+", default=[1.0, 2.0, 3.0])
+    parser.add_argument("--trace-rates", type=float, nargs="*", default=[1.0, 2.0, 3.0])
     parser.add_argument("--trace-sides", nargs="+", default=list(TRACE_SIDES), choices=TRACE_SIDES)
     parser.add_argument("--trace-adapters", type=int, default=1000)
     parser.add_argument("--zipf", type=float, default=1.0)
@@ -80,6 +93,10 @@ def parse_args(argv=None):
     parser.add_argument("--open-sessions", type=int, default=12)
     parser.add_argument("--slo-ttft-ms", type=float, default=1000)
     parser.add_argument("--slo-tpot-ms", type=float, default=100)
+    parser.add_argument("--capacity-start", type=float, nargs=2, default=[2.0, 0.5], metavar=("LORAMUX", "VLLM"),
+                        help="the first rate each side's SLO capacity is tried at (requests/s)")
+    parser.add_argument("--capacity-steps", type=int, default=5, help="rates tried per side at most")
+    parser.add_argument("--no-capacity", action="store_true")
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
     parser.add_argument("--quiet", action="store_true")
@@ -109,7 +126,8 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
     port, side, count = free_port(), run.split()[0], adapter_count(run)
     common = ["--port", str(port), "--dtype", args.dtype, "--served-model-name", "base", "--max-num-seqs",
               str(args.concurrency), "--max-model-len", str(args.prompt_len + args.new_tokens + 16)]
-    slots = ["--max-loras", str(args.max_loras), "--max-lora-rank", "8"]
+    max_loras = HOST16_SLOTS if "host 16" in run or "16 slots" in run else args.max_loras
+    slots = ["--max-loras", str(max_loras), "--max-lora-rank", "8"]
     lora = ["--lora-modules", *[f"{n}={p}" for n, p in adapters.items()]] if adapters else []
     if side == "vllm":
         env = {**os.environ, **VLLM_CPU_ENV}
@@ -122,11 +140,11 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
     env = None
     if "on demand" in run:
         cmd += ["--lora-resolver-dir", root, "--max-cpu-loras", str(max(args.host_loras, args.max_loras))]
-    elif "slow store" in run:
+    elif "slow store" in run or "host 16" in run:
         env = {**os.environ, "PYTHONPATH": EXAMPLES, "ADAPTER_STORE": root, "ADAPTER_STORE_DELAY_S": str(args.store_delay_s),
                "ADAPTER_CACHE": tempfile.mkdtemp(prefix="cache-", dir=os.path.dirname(root))}  # cold at every start
-        cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras",
-                str(max(args.host_loras, args.max_loras))]
+        host = HOST16_SLOTS if "host 16" in run else max(args.host_loras, args.max_loras)
+        cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras", str(host)]
     else:
         host = count if count <= 128 or "all in host" in run else args.host_loras
         cmd += ["--max-cpu-loras", str(max(host, args.max_loras)), *lora]
@@ -216,22 +234,48 @@ def trace_dataset(path: str, args, names: list[str]) -> list[str]:
 def trace(args, model: str, root: str, adapters: dict[str, str], workdir: str) -> dict:
     """The combined trace on each of --trace-sides at each of --trace-rates: side -> rate -> bench_serve's result."""
     assigned = trace_dataset(os.path.join(workdir, "trace.jsonl"), args, list(adapters))
-    dataset = ["--dataset-name", "custom", "--dataset-path", os.path.join(workdir, "trace.jsonl"),
-               "--custom-output-len", str(args.new_tokens), "--skip-chat-template", "--disable-shuffle"]
-    bench = argparse.Namespace(vllm_venv=args.vllm_venv, quiet=args.quiet, prompt_len=64, new_tokens=8)
     found = {}
     for side in args.trace_sides:
         for rate in args.trace_rates:
-            proc, url = _start_trace_side(side, args, model, adapters, root)
-            try:
-                bench_serve(bench, url, model, ["base"], workdir, f"trace-{side}-warmup", ["--num-prompts", "8"])
-                found.setdefault(side, {})[str(rate)] = bench_serve(
-                    bench, url, model, assigned, workdir, f"trace-{side}-{rate}",
-                    ["--num-prompts", str(len(assigned)), "--request-rate", str(rate), "--lora-assignment", "round-robin",
-                     "--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"], dataset)
-            finally:
-                stop(proc)
+            found.setdefault(side, {})[str(rate)] = _trace_run(args, side, rate, model, root, adapters, assigned, workdir)
     return found
+
+
+def capacity(args, model: str, root: str, adapters: dict[str, str], workdir: str) -> dict:
+    """Each side's SLO capacity on the combined trace: the highest Poisson rate at which CAPACITY_SHARE of the
+    requests meet both SLOs, the rate doubled while they do and halved while they do not, until a rate that holds
+    and twice it that does not are found (or --capacity-steps are spent). side -> {capacity, share at each rate}."""
+    assigned = trace_dataset(os.path.join(workdir, "trace.jsonl"), args, list(adapters))
+    found = {}
+    for side, rate in zip(TRACE_SIDES, args.capacity_start):
+        if side not in args.trace_sides:
+            continue
+        shares: dict[float, float] = {}
+        for _ in range(args.capacity_steps):
+            result = _trace_run(args, side, rate, model, root, adapters, assigned, workdir)
+            shares[rate] = (result["request_goodput"] or 0) * result["duration_s"] / len(assigned)
+            rate = rate * 2 if shares[rate] >= CAPACITY_SHARE else rate / 2
+            if rate in shares:
+                break
+        held = [r for r, share in shares.items() if share >= CAPACITY_SHARE]
+        found[side] = {"capacity": max(held, default=0.0), "share_meeting_slo": {str(r): v for r, v in shares.items()}}
+    return found
+
+
+def _trace_run(args, side: str, rate: float, model: str, root: str, adapters: dict[str, str], assigned: list[str],
+               workdir: str) -> dict:
+    """The combined trace at `rate` on a fresh server of `side`: bench_serve's result."""
+    dataset = ["--dataset-name", "custom", "--dataset-path", os.path.join(workdir, "trace.jsonl"),
+               "--custom-output-len", str(args.new_tokens), "--skip-chat-template", "--disable-shuffle"]
+    bench = argparse.Namespace(vllm_venv=args.vllm_venv, quiet=args.quiet, prompt_len=64, new_tokens=8)
+    proc, url = _start_trace_side(side, args, model, adapters, root)
+    try:
+        bench_serve(bench, url, model, ["base"], workdir, f"trace-{side}-warmup", ["--num-prompts", "8"])
+        return bench_serve(bench, url, model, assigned, workdir, f"trace-{side}-{rate}",
+                           ["--num-prompts", str(len(assigned)), "--request-rate", str(rate), "--lora-assignment",
+                            "round-robin", "--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"], dataset)
+    finally:
+        stop(proc)
 
 
 def _start_trace_side(side: str, args, model: str, adapters: dict[str, str], root: str):
@@ -315,7 +359,11 @@ def main(argv=None) -> None:
         report["runs"][run] = run_one(run, args, model, adapters, root, workdir)
     if args.trace_requests:
         root = os.path.join(workdir, "trace")
-        report["trace"] = trace(args, model, root, adapter_dirs(root, weights, args.trace_adapters, "t"), workdir)
+        adapters = adapter_dirs(root, weights, args.trace_adapters, "t")
+        if args.trace_rates:
+            report["trace"] = trace(args, model, root, adapters, workdir)
+        if not args.no_capacity:
+            report["capacity"] = capacity(args, model, root, adapters, workdir)
     if args.registry:
         small = write_adapter(os.path.join(workdir, "weights", "small"), hf_config, 1, seed=99, projections=("q_proj",))
         report["registry"] = registry(args, model, os.path.join(workdir, "registry"), small)
@@ -327,16 +375,24 @@ def main(argv=None) -> None:
 def ratios(report: dict) -> dict:
     runs, found = report["runs"], {}
     tput = {run: r["output_throughput"] for run, r in runs.items()}
-    pairs = [("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000, all in host"),
+    pairs = [("loramux 64, host 16", "loramux 64, all in host, 16 slots"),
+             ("loramux 1000, host 16", "loramux 1000, all in host, 16 slots"),
+             ("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000, all in host"),
              ("loramux 1000, slow store", "loramux 1000, all in host"), ("loramux 8", "vllm 8"),
              ("loramux 1000", "vllm 1000"), ("loramux 1000, slow store", "vllm 1000"), ("loramux base", "vllm base"),
              ("vllm 8", "vllm base"), ("loramux 8", "loramux base"), ("loramux 8", "vllm base")]
     for a, b in pairs:
         if a in tput and b in tput:
             found[f"{a} / {b}: throughput"] = tput[a] / tput[b]
-    for a in ("loramux 1000, on demand", "loramux 1000, slow store"):
-        if a in runs and "loramux 1000, all in host" in runs:
-            found[f"{a} / all in host: TPOT p99"] = runs[a]["p99_tpot_ms"] / runs["loramux 1000, all in host"]["p99_tpot_ms"]
+    for a, b in (("loramux 1000, on demand", "loramux 1000, all in host"),
+                 ("loramux 1000, slow store", "loramux 1000, all in host"),
+                 ("loramux 64, host 16", "loramux 64, all in host, 16 slots"),
+                 ("loramux 1000, host 16", "loramux 1000, all in host, 16 slots")):
+        if a in runs and b in runs:
+            found[f"{a} / {b}: TPOT p99"] = runs[a]["p99_tpot_ms"] / runs[b]["p99_tpot_ms"]
+    capacity = report.get("capacity", {})
+    if capacity.get("vllm", {}).get("capacity") and "loramux" in capacity:
+        found["SLO capacity loramux / vllm"] = capacity["loramux"]["capacity"] / capacity["vllm"]["capacity"]
     sides = report.get("trace", {})
     for rate in sides.get("loramux", {}):
         if rate in sides.get("vllm", {}):
@@ -357,6 +413,9 @@ def print_report(report: dict) -> None:
         print(f"registry: {r['ok']}/{r['adapters']} loaded on demand in {r['load_s']:.0f} s; /v1/models "
               f"{r['before']['v1_models_p50_ms']:.1f} -> {r['after']['v1_models_p50_ms']:.1f} ms, front end "
               f"{r['before']['frontend_rss_mb']:.0f} -> {r['after']['frontend_rss_mb']:.0f} MB")
+    for side, found in report.get("capacity", {}).items():
+        shares = ", ".join(f"{float(r):g}/s: {100 * v:.0f}%" for r, v in found["share_meeting_slo"].items())
+        print(f"SLO capacity, {side}: {found['capacity']:g} requests/s (requests meeting both SLOs: {shares})")
     for side, rates in report.get("trace", {}).items():
         for rate, r in rates.items():
             print(f"trace, {side} at {rate} req/s: goodput {r['request_goodput']:.2f} of {r['request_throughput']:.2f} "

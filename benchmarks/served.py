@@ -99,7 +99,7 @@ def bench_serve(args, url, path, adapters, workdir, label, extra, dataset: list[
     with open(os.path.join(workdir, f"{label}.json")) as f:
         raw = json.load(f)
     return {"output_throughput": raw["output_throughput"], "duration_s": raw["duration"],
-            "completed": raw["completed"], "request_rate": raw.get("request_rate"),
+            "completed": raw["completed"], "failed": raw.get("failed", 0), "request_rate": raw.get("request_rate"),
             "request_throughput": raw["request_throughput"], "request_goodput": raw.get("request_goodput"),
             **{f"p{q}_{m}_ms": raw[f"p{q}_{m}_ms"] for q in (50, 99) for m in ("ttft", "tpot", "itl", "e2el")}}
 

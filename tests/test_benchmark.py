@@ -163,6 +163,46 @@ def test_the_base_runs_serve_no_adapter_and_vllm_runs_without_lora(tmp_path, mon
     assert {"--enable-lora", "--max-loras"} <= set(with_lora) and "t0=/a/t0" in with_lora
 
 
+def test_the_host_16_runs_hold_16_adapters_in_host_memory_and_16_slots(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("multitenant_bench", SCRIPT.parent / "multitenant.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "serve", lambda cmd, port, **kwargs: cmd)
+    args = module.parse_args([])
+
+    def flag(cmd, name):
+        return cmd[cmd.index(name) + 1]
+
+    pressured = module.start("loramux 64, host 16", args, "M", {f"t{i}": f"/a/t{i}" for i in range(64)}, str(tmp_path))
+    assert flag(pressured, "--max-loras") == flag(pressured, "--max-cpu-loras") == "16"
+    assert "--lora-modules" not in pressured and "store_resolver:StoreResolver" in pressured  # read on first use
+    baseline = module.start("loramux 64, all in host, 16 slots", args, "M", {f"t{i}": "/a" for i in range(64)},
+                            str(tmp_path))
+    assert (flag(baseline, "--max-loras"), flag(baseline, "--max-cpu-loras")) == ("16", "64")
+    assert flag(module.start("loramux 8", args, "M", {"t0": "/a"}, str(tmp_path)), "--max-loras") == str(args.max_loras)
+
+
+def test_the_slo_capacity_steps_the_rate_until_it_brackets_the_share(tmp_path, monkeypatch):
+    """Doubling while >= 90% of the requests meet the SLOs, halving while not; the highest rate that held."""
+    spec = importlib.util.spec_from_file_location("multitenant_bench", SCRIPT.parent / "multitenant.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    limit = {"loramux": 5.0, "vllm": 0.3}  # a side meets the SLOs below its limit
+    tried = []
+
+    def run(args, side, rate, *rest):
+        tried.append((side, rate))
+        good = 1.0 if rate < limit[side] else 0.5
+        return {"request_goodput": good * rate, "duration_s": args.trace_requests / rate}
+
+    monkeypatch.setattr(module, "_trace_run", run)
+    args = module.parse_args(["--trace-requests", "20", "--capacity-start", "2", "0.5"])
+    found = module.capacity(args, "M", str(tmp_path), {f"t{i}": "/a" for i in range(10)}, str(tmp_path))
+    assert found["loramux"]["capacity"] == 4.0 and found["vllm"]["capacity"] == 0.25
+    assert tried == [("loramux", 2.0), ("loramux", 4.0), ("loramux", 8.0), ("vllm", 0.5), ("vllm", 0.25)]
+    assert found["vllm"]["share_meeting_slo"] == {"0.5": 0.5, "0.25": 1.0}
+
+
 def test_startup_alternates_the_servers_and_reports_medians_and_ratios(tmp_path, monkeypatch, capsys):
     spec = importlib.util.spec_from_file_location("startup", SCRIPT.parent / "startup.py")
     module = importlib.util.module_from_spec(spec)
