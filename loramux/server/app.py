@@ -100,6 +100,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     _add_generation_routes(app, server)
     _add_model_routes(app, server)
     _add_admin_routes(app, server)
+    _add_pause_routes(app, server)
     return app
 
 
@@ -470,6 +471,23 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
 
 
 # ---- admin --------------------------------------------------------------------------------------------
+def _add_pause_routes(app: FastAPI, server: APIServer) -> None:
+    """vLLM's /pause, /resume and /is_paused (what each mode does: wire.Pause, docs/server.md)."""
+    @app.post("/pause")
+    async def pause(mode: PauseMode = "abort", clear_cache: bool = True):
+        await server.pause(mode, clear_cache)
+        return {"status": "paused"}
+
+    @app.post("/resume")
+    async def resume():
+        await server.resume()
+        return {"status": "resumed"}
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return {"is_paused": await server.is_paused()}
+
+
 def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(request: p.LoadLoRAAdapterRequest):
@@ -512,21 +530,6 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
         """vLLM's route: forget every cached prefix block (requests running keep theirs)."""
         await server.reset_prefix_cache()
         return Response(status_code=200)
-
-    @app.post("/pause")
-    async def pause(mode: PauseMode = "abort", clear_cache: bool = True):
-        """vLLM's route: stop generating (mode: what the requests in flight do; see docs/server.md)."""
-        await server.pause(mode, clear_cache)
-        return {"status": "paused"}
-
-    @app.post("/resume")
-    async def resume():
-        await server.resume()
-        return {"status": "resumed"}
-
-    @app.get("/is_paused")
-    async def is_paused():
-        return {"is_paused": await server.is_paused()}
 
     @app.get("/metrics")
     async def metrics():
