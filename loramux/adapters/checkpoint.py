@@ -59,7 +59,7 @@ class AdapterWeights:
     path: str | None = None
     copies: dict[str, torch.Tensor] = field(default_factory=dict)
     digest: str = ""  # of the files it was read from (files.AdapterFiles); "" when built from tensors
-    signature: tuple = ()  # how those files looked when they were read (files.signature)
+    signature: object = None  # how those files looked when they were read (files.Signature; None: changing)
 
     @property
     def max_rank(self) -> int:

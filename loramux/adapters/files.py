@@ -14,6 +14,7 @@ import json
 import os
 import re
 import stat
+import time
 from typing import NamedTuple
 
 import torch
@@ -37,13 +38,15 @@ class AdapterPathError(FileNotFoundError):
 class AdapterFiles(NamedTuple):
     config: dict
     tensors: dict[str, torch.Tensor]
-    digest: str  # of the names and bytes of every file read: equal digests, the same adapter
+    digest: str  # of the names and bytes of every file read: equal digests, the same adapter ("": not taken)
 
 
 def read_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
-                 max_weight_bytes: int | None = None, lora_alpha: float | None = None) -> AdapterFiles:
-    """A PEFT adapter directory, or a lone `.safetensors` file (read_adapter_file; lora_alpha is for it)."""
-    seen = hashlib.sha256()  # (with SHA extensions ~2x blake2b's speed: ~5 ms for a 10 MB adapter)
+                 max_weight_bytes: int | None = None, lora_alpha: float | None = None,
+                 digest: bool = True) -> AdapterFiles:
+    """A PEFT adapter directory, or a lone `.safetensors` file (read_adapter_file; lora_alpha is for it).
+    digest False: no digest ("", a quarter of a read's CPU), for a read whose files are known unchanged."""
+    seen = hashlib.sha256() if digest else None  # (with SHA extensions ~2x blake2b's speed: ~5 ms for 10 MB)
     if isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path):
         config, tensors = read_adapter_file(path, lora_alpha, allowed_dirs, max_weight_bytes, seen)
     elif lora_alpha is not None:
@@ -51,25 +54,50 @@ def read_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str,
                                   f"says its own in {CONFIG_FILE}")
     else:
         config, tensors = read_adapter_dir(path, allow_pickle, allowed_dirs, max_weight_bytes, seen)
-    return AdapterFiles(config, tensors, seen.hexdigest())
+    return AdapterFiles(config, tensors, seen.hexdigest() if seen is not None else "")
 
 
-def signature(path: str) -> tuple:
-    """(size, mtime_ns, inode) of each file an adapter at `path` is read from, as they are now (None: absent):
-    a cheap look at whether they may have changed since a read. The digest of a read decides."""
-    if path.endswith(".safetensors"):
-        names = (path, path.removesuffix(".safetensors") + ".json", os.path.join(os.path.dirname(path), CONFIG_FILE))
-    else:
-        names = tuple(os.path.join(path, n) for n in (CONFIG_FILE, SAFETENSORS_FILE, PICKLE_FILE))
+class Signature(NamedTuple):
+    """How the files an adapter is read from looked at one moment: per file (files_of), its (size, mtime_ns,
+    ctime_ns, inode, device), None where absent; and when that was (wall clock, ns)."""
+
+    stats: tuple
+    taken_ns: int
+
+
+RACY_NS = 2_000_000_000
+"""A file changed this close to the moment its signature was taken may change again within the same tick of the
+file system's clock and look the same (git's "racily clean" files): such a signature is never trusted."""
+
+
+def signature(path: str) -> Signature:
+    """A cheap look (stat) at the files an adapter at `path` is read from. ctime is in it because nothing can set
+    it back: a rewrite that restores size and mtime (cp -p, rsync -t) still shows."""
+    taken = time.time_ns()
     stats = []
-    for name in names:
+    for name in files_of(path):
         try:
             info = os.stat(name)
         except (OSError, ValueError):
             stats.append(None)
             continue
-        stats.append((info.st_size, info.st_mtime_ns, info.st_ino))
-    return tuple(stats)
+        stats.append((info.st_size, info.st_mtime_ns, info.st_ctime_ns, info.st_ino, info.st_dev))
+    return Signature(tuple(stats), taken)
+
+
+def files_of(path: str) -> tuple[str, ...]:
+    """The files a read of the adapter at `path` may read."""
+    if path.endswith(".safetensors"):
+        return path, path.removesuffix(".safetensors") + ".json", os.path.join(os.path.dirname(path), CONFIG_FILE)
+    return tuple(os.path.join(path, n) for n in (CONFIG_FILE, SAFETENSORS_FILE, PICKLE_FILE))
+
+
+def unchanged(now: Signature, then: Signature | None) -> bool:
+    """Whether files whose signature was `then` look the same `now`, and `then` is one to trust: every file
+    present, none changed within RACY_NS before `then` was taken."""
+    if then is None or now.stats != then.stats or not any(then.stats):
+        return False
+    return all(stat is None or stat[2] < then.taken_ns - RACY_NS for stat in then.stats)
 
 
 def read_adapter_dir(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),

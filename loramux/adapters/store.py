@@ -19,7 +19,7 @@ import torch
 
 from loramux.adapters.cache import AdapterCache, CacheBusyError, CacheFullError, Changes
 from loramux.adapters.checkpoint import AdapterWeights, build_adapter
-from loramux.adapters.files import AdapterPathError, read_adapter, signature
+from loramux.adapters.files import AdapterPathError, Signature, read_adapter, signature, unchanged
 from loramux.adapters.names import AdapterRef
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.slots import AdapterSlots
@@ -76,7 +76,7 @@ class AdapterStore:
         self._modules: dict[AdapterRef, frozenset[str]] = {}  # module names each identity has weights for
         self._copies_bytes: dict[AdapterRef, int] = {}  # bytes of each identity's whole-module copies, any tier
         self._digests: dict[AdapterRef, str] = {}  # what its files held when it was loaded (files.AdapterFiles)
-        self._signatures: dict[AdapterRef, tuple] = {}  # how they looked then (files.signature)
+        self._signatures: dict[AdapterRef, Signature | None] = {}  # how they looked then (files.signature)
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
 
@@ -137,16 +137,26 @@ class AdapterStore:
         if ref is None or replace:
             return True
         loaded = self._sources.get(ref)
-        return loaded is not None and loaded.same_place(source) and signature(source.path) != self._signatures.get(ref)
+        if loaded is None or not loaded.same_place(source):
+            return False
+        seen = self._signatures.get(ref)  # (a read-back, unlike this, also hashes racily clean files)
+        return seen is None or signature(source.path).stats != seen.stats
 
-    def read(self, name: str, source: Source) -> AdapterWeights:
+    def read(self, name: str, source: Source, known: tuple[Signature | None, str] | None = None) -> AdapterWeights:
         """Read and check an adapter directory into host tensors. Touches nothing of the store's, so it runs on
-        a loader thread, off the step loop. Raises the reason it is refused."""
-        seen = signature(source.path)  # before the read: a change during it makes the next look read again
+        a loader thread, off the step loop. Raises the reason it is refused. known: the signature and digest of
+        an earlier read of these files; while they look unchanged (files.unchanged) before and after the read,
+        their bytes are not hashed again and the digest is that read's."""
+        before = signature(source.path)
+        trusted = known is not None and unchanged(before, known[0])
         files = read_adapter(source.path, source.allow_pickle, source.allowed_dirs, self.slots.max_weight_bytes(),
-                             source.lora_alpha)
+                             source.lora_alpha, digest=not trusted)
+        after = signature(source.path)
+        if trusted and not unchanged(after, known[0]):  # changed while it was read: once more, hashed
+            return self.read(name, source)
         weights = self._build(name, files.config, files.tensors, source.path)
-        return replaced(weights, digest=files.digest, signature=seen)
+        seen = before if after.stats == before.stats else None  # changing: the next look reads them again
+        return replaced(weights, digest=known[1] if trusted else files.digest, signature=seen)
 
     def install_read(self, name: str, source: Source, read: Callable[[], AdapterWeights], replace: bool = False,
                      pinned: bool = False) -> LoRAResult:
@@ -407,7 +417,7 @@ class AdapterStore:
         """Read an identity evicted from host memory from disk again, under the rules it was loaded with (a
         loader thread may run this; KeyError if it has no disk copy). AdapterChangedError if the files no
         longer hold what was loaded: never the old identity with new weights."""
-        weights = self.read(ref.name, self._sources[ref])
+        weights = self.read(ref.name, self._sources[ref], (self._signatures.get(ref), self._digests.get(ref)))
         if weights.digest != self._digests.get(ref):
             raise AdapterChangedError(ref, weights)
         return weights
@@ -429,6 +439,7 @@ class AdapterStore:
             return
         self._apply(self.cache.add(ref))
         self._weights[ref] = weights
+        self._signatures[ref] = weights.signature  # the newest look at its files
         self.stats["loads"] += 1
 
     def _apply(self, changes: Changes) -> None:

@@ -143,9 +143,9 @@ def test_loading_the_same_files_again_reads_them_only_if_they_changed(checkpoint
     upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
     llm = make_llm(path, {"upd": upd})
     reads, real = [], AdapterStore.read
-    def read(self, name, source):
+    def read(self, name, source, *known):
         reads.extend([name] if name == "upd" else [])
-        return real(self, name, source)
+        return real(self, name, source, *known)
 
     monkeypatch.setattr(AdapterStore, "read", read)
     old = llm.engine.adapters.identity("upd")
@@ -160,3 +160,83 @@ def test_loading_the_same_files_again_reads_them_only_if_they_changed(checkpoint
     (upd / "adapter_config.json").touch()  # a new look, the same bytes: read, found equal, nothing changes
     assert "already loaded" in llm.load_adapter("upd", str(upd)).message and reads == ["upd", "upd"]
     assert "already loaded" in llm.load_adapter("upd", str(upd)).message and reads == ["upd", "upd"]
+
+
+def _flip_tensor_bytes(file):
+    """Change an adapter's weights in place, its size, mtime and inode as they were (as `cp -p` over it would)."""
+    import os
+    info = os.stat(file)
+    with open(file, "r+b") as f:
+        f.seek(-64, os.SEEK_END)
+        tail = f.read(64)
+        f.seek(-64, os.SEEK_END)
+        f.write(bytes(b ^ 0x80 if i % 4 == 3 else b for i, b in enumerate(tail)))  # sign bits of fp32 values
+    os.utime(file, ns=(info.st_atime_ns, info.st_mtime_ns))
+    after = os.stat(file)
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (info.st_size, info.st_mtime_ns, info.st_ino)
+
+
+def _read_back_digests(monkeypatch):
+    """Whether each read of adapter files took a digest (True) or trusted an unchanged look (False)."""
+    from loramux.adapters import store as store_module
+
+    taken, real = [], store_module.read_adapter
+    def read_adapter(*args, digest=True, **kwargs):
+        taken.append(digest)
+        return real(*args, digest=digest, **kwargs)
+
+    monkeypatch.setattr(store_module, "read_adapter", read_adapter)
+    return taken
+
+
+def test_a_read_back_of_files_that_look_unchanged_is_not_hashed_again(checkpoints, tmp_path, monkeypatch):  # noqa: F811
+    from loramux.adapters import files
+
+    _, path, adapters = checkpoints["llama"]
+    upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
+    llm = make_llm(path, {"upd": upd, "other": adapters["r8_rslora"]},
+                   lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+    store, prompt = llm.engine.adapters.store, [5, 6, 7]
+    taken = _read_back_digests(monkeypatch)
+    first = store.current("upd")
+    llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)
+    assert taken == [True]  # written a moment ago: a change within the same clock tick could hide, so hashed
+    monkeypatch.setattr(files, "RACY_NS", -10**18)  # as if every file were long untouched
+    llm.generate([prompt], PARAMS, adapters=["other"], use_tqdm=False)
+    del taken[:]
+    got = llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids
+    assert taken == [False] and store.current("upd") == first
+    assert got == alone(path, adapters["r4"], prompt)
+
+
+def test_a_rewrite_that_keeps_size_mtime_and_inode_is_still_a_new_version(checkpoints, tmp_path, monkeypatch):  # noqa: F811
+    """ctime tells: nothing sets it back. (With the look trusted, a signature without it would serve the new
+    bytes under the old identity.)"""
+    from loramux.adapters import files
+
+    _, path, adapters = checkpoints["llama"]
+    upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
+    llm = make_llm(path, {"upd": upd, "other": adapters["r8_rslora"]},
+                   lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+    monkeypatch.setattr(files, "RACY_NS", -10**18)
+    store, prompt = llm.engine.adapters.store, [5, 6, 7]
+    old = store.current("upd")
+    before = llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids
+    llm.generate([prompt], PARAMS, adapters=["other"], use_tqdm=False)  # upd leaves host memory
+    _flip_tensor_bytes(upd / "adapter_model.safetensors")
+    taken = _read_back_digests(monkeypatch)
+    got = llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids
+    assert True in taken and store.current("upd") != old
+    assert got == alone(path, str(upd), prompt) != before
+
+
+def test_a_signature_is_trusted_only_when_its_files_were_untouched_well_before_it():
+    from loramux.adapters.files import RACY_NS, Signature, unchanged
+
+    stat = (10, 5_000, 5_000, 7, 1)  # size, mtime_ns, ctime_ns, inode, device
+    old = Signature((stat, None, None), 5_000 + RACY_NS + 1)
+    assert unchanged(Signature((stat, None, None), 10**19), old)
+    assert not unchanged(Signature((stat, None, None), 10**19), old._replace(taken_ns=5_000 + RACY_NS))  # racy
+    assert not unchanged(Signature(((10, 5_000, 6_000, 7, 1), None, None), 10**19), old)  # ctime moved
+    assert not unchanged(Signature((None, None, None), 10**19), Signature((None, None, None), 10**19))
+    assert not unchanged(Signature((stat, None, None), 10**19), None)
