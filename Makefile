@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test serve
+.PHONY: venv test serve gpu-wheels
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,3 +25,17 @@ DEMO := examples/adapters
 serve: venv
 	$(PY) -m loramux serve --lora-modules pirate=$(DEMO)/pirate french=$(DEMO)/french json=$(DEMO)/json \
 		--allowed-adapter-dir $(DEMO) $(SERVE_ARGS)
+
+# The Python packages the GPU machine's image lacks, as wheels for its Python 3.12, in .whl/ (ignored):
+# benchmarks/gpu_check.sh installs them there. Versions: the ones this venv runs.
+GPU_WHEELS := msgspec llguidance
+gpu-wheels: venv
+	rm -rf .whl
+	for name in $(GPU_WHEELS); do \
+		version=$$($(PY) -c "import importlib.metadata as m; print(m.version('$$name'))") && \
+		$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+			--platform manylinux_2_39_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 \
+			--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+			--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+			-d .whl "$$name==$$version" || exit 1; \
+	done

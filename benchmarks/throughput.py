@@ -87,10 +87,11 @@ def cpu_load() -> float:
     return os.getloadavg()[0]
 
 
-def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras, batch_invariant=False):
+def run_loramux(path, dtype, adapter_dirs, prompts, params, max_loras, batch_invariant=False, device="cpu"):
     max_len = len(prompts[0]) + params.max_tokens
     llm = LLM(model=path, lora=LoRAConfig(max_loras=max_loras, max_cpu_loras=max(32, max_loras), max_lora_rank=16),
-              dtype=dtype, max_num_seqs=len(prompts), max_model_len=max(256, max_len), batch_invariant=batch_invariant)
+              dtype=dtype, max_num_seqs=len(prompts), max_model_len=max(256, max_len), batch_invariant=batch_invariant,
+              device=device)
     for name, adapter_dir in adapter_dirs.items():
         assert llm.load_adapter(f"{name}={adapter_dir}"), name
     llm.generate(prompts[:4], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)  # warm-up
@@ -115,15 +116,16 @@ JSON_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLen
 """The constrained rows' schema: a JSON string longer than any run, so they generate all their tokens too."""
 
 
-def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False, structured=False):
+def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False, structured=False,
+                 device="cpu"):
     """base / single / mixed8 (and mixed8 with batch_invariant, or with a quarter of its requests JSON-schema
     constrained, same rounds), then the 32-slot engine's rows."""
     n, eight = len(prompts), {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}
-    engines = {"main": run_loramux(path, dtype, eight, prompts, params, 8)}
+    engines = {"main": run_loramux(path, dtype, eight, prompts, params, 8, device=device)}
     mixed = [f"a{i % 8}" for i in range(n)]
     cases = {"base": ("main", None), "single": ("main", "a0"), "mixed8": ("main", mixed)}
     if batch_invariant:
-        engines["invariant"] = run_loramux(path, dtype, eight, prompts, params, 8, batch_invariant=True)
+        engines["invariant"] = run_loramux(path, dtype, eight, prompts, params, 8, batch_invariant=True, device=device)
         cases["mixed8_invariant"] = ("invariant", mixed)
     if structured:
         json_params = replace(params, structured_outputs=StructuredOutputsParams(json=json.dumps(JSON_TEXT)))
@@ -137,19 +139,19 @@ def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_inva
 
     seconds, outputs = rounds(cases, generate, repeats)
     engines.clear()
-    engines["max32"] = run_loramux(path, dtype, adapter_dirs, prompts, params, 32)
+    engines["max32"] = run_loramux(path, dtype, adapter_dirs, prompts, params, 32, device=device)
     more, _ = rounds({"single_max32": ("max32", "a0"), "distinct32": ("max32", [f"a{i}" for i in range(n)])},
                      generate, repeats)
     return seconds | more, outputs
 
 
-def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens, repeats):
+def hf_rows(path, dtype, adapter_dirs, prompts, new_tokens, repeats, device="cpu"):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    input_ids = torch.tensor(prompts)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    input_ids = torch.tensor(prompts, device=device)
     kwargs = dict(attention_mask=torch.ones_like(input_ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                   do_sample=False, pad_token_id=0)
     with torch.inference_mode():
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--dtypes", nargs="+", default=None, help="default: float32 bfloat16 (sweep: bfloat16)")
+    parser.add_argument("--device", default="cpu", help="where both loramux and the HF peers run (cpu, cuda)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -249,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     num_adapters = max(32, *args.distinct) if args.sweep else 32
     adapter_dirs = {f"a{i}": write_adapter(os.path.join(workdir, f"a{i}"), hf_config, (8, 16)[i % 2], seed=i)
                     for i in range(num_adapters)}
-    report = {"model": os.path.basename(path.rstrip("/")), "requests": requests, "prompt_len": args.prompt_len,
+    report = {"model": os.path.basename(path.rstrip("/")), "device": args.device, "requests": requests,
+              "prompt_len": args.prompt_len,
               "new_tokens": args.new_tokens, "threads": torch.get_num_threads(), "load_before": cpu_load()}
     if args.sweep:
         dtype = (args.dtypes or ["bfloat16"])[0]
@@ -263,9 +267,10 @@ def main(argv: list[str] | None = None) -> None:
     tokens = requests * args.new_tokens
     for dtype in dtypes:
         seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats,
-                                           args.batch_invariant, args.structured)
+                                           args.batch_invariant, args.structured, args.device)
         if not args.skip_hf:
-            peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats)
+            peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats,
+                                                args.device)
             seconds |= peer_seconds
         report[dtype] = {label: tokens / min(runs) for label, runs in seconds.items()}  # best run
         report[dtype]["median_tok_s"] = {label: statistics.median(tokens / s for s in runs)

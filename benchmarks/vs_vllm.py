@@ -8,8 +8,8 @@ ignore_eos), on one engine per side with 32 LoRA slots of rank 16:
   mixed8    8 adapters, interleaved
   mixed32   32 adapters, one per request (with 32 requests)
 Adapters: rank 16 on all 7 projections, random. The model: the embedded SmolLM2-135M (default), or a random
-checkpoint of a published shape (--shape llama-1b: Llama-3.2-1B's, llama-8b: Llama-3.1-8B's; vocabulary
-49152, SmolLM2's tokenizer), made once under ~/.cache/loramux/bench-vs-vllm. loramux runs in this process,
+checkpoint of a published shape (--shape llama-1b: Llama-3.2-1B's, llama-8b: Llama-3.1-8B's; tiny: a 2-layer
+stand-in for the scripts' own tests; vocabulary 49152, SmolLM2's tokenizer), made once under ~/.cache/loramux/bench-vs-vllm. loramux runs in this process,
 then vLLM in its own venv's Python (benchmarks/vllm_offline.py): each side's best of --repeats rounds,
 after a warm-up run. Prints tok/s, ratios and one JSON line.
 
@@ -35,6 +35,8 @@ SHAPES = {
                      num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),  # smoke tests of the scripts
 }
 CACHE = os.path.expanduser("~/.cache/loramux/bench-vs-vllm")
 

@@ -226,3 +226,23 @@ def test_startup_alternates_the_servers_and_reports_medians_and_ratios(tmp_path,
     assert vllm[:3] == [str(tmp_path / "bin" / "vllm"), "serve", "/hf/SmolLM2"] and "--enable-lora" in vllm
     assert [a.split("=")[0] for a in vllm[vllm.index("--lora-modules") + 1:]] == ["pirate", "french", "json"]
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+
+
+def test_the_gpu_check_runs_every_step_and_reports_each_as_a_json_line(tmp_path):
+    """benchmarks/gpu_check.sh end to end, on the CPU with the tiny shape (what a GPU round runs, smaller): every
+    step ends with rc 0 and its JSON result, PEFT's greedy rows are compared, and the Triton cache comes back."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_DEVICE": "cpu",
+           "GPU_CHECK_SHAPES": "tiny", "GPU_CHECK_WORKDIR": str(tmp_path / "work"),
+           "GPU_CHECK_CACHE": str(tmp_path / "cache"), "GPU_CHECK_WHEELS": str(tmp_path / "no-wheels"),
+           "GPU_CHECK_ARGS": "--requests 4 --prompt-len 8 --new-tokens 4"}
+    done = subprocess.run(["bash", str(SCRIPT.parent / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = {row["step"]: row for row in map(json.loads, (out / "gpu_check.jsonl").read_text().splitlines())}
+    assert list(steps) == ["vs_vllm_tiny", "batch1_tiny", "peft_tiny", "profile_tiny"]
+    assert all(row["rc"] == 0 and row["result"] and row["device"] == "cpu" for row in steps.values()), steps
+    assert set(steps["vs_vllm_tiny"]["result"]["best"]["loramux"]) == {"base", "single", "mixed8", "mixed32"}
+    assert 0 <= steps["peft_tiny"]["result"]["bfloat16"]["greedy_rows_equal_to_peft"] <= 1
+    assert steps["profile_tiny"]["result"]["step_ms"] > 0
+    assert (out / "triton-cache.tgz").stat().st_size > 0 and "=== done" in (out / "gpu_check.log").read_text()
