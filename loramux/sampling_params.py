@@ -171,6 +171,11 @@ class SamplingParams:
     """The same for every prompt token after the first (each one's log-probability given the tokens before it)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (checked when the engine compiles it)."""
+    cache_salt: str | None = None
+    """vLLM's field: the prefix cache is split by it, so a request reads cached blocks only of requests with the
+    same salt (and the same adapter identity), and one client's time to first token says nothing of another's
+    prompts. Make it secret and unguessable (vLLM suggests 256 random bits). Not a sampling parameter: it is
+    here so that it travels with the request wherever its parameters go."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -212,6 +217,8 @@ class SamplingParams:
             ("bad_words", all(_is_text(w) and w.strip() for w in self.bad_words),
              "must be non-blank strings of valid Unicode"),
             ("stop", all(_is_text(s) and s for s in self.stop), "must be non-empty strings of valid Unicode"),
+            ("cache_salt", self.cache_salt is None or (_is_text(self.cache_salt) and self.cache_salt != ""),
+             "must be a non-empty string of valid Unicode"),
             ("structured_outputs", self.structured_outputs is None or isinstance(self.structured_outputs,
                                                                                  StructuredOutputsParams),
              "must be a StructuredOutputsParams"),

@@ -30,6 +30,7 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
 
 
 def _copy(logprobs: Logprobs | None) -> Logprobs | None:
@@ -112,6 +113,7 @@ class LLMEngine:
             request.logprobs.extend(out.logprobs)
         if out.prompt_logprobs is not None:
             request.prompt_logprobs = out.prompt_logprobs
+        request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
         reason = out.finish_reason
         # a stop token ends the text before it: it is kept in token_ids, left out of the text
         text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
@@ -125,7 +127,7 @@ class LLMEngine:
             return None
         return RequestOutput(out.request_id, request.prompt, request.prompt_token_ids, request.detokenizer.text,
                              list(request.token_ids), request.adapter, reason, delta, list(out.new_token_ids),
-                             out.error, _copy(request.logprobs), request.prompt_logprobs)
+                             out.error, _copy(request.logprobs), request.prompt_logprobs, request.num_cached_tokens)
 
     # ---- offline helpers -----------------------------------------------------------------------------
     def stream(self, prompts: Seq, params: Seq[SamplingParams], adapters: Seq[str | None]) -> Iterator[RequestOutput]:

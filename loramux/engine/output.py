@@ -48,6 +48,7 @@ class RequestOutput:
     error: str | None = None  # why an aborted or failed request ended
     logprobs: Logprobs | None = None  # of token_ids so far (SamplingParams.logprobs set)
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1 (SamplingParams.prompt_logprobs set)
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's RequestOutput field)
 
     @property
     def finished(self) -> bool:

@@ -259,6 +259,8 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, step: _Pass, first: bool = False) -> _Verdict:
         ref = self._ref(seq)
         salt = b"base" if ref is None else repr(ref).encode()  # its K/V are this identity's alone
+        if seq.params.cache_salt is not None:  # and this salt's (vLLM's cache_salt)
+            salt += b"\0" + seq.params.cache_salt.encode()
         if salt != seq.cache_salt:  # its name moved to another identity since it was last looked at
             seq.cache_salt, seq.block_hashes = salt, []
         # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).

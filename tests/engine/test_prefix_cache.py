@@ -41,6 +41,25 @@ def test_cached_prefixes_give_the_tokens_of_the_engine_without_a_cache(checkpoin
         assert got[i].token_ids == hf_greedy(base, adapters.get(rows[i]), batch[i], GREEDY.max_tokens)
 
 
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt_and_keeps_the_tokens(checkpoints):  # noqa: F811
+    """vLLM's cache_salt, offline: SamplingParams(cache_salt=...) splits the cache (adapter and base alike)."""
+    from dataclasses import replace
+
+    _, path, adapters = checkpoints["llama"]
+    llm = engine(path, {"a": adapters["r4"]}, True)
+    prompt = SHARED[:18]
+
+    def run(adapter, salt):
+        out = llm.generate([prompt], replace(GREEDY, cache_salt=salt), adapters=adapter, use_tqdm=False)[0]
+        return out.num_cached_tokens, out.token_ids
+
+    for adapter in ("a", None):
+        (cold, want), (warm, again) = run(adapter, "s1"), run(adapter, "s1")
+        assert cold == 0 and warm == 16 and again == want
+        assert run(adapter, "s2")[0] == 0 and run(adapter, None)[0] == 0  # nothing of s1's
+        assert run(adapter, None) == (16, want) and run(adapter, "s2") == (16, want)
+
+
 def test_no_block_is_shared_across_adapters_the_base_or_two_loads_of_one(checkpoints):  # noqa: F811
     _, path, adapters = checkpoints["llama"]
     llm = engine(path, {"a": adapters["r4"], "b": adapters["r8_rslora"]}, True)

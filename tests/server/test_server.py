@@ -508,6 +508,22 @@ def test_a_stream_for_an_adapter_unloaded_before_it_starts_gets_404_not_200(file
             stream.result(timeout=60)
 
 
+def test_cache_salt_splits_the_prefix_cache_between_clients(server, http, client):
+    """vLLM's cache_salt: the same prompt and adapter share cached blocks only under the same salt (base model too)."""
+    prompt = "a prompt two clients both send: " + "y" * 14  # 46 characters: 2 full blocks of 16 before the last
+    for model in ("s1", "tiny"):
+        def cached(salt):
+            extra = {} if salt is None else {"cache_salt": salt}
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+            return out.usage.prompt_tokens_details.cached_tokens
+
+        assert cached("client-a") == 0 and cached("client-a") == 32  # a's own blocks
+        assert cached("client-b") == 0 and cached(None) == 0  # not b's, nor an unsalted request's
+        assert cached(None) == 32 and cached("client-b") == 32
+    refused = http.post("/v1/completions", json={"model": "s1", "prompt": "x", "max_tokens": 1, "cache_salt": ""})
+    assert refused.status_code == 400 and "cache_salt" in refused.json()["error"]["message"]
+
+
 def test_prefix_cache_usage_metrics_and_reset(server, http, client):
     prompt = "the same system prompt, sent twice: " + "x" * 10  # 46 characters: 2 full blocks of 16 before the last
     first = client.completions.create(model="s1", prompt=prompt, max_tokens=4, temperature=0)
