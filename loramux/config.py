@@ -291,6 +291,10 @@ class ServerConfig:
     """Prompt tokens + max_tokens of the requests in flight, at most (429 past it)."""
     max_pending_per_client: int = 0
     """Requests in flight per client (its API key, else its address); 0 = no per-client limit."""
+    max_resolves_per_client: int = 8
+    """Cold adapter names one client may have resolving at once (its API key, else its address): the resolver
+    threads are shared, and one client asking for hundreds of unknown names must not hold them all (past it:
+    429 with Retry-After). 0 = no limit."""
     shutdown_timeout: float = 30.0
     """On SIGTERM, running requests get this long to finish; then they end with an error and the server exits."""
     engine_start_timeout: float = 600.0
@@ -310,6 +314,8 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts_per_request", "max_pending_requests",
                      "max_pending_tokens"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.max_resolves_per_client, int) or self.max_resolves_per_client < 0:
+            raise ValueError(f"max_resolves_per_client must be an integer >= 0, got {self.max_resolves_per_client!r}")
         if not isinstance(self.max_pending_per_client, int) or self.max_pending_per_client < 0:
             raise ValueError(f"max_pending_per_client must be an integer >= 0, got {self.max_pending_per_client!r}")
         for name in ("shutdown_timeout", "engine_start_timeout", "engine_unresponsive_s", "engine_kill_s"):

@@ -58,6 +58,11 @@ def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
     return registry
 
 
+def client_of(raw: Request) -> str:
+    """Who sends a request, for per-client limits: its API key, else its address."""
+    return raw.headers.get("authorization") or (raw.client.host if raw.client else "?")
+
+
 class APIServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str],
                  state_file: str | None = None, restarts: int = 0):
@@ -176,22 +181,22 @@ class APIServer:
         return self.client.health()
 
     # ---- requests -------------------------------------------------------------------------------
-    async def resolve(self, model: str) -> str | None:
+    async def resolve(self, model: str, client: str = "?") -> str | None:
         """The adapter a `model` field names (None = the base model), loaded first if a resolver has it and it
-        is not registered; 404 for anything else."""
+        is not registered (client: who asks, for on-demand's per-client cap); 404 for anything else."""
         if model == self.model_name:
             return None
         if model not in self.registry:
-            await self.on_demand.load(model, self.model_root)
+            await self.on_demand.load(model, self.model_root, client)
         return model
 
-    async def engine_requests(self, request: p.GenerationRequest, chat: bool) -> list[AddRequest]:
+    async def engine_requests(self, request: p.GenerationRequest, chat: bool, client: str = "?") -> list[AddRequest]:
         """One engine request per (prompt, choice), every field checked and every prompt tokenized first."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
         self.require_engine()
         self._check_counts(request)
-        adapter = await self.resolve(request.model)
+        adapter = await self.resolve(request.model, client)
         sources = [request.messages] if chat else self._check(request.prompts)
         if len(sources) * request.n > self.config.max_prompts_per_request:
             raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
@@ -271,8 +276,7 @@ class APIServer:
 
     def admit(self, requests: list[AddRequest], raw: Request) -> Ticket:
         """Count the requests in (TooBusy -> 429 past a limit); release the ticket when they are done."""
-        client = raw.headers.get("authorization") or (raw.client.host if raw.client else "?")
-        return self.admission.admit(client, len(requests), sum(map(work_tokens, requests)))
+        return self.admission.admit(client_of(raw), len(requests), sum(map(work_tokens, requests)))
 
     def timers(self, choices: list[Choice]) -> list[RequestTimer]:
         model = choices[0].request.adapter or self.model_name

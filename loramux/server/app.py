@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -26,7 +27,7 @@ from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.api_server import APIServer, ShuttingDown, until_disconnected
+from loramux.server.api_server import APIServer, ShuttingDown, client_of, until_disconnected
 from loramux.logprobs import Logprobs
 from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.wire import PauseMode
@@ -149,7 +150,8 @@ class ApiKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.expected is not None and scope["path"] != "/health":
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
+            sent = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(sent, self.expected):  # in constant time: no timing oracle on the key
                 response = _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                                   "authentication_error", "invalid_api_key")
                 return await response(scope, receive, send)
@@ -197,7 +199,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/completions")
     async def completions(request: p.CompletionRequest, raw: Request):
-        requests = await server.engine_requests(request, chat=False)
+        requests = await server.engine_requests(request, chat=False, client=client_of(raw))
         chunks = CompletionChunks(request, p.new_id("cmpl"), server)
         if request.stream:
             return await _sse(server, raw, requests, chunks)
@@ -211,7 +213,7 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
-        requests = await server.engine_requests(request, chat=True)
+        requests = await server.engine_requests(request, chat=True, client=client_of(raw))
         chunks = ChatChunks(request, p.new_id("chatcmpl"), server)
         if request.stream:
             return await _sse(server, raw, requests, chunks)

@@ -12,13 +12,18 @@ server (api_server.py) and the Ray Serve ingress. No torch.
   refusal is remembered under the name and under the directory it resolved to (another name for the same
   files is not read again either), for at most MAX_FAILURES entries. Only a refusal is remembered: a load
   never fails for want of room (the engine parks it until its requests need it).
+- A name no resolver knows is answered 404 again without asking them for NOT_FOUND_TTL_S (a client retrying
+  an unknown Hub id costs the Hub nothing); an adapter put in a resolver's directory meanwhile is found after.
+- Resolver threads are shared: one client (API key, else address) may have at most
+  ServerConfig.max_resolves_per_client cold names resolving at once (429 with Retry-After past it), so one
+  client asking for hundreds of unknown names cannot keep another tenant's cold adapter waiting.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,6 +34,7 @@ from loramux.server.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 FAILURE_TTL_S = 10.0
+NOT_FOUND_TTL_S = 5.0
 MAX_FAILURES = 4096
 # Resolvers wait on stores and networks, not on the CPU: as many copies at once as cold names (asyncio's default
 # pool, cpu_count + 4 threads, made 32 cold names wait behind each other's copies on 2 cores).
@@ -85,23 +91,49 @@ class OnDemand:
         self._install = install
         self._pending: dict[str, asyncio.Future] = {}
         self.failed = _Failures()
+        self.missing = _Failures(NOT_FOUND_TTL_S)  # names no resolver knew
+        self.max_per_client = config.max_resolves_per_client
+        self._per_client: Counter[str] = Counter()  # cold names each client has resolving now
         self._pool = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="loramux-resolve")  # threads made as needed
 
     def __bool__(self) -> bool:
         return bool(self.resolvers)
 
-    async def load(self, name: str, base_model: str) -> None:
+    async def load(self, name: str, base_model: str, client: str = "?") -> None:
         """`name` resolved and installed, once for all who ask at the same time; 404 if it is not a valid
-        adapter name or no resolver has it, the refusal if it does not load."""
+        adapter name or no resolver has it, the refusal if it does not load; 429 if `client` has
+        max_resolves_per_client cold names resolving already."""
         if not self.resolvers:
             raise model_not_found(name)
         if (reason := self.failed.get(name)) is not None:
             raise HTTPError(400, reason, code="invalid_adapter")
+        if (reason := self.missing.get(name)) is not None:
+            raise model_not_found(name, reason)
         future = self._pending.get(name)
         if future is None:
+            self._check_client(client)
             future = self._pending[name] = asyncio.ensure_future(self._resolve_and_install(name, base_model))
             future.add_done_callback(lambda _: self._pending.pop(name, None))
+            self._count(client, future)
         await asyncio.shield(future)  # a waiter that disconnects does not cancel the others' load
+
+    def _check_client(self, client: str) -> None:
+        if self.max_per_client and self._per_client[client] >= self.max_per_client:
+            logger.warning("a client has %d cold adapter names resolving: refusing another", self._per_client[client])
+            raise HTTPError(429, f"this client has {self.max_per_client} cold adapter names resolving already; at "
+                                 "most that many at once (--max-resolves-per-client)", "rate_limit_error",
+                            "too_many_resolves", {"Retry-After": "1"})
+
+    def _count(self, client: str, future: asyncio.Future) -> None:
+        """The new resolve counts against `client` until it is done."""
+        self._per_client[client] += 1
+
+        def done(_) -> None:
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
+
+        future.add_done_callback(done)
 
     async def _resolve_and_install(self, name: str, base_model: str) -> None:
         try:
@@ -115,8 +147,9 @@ class OnDemand:
             logger.error("resolving adapter %r failed: %s", name, e)
             raise HTTPError(502, f"resolving adapter '{name}' failed: {e}", "server_error") from e
         if found is None:
-            raise model_not_found(name, f" It is not registered, and no adapter resolver has it "
-                                        f"({resolvers.describe(self.resolvers)}).")
+            missing = f" It is not registered, and no adapter resolver has it ({resolvers.describe(self.resolvers)})."
+            self.missing.add((name,), missing)
+            raise model_not_found(name, missing)
         if (reason := self.failed.get(found.path)) is not None:  # the same files under another name
             raise _refused(name, found.path, reason)
         logger.info("adapter %r resolved to %s; loading it", name, found.path)

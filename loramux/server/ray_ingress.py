@@ -38,6 +38,7 @@ from loramux.adapters.names import parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
 from loramux.server import adapter_admin as admin
+from loramux.server.api_server import client_of
 from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge, json_off_the_loop
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.on_demand import OnDemand
@@ -121,7 +122,8 @@ class Ingress:
         app = FastAPI(title="loramux (Ray Serve)")
         app.add_middleware(BodyLimit, limit=self.config.max_body_bytes)
         app.add_middleware(ApiKey, key=self.config.api_key)
-        app.add_exception_handler(HTTPError, lambda _, e: _json_error(e.status_code, e.message, e.err_type, e.code))
+        app.add_exception_handler(HTTPError, lambda _, e: _json_error(e.status_code, e.message, e.err_type, e.code,
+                                                                           e.headers))
         app.add_exception_handler(BodyTooLarge, lambda _, e: _json_error(413, e.detail))
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.model)
@@ -141,7 +143,7 @@ class Ingress:
         entry = await self._entry(model) if model is not None else None
         if model is not None and entry is None and model != (await self._base())["model_name"]:
             # not registered (or being unloaded, while replicas still hold it): resolved, or 404 as one server
-            await self.on_demand.load(model, (await self._base())["model_root"])
+            await self.on_demand.load(model, (await self._base())["model_root"], client_of(request))
             entry = await self._entry(model)
         handle = self.replica.options(stream=True, multiplexed_model_id=entry.name if entry else "")
         client = request.client.host if request.client else "unknown"
@@ -311,8 +313,9 @@ async def _rest(stream, content_type: str):
             yield f"data: {json.dumps(error)}\n\n".encode()
 
 
-def _json_error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None):
-    return JSONResponse(p.error_body(message, err_type, code), status_code=status)
+def _json_error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
+                headers: dict | None = None):
+    return JSONResponse(p.error_body(message, err_type, code), status_code=status, headers=headers)
 
 
 def _from_replica(e: RayError) -> HTTPError:

@@ -184,3 +184,64 @@ def test_a_waiter_that_goes_away_does_not_cancel_the_load(tmp_path, plugin):
 
     asyncio.run(main())
     assert len(installs.done) == 1
+
+
+class Gated(Counting):
+    """A resolver that holds every call until `gate` is set."""
+
+    def __init__(self, answers: dict):
+        super().__init__(answers)
+        self.gate = threading.Event()
+
+    def resolve(self, base_model, name):
+        with self.lock:
+            self.calls.append(name)
+        self.gate.wait(120)
+        return self.answers.get(name)
+
+
+def test_one_client_may_have_only_so_many_cold_names_resolving(tmp_path, plugin):
+    """The resolver threads are everyone's: a client past --max-resolves-per-client gets 429 with Retry-After
+    while another client's cold name still goes ahead, and joining a name already resolving costs nothing."""
+    import dataclasses
+
+    resolver = Gated({n: adapter_dir(tmp_path / n) for n in ("n1", "n2", "n3", "b1")})
+    installs = Installs()
+
+    async def main():
+        demand = on_demand.OnDemand(dataclasses.replace(plugin(resolver), max_resolves_per_client=2), installs)
+        first = [asyncio.ensure_future(demand.load(n, "base", "client-a")) for n in ("n1", "n2")]
+        await asyncio.sleep(0)  # both started: two of client-a's names resolving
+        with pytest.raises(HTTPError) as over:
+            await demand.load("n3", "base", "client-a")
+        joined = asyncio.ensure_future(demand.load("n1", "base", "client-a"))  # the same name: no new resolve
+        other = asyncio.ensure_future(demand.load("b1", "base", "client-b"))
+        await asyncio.sleep(0)
+        assert not joined.done() and not other.done()  # neither refused
+        resolver.gate.set()
+        await asyncio.gather(*first, joined, other)
+        await demand.load("n3", "base", "client-a")  # its resolves are done: it may ask again
+        return over.value, demand
+
+    over, demand = asyncio.run(main())
+    assert over.status_code == 429 and over.headers == {"Retry-After": "1"} and "--max-resolves-per-client" in over.message
+    assert sorted(resolver.calls) == ["b1", "n1", "n2", "n3"] and not demand._per_client
+
+
+def test_an_unknown_name_is_answered_404_again_without_asking_the_resolvers_a_short_while(plugin):
+    resolver = Counting({})
+
+    async def main():
+        demand = on_demand.OnDemand(plugin(resolver), Installs())
+        errors = []
+        for expire in (False, False, True):
+            if expire:
+                demand.missing.ttl_s = 0.0
+            with pytest.raises(HTTPError) as e:
+                await demand.load("ghost", "base")
+            errors.append(e.value)
+        return errors
+
+    errors = asyncio.run(main())
+    assert [e.status_code for e in errors] == [404] * 3 and errors[1].message == errors[0].message
+    assert resolver.calls == ["ghost", "ghost"]  # the second answer came from memory; the third asked again
