@@ -17,9 +17,9 @@ def reads(monkeypatch):
     """The thread of every adapter read (AdapterStore.read: files -> checked host tensors)."""
     threads, real = [], AdapterStore.read
 
-    def read(self, name, source):
+    def read(self, name, source, *known):
         threads.append(threading.current_thread().name)
-        return real(self, name, source)
+        return real(self, name, source, *known)
 
     monkeypatch.setattr(AdapterStore, "read", read)
     return threads
@@ -47,9 +47,9 @@ def test_running_streams_keep_stepping_while_an_adapter_is_read(checkpoints, mon
                    lora=LoRAConfig(max_loras=1, max_cpu_loras=2, max_lora_rank=64))
     engine, real, streamed = llm.engine, AdapterStore.read, threading.Event()
 
-    def slow_read(self, name, source):
+    def slow_read(self, name, source, *known):
         assert streamed.wait(60), "the step loop did not stream while the adapter was read"
-        return real(self, name, source)
+        return real(self, name, source, *known)
 
     monkeypatch.setattr(AdapterStore, "read", slow_read)
     assert not engine.adapters.cache.in_host(engine.adapters.resolve("hot"))  # evicted by the later loads
