@@ -182,6 +182,13 @@ class LoRAManager:
         return {current[ref]: slot for ref, slot in self.cache.active.items() if ref in current}
 
     @property
+    def resident(self) -> dict[str, list[str]]:
+        """Tier ("host", "device") -> the names whose current identity is there now."""
+        current = {self.store.current(name): name for name in self.store.names}
+        return {"host": sorted(current[ref] for ref in self.cache.host if ref in current),
+                "device": sorted(self.active_loras)}
+
+    @property
     def paths(self) -> dict[str, str | None]:
         """Every loaded adapter's directory (None for adapters added from tensors)."""
         sources = {name: self.store.source(self.store.current(name)) for name in self.store.names}

@@ -302,4 +302,4 @@ class EngineCoreProc:
             lora_slot_bytes=adapters.slot_bytes if adapters is not None else 0,
             lora_host_bytes=adapters.host_bytes if adapters is not None else 0, finished=dict(core.num_finished),
             prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits,
-            paused=self.paused)
+            paused=self.paused, resident=adapters.resident if adapters is not None else {})

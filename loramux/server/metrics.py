@@ -63,6 +63,9 @@ class Metrics:
                                 "max_cpu_lora_bytes bounds)", registry=r)
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.resident = Gauge("loramux:lora_adapter_resident", "1 while the adapter is in that tier (host memory or "
+                              "a device slot); a series goes when the adapter leaves it (for LoRA-aware routers)",
+                              ["adapter", "tier", "pinned"], registry=r)
         self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
         self.frontend_restarts = Gauge("loramux:frontend_restarts", "Times the HTTP front end process died and "
                                        "was replaced (with a new engine, and the adapters it had)", registry=r)
@@ -92,8 +95,17 @@ class Metrics:
             self.lora_info.clear()
             self.lora_info.labels(str(stats.max_loras), ",".join(stats.running_adapters),
                                   ",".join(stats.waiting_adapters)).set(time.time())
+            self._set_resident(stats)
             self._engine.stats = stats
         return generate_latest(self.registry)
+
+    def _set_resident(self, stats) -> None:
+        """Only what is resident now has a series: cardinality stays at the tiers' sizes."""
+        self.resident.clear()
+        pinned = set(stats.pinned)
+        for tier, names in stats.resident.items():
+            for name in names:
+                self.resident.labels(name, tier, str(name in pinned).lower()).set(1)
 
 
 class RequestTimer:

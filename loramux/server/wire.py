@@ -157,6 +157,7 @@ class EngineStats(msgspec.Struct, tag="engine_stats"):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # and found there
     paused: bool = False  # Pause: no step runs until Resume
+    resident: dict[str, list[str]] = {}  # tier ("host", "device") -> adapter names there (LoRAManager.resident)
 
 
 class ControlFailed(msgspec.Struct, tag="control_failed"):

@@ -222,7 +222,9 @@ def test_metrics_in_prometheus_format(http, client):
     text = http.get("/metrics").text
     for name in ("loramux:request_success_total", "loramux:generation_tokens_total",
                  "loramux:time_to_first_token_seconds_bucket", "loramux:num_requests_running",
-                 'loramux:lora_requests_info{max_lora="4"', "loramux:lora_loads_total"):
+                 'loramux:lora_requests_info{max_lora="4"', "loramux:lora_loads_total",
+                 'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="device"} 1.0',
+                 'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="host"} 1.0'):
         assert name in text, name
 
 
