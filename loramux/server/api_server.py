@@ -313,12 +313,14 @@ class APIServer:
         for --lora-modules at start). The registry records what the engine answers (a reload in place keeps
         the pin of the adapter it replaces)."""
         dirs = self.config.allowed_adapter_dirs if allowed_dirs is None else tuple(allowed_dirs)
+        started = time.monotonic()
         result = await self._control(LoadAdapter(0, name, path, dirs, pinned, replace))
         if result.status is LoRAStatus.LOAD_BUSY:  # a pinned load that found no room within --lora-load-timeout
             raise HTTPError(503, result.message, "service_unavailable", "adapter_busy", {"Retry-After": "5"})
         if result.status is not LoRAStatus.SUCCESS:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
+        self.metrics.load_seconds.labels("resolver" if resolved else "runtime").observe(time.monotonic() - started)
         self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved)
         self._save_registry()
 

@@ -63,6 +63,10 @@ class Metrics:
                                 "max_cpu_lora_bytes bounds)", registry=r)
         self.lora_info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self.load_seconds = Histogram("loramux:lora_load_seconds", "Time a successful adapter load took, from the "
+                                      "request to the engine's answer (runtime: the admin route; resolver: a first "
+                                      "request's load on demand, after the resolver found it)", ["source"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
         self.resident = Gauge("loramux:lora_adapter_resident", "1 while the adapter is in that tier (host memory or "
                               "a device slot); a series goes when the adapter leaves it (for LoRA-aware routers)",
                               ["adapter", "tier", "pinned"], registry=r)

@@ -217,14 +217,17 @@ def test_unloading_an_adapter_in_use_keeps_its_running_request_exact(http, clien
         client.completions.create(model="s4", prompt="x", max_tokens=2)
 
 
-def test_metrics_in_prometheus_format(http, client):
+def test_metrics_in_prometheus_format(files, http, client):
     client.completions.create(model="s0", prompt="m", max_tokens=2)
+    load = http.post("/v1/load_lora_adapter", json={"lora_name": "timed", "lora_path": f"{files['allowed']}/new"})
+    assert load.status_code == 200 and http.post("/v1/unload_lora_adapter", json={"lora_name": "timed"}).status_code == 200
     text = http.get("/metrics").text
     for name in ("loramux:request_success_total", "loramux:generation_tokens_total",
                  "loramux:time_to_first_token_seconds_bucket", "loramux:num_requests_running",
                  'loramux:lora_requests_info{max_lora="4"', "loramux:lora_loads_total",
                  'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="device"} 1.0',
-                 'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="host"} 1.0'):
+                 'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="host"} 1.0',
+                 'loramux:lora_load_seconds_count{source="runtime"}'):
         assert name in text, name
 
 
