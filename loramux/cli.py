@@ -70,6 +70,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="tokens per step at most (default: 256 on a CPU; on a GPU as vLLM's, served 2048, 8192 "
                              "on one of >= 70 GiB, offline 8192 / 16384; unchunked: 4096)")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                        help="fcfs (requests' priority must be 0) or priority: lower `priority` first, and preempted "
+                             "last (as vLLM's)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
                              "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
@@ -91,7 +94,8 @@ def _engine_config(args, usage: str) -> EngineConfig:
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                         prefill_slowdown_cap=getattr(args, "prefill_slowdown_cap", None),
                         enable_prefix_caching=args.enable_prefix_caching,
-                        batch_invariant=args.batch_invariant, usage=usage, **budget)
+                        batch_invariant=args.batch_invariant, usage=usage, scheduling_policy=args.scheduling_policy,
+                        **budget)
 
 
 def log_to_stderr(level: str) -> None:

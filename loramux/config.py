@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # A GPU step's default token budget, as vLLM's EngineArgs: usage -> (smaller GPU, >= 70 GiB and not an A100)
 GPU_STEP_TOKENS = {"offline": (8192, 16384), "server": (2048, 8192)}
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -195,6 +196,10 @@ class EngineConfig:
     max_wait_steps: int = 64
     """Age bound: a request skipped this many scheduler steps (its adapter had no slot) is admitted
     next, before anything else."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's: "fcfs", first come first served (a request's priority must be 0), or "priority": waiting requests
+    are admitted by (SamplingParams.priority, arrival), lower first, and when KV memory runs out the running
+    request of the highest value is preempted first."""
     seed: int = 0
     """Seed for requests that bring none."""
     grammar_limits: GrammarLimits = GrammarLimits()
@@ -207,6 +212,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "startup_adapters", tuple(self.startup_adapters))
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.batch_invariant and self.lora_backend not in ("auto", "torch-fixed-rows"):

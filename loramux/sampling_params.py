@@ -171,6 +171,9 @@ class SamplingParams:
     """The same for every prompt token after the first (each one's log-probability given the tokens before it)."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar (checked when the engine compiles it)."""
+    priority: int = 0
+    """vLLM's field: with EngineConfig.scheduling_policy "priority", lower runs earlier (and is preempted later);
+    under "fcfs" only 0 is taken. Not a sampling parameter either (see cache_salt)."""
     cache_salt: str | None = None
     """vLLM's field: the prefix cache is split by it, so a request reads cached blocks only of requests with the
     same salt (and the same adapter identity), and one client's time to first token says nothing of another's
@@ -217,6 +220,8 @@ class SamplingParams:
             ("bad_words", all(_is_text(w) and w.strip() for w in self.bad_words),
              "must be non-blank strings of valid Unicode"),
             ("stop", all(_is_text(s) and s for s in self.stop), "must be non-empty strings of valid Unicode"),
+            ("priority", _is_int(self.priority) and SEED_MIN <= self.priority <= SEED_MAX,
+             "must be a signed 64-bit integer"),
             ("cache_salt", self.cache_salt is None or (_is_text(self.cache_salt) and self.cache_salt != ""),
              "must be a non-empty string of valid Unicode"),
             ("structured_outputs", self.structured_outputs is None or isinstance(self.structured_outputs,

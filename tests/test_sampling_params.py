@@ -16,7 +16,7 @@ from loramux.sampling_params import SEED_MAX, SEED_MIN, SamplingParams, choice_s
     ("presence_penalty", 3), ("presence_penalty", math.nan), ("frequency_penalty", -math.inf),
     ("stop", ("",)), ("stop", (5,)), ("stop_token_ids", (-1,)), ("stop_token_ids", ("a",)),
     ("stop", ("ok", "a\ud800")), ("bad_words", ("\udfff",)),  # lone surrogates: a tokenizer raises TypeError
-    ("cache_salt", ""), ("cache_salt", 5), ("cache_salt", "\ud800"),
+    ("cache_salt", ""), ("cache_salt", 5), ("cache_salt", "\ud800"), ("priority", 1.0), ("priority", 2**63),
     ("logit_bias", {"-5": 1}), ("logit_bias", {5: True}), ("logit_bias", {True: 1}),
 ])
 def test_out_of_range_fields_are_refused_by_name(field, value):

@@ -99,7 +99,8 @@ class EngineCore:
                                        self.loader.readiness)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),
-                                   grammar=self.config.grammar_limits)
+                                   grammar=self.config.grammar_limits,
+                                   priority_scheduling=self.config.scheduling_policy == "priority")
         self._seqs: dict[str, Sequence] = {}
         self.grammars = GrammarCompiler(self.hf_tokenizer.backend_tokenizer, self.limits.vocab_size,
                                         sorted(self.eos_token_ids), self.config.grammar_limits)

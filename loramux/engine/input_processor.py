@@ -26,6 +26,8 @@ class EngineLimits:
     """Prompt token ids must be below this."""
     grammar: GrammarLimits = GrammarLimits()
     """What a structured output may be."""
+    priority_scheduling: bool = False
+    """Whether a request's priority orders it (EngineConfig.scheduling_policy "priority"); else it must be 0."""
 
 
 class InputProcessor:
@@ -87,6 +89,9 @@ class InputProcessor:
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         if not all(t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if params.priority != 0 and not self.limits.priority_scheduling:
+            raise ValueError("priority other than 0 needs the priority scheduling policy (--scheduling-policy "
+                             "priority, as vLLM's); this engine serves first come, first served")
 
     def check_structured(self, params: SamplingParams) -> None:
         """A structured output's schema, regex, choices or grammar valid and within the limits."""

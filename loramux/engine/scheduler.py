@@ -102,7 +102,9 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.max_loras = adapters.max_loras if adapters is not None else 0
         self.max_wait_steps = config.max_wait_steps
-        self.waiting: deque[Sequence] = deque()  # FIFO by arrival; preempted ones go to the front
+        self.by_priority = config.scheduling_policy == "priority"
+        # FIFO by arrival, preempted ones at the front; by_priority: by (priority, arrival) (_key)
+        self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     # ---- queries -------------------------------------------------------------------------
@@ -148,7 +150,7 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
                              "serves the base model only (EngineConfig.lora is None)")
         self._check_fits(seq)
-        self.waiting.append(seq)
+        self._queue(seq) if self.by_priority else self.waiting.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish the request with "abort" wherever it is; None if it is not here (already finished)."""
@@ -316,7 +318,8 @@ class Scheduler:
         when memory runs out the newest give up theirs. (A prefilling one, chunked, holds its blocks.)"""
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
-        queue = deque(self.running)  # admission order: oldest first, so victims come off the back
+        # admission order, oldest first (by_priority: most urgent first), so victims come off the back
+        queue = deque(sorted(self.running, key=_key) if self.by_priority else self.running)
         while queue:
             seq = queue.popleft()
             if seq.is_prefilling:
@@ -340,8 +343,8 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
-        seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway
-        self.waiting.appendleft(seq)
+        seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway (of its priority)
+        self._queue(seq) if self.by_priority else self.waiting.appendleft(seq)
 
     def _prefetch(self) -> None:
         """Start reading the adapters of the next waiting requests back into host memory (S-LoRA's prefetch):
@@ -370,6 +373,12 @@ class Scheduler:
         return failed
 
     # ---- helpers -------------------------------------------------------------------------
+    def _queue(self, seq: Sequence) -> None:
+        """Into the waiting queue at its place by _key (after every one that goes before it)."""
+        key = _key(seq)
+        at = next((i for i, s in enumerate(self.waiting) if _key(s) > key), len(self.waiting))
+        self.waiting.insert(at, seq)
+
     def _free(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
         if seq.adapter_ref is not None:
@@ -399,3 +408,8 @@ class Scheduler:
                 f"{seq.params.max_tokens} - 1); limits: {self.max_num_batched_tokens} tokens per prefill, "
                 f"{self.block_manager.num_blocks * self.block_manager.block_size} KV-cache token positions"
             )
+
+
+def _key(seq: Sequence) -> tuple[int, int]:
+    """The priority policy's order: lower priority value first, then earlier arrival (vLLM's)."""
+    return seq.params.priority, seq.seq_id

@@ -137,7 +137,8 @@ class APIServer:
         if self.tokenizer is None:
             self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir)
             self.template_shows_tools = self.tokenizer.shows_tools()  # tool_choice "auto" needs it
-            self.inputs = InputProcessor(self.tokenizer, EngineLimits(ready.max_model_len, ready.vocab_size))
+            self.inputs = InputProcessor(self.tokenizer, EngineLimits(ready.max_model_len, ready.vocab_size,
+                                                                      priority_scheduling=ready.priority_scheduling))
             self.logprobs = LogprobFormatter(self.tokenizer)
             self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
             self.model_name = self.config.served_model_name or os.path.basename(ready.model_name.rstrip("/"))

@@ -139,7 +139,7 @@ class EngineCoreProc:
             (loaded.append(source) if result else failed.__setitem__(source.name, result.message))
         limits = self.core.limits
         return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed,
-                     sorted(self.core.eos_token_ids))
+                     sorted(self.core.eos_token_ids), limits.priority_scheduling)
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):

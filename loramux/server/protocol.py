@@ -28,11 +28,11 @@ NOT_IMPLEMENTED = frozenset({
     "truncate_prompt_tokens", "allowed_token_ids", "guided_decoding_backend", "guided_whitespace_pattern",
     "add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs", "documents", "echo",
     "return_tokens_as_token_ids", "return_token_ids", "add_special_tokens", "logits_processors", "structural_tag",
-    "prompt_embeds", "priority", "mm_processor_kwargs", "vllm_xargs", "kv_transfer_params",
+    "prompt_embeds", "mm_processor_kwargs", "vllm_xargs", "kv_transfer_params",
     "max_completion_tokens",  # chat's field; /v1/completions has max_tokens (a chat request declares it)
 })
 """Fields that would change the answer, which loramux does not implement: refused by name unless "off"."""
-OURS = {"add_generation_prompt": True, "spaces_between_special_tokens": True, "priority": 0, "length_penalty": 1.0}
+OURS = {"add_generation_prompt": True, "spaces_between_special_tokens": True, "length_penalty": 1.0}
 """Values of NOT_IMPLEMENTED fields that ask for what loramux does anyway (vLLM's defaults): accepted."""
 
 
@@ -148,6 +148,7 @@ class GenerationRequest(RequestModel):
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra field: logprobs of the prompt tokens (top N each)
     cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt
+    priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority (else only 0)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -239,6 +240,7 @@ class GenerationRequest(RequestModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             cache_salt=self.cache_salt,
+            priority=self.priority,
         )
 
     @property

@@ -114,6 +114,7 @@ class Ready(msgspec.Struct, tag="ready"):
     adapters: list[AdapterSource]  # the start-up adapters that loaded
     failed_adapters: dict[str, str] = {}  # name -> why it did not load (a restart after its file went away)
     eos_token_ids: list[int] = []  # the model's end tokens (the front end's grammar checks compile with them)
+    priority_scheduling: bool = False  # EngineLimits.priority_scheduling
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

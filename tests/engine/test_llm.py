@@ -406,3 +406,17 @@ def test_warm_up_fits_a_short_context(checkpoints, max_model_len, chunked):
         prompt = [5]
         params = SamplingParams(max_tokens=max_model_len - 1, temperature=0, ignore_eos=True)
         assert llm.generate(prompt, params)[0].token_ids == hf_greedy(base, None, prompt, max_model_len - 1)
+
+
+def test_the_priority_policy_takes_priorities_and_keeps_each_request_its_tokens(checkpoints):
+    _, path, adapters = checkpoints["llama"]
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    rows = ["r4", None, "r8_rslora"]
+    fcfs = make_llm(path, adapters).generate(prompts, SamplingParams(max_tokens=5, temperature=0), adapters=rows,
+                                             use_tqdm=False)
+    llm = make_llm(path, adapters, scheduling_policy="priority", max_num_seqs=1)
+    params = [SamplingParams(max_tokens=5, temperature=0, priority=p) for p in (7, -1, 0)]
+    got = llm.generate(prompts, params, adapters=rows, use_tqdm=False)
+    assert [o.token_ids for o in got] == [o.token_ids for o in fcfs]
+    with pytest.raises(ValueError, match="priority"):
+        make_llm(path, scheduling_policy="lottery")

@@ -434,3 +434,52 @@ def test_random_workload_keeps_invariants_and_finishes_everyone(seed):
         check_invariants(sched, cache, 2)
     assert all(s.is_finished and s.finish_reason == "length" for s in seqs)
     assert max(s.waited_steps for s in seqs) <= 3  # the age bound held
+
+
+def prioritized(adapter=None, priority=0, prompt_len=4, max_tokens=4) -> Sequence:
+    return Sequence(prompt_token_ids=[1] * prompt_len, params=SamplingParams(max_tokens=max_tokens, priority=priority),
+                    adapter=adapter)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_priority_policy_admits_lower_values_first_and_fcfs_by_arrival(policy):
+    sched, _ = make(lora=False, max_num_seqs=1, scheduling_policy=policy)
+    values = [5, 0, 3, 0, 5]
+    seqs = [prioritized(priority=v if policy == "priority" else 0) for v in values]
+    for seq in seqs:
+        sched.add(seq)
+    order = []
+    while sched.has_unfinished:
+        batch = step(sched)
+        order += [seqs.index(s) for s in batch.seqs if s.num_output_tokens == 1]
+    assert order == ([1, 3, 2, 0, 4] if policy == "priority" else [0, 1, 2, 3, 4])
+
+
+def test_the_priority_policy_preempts_the_highest_value_first_and_requeues_it_by_priority():
+    """Two running requests outgrow a 4-block KV cache: fcfs would preempt the newer one; priority preempts
+    the less urgent one, admitted first, and it comes back after the more urgent waiting ones."""
+    sched, _ = make(lora=False, num_blocks=4, scheduling_policy="priority")
+    low = prioritized(priority=9, max_tokens=8)
+    sched.add(low)
+    step(sched)
+    high = prioritized(priority=0, max_tokens=8)
+    sched.add(high)
+    while not (low.num_preemptions or high.num_preemptions):
+        step(sched)
+    assert low.num_preemptions == 1 and high.num_preemptions == 0
+    late = prioritized(priority=1)
+    sched.add(late)
+    assert list(sched.waiting) == [late, low]  # by priority, not at the front
+    while sched.has_unfinished:
+        step(sched)
+    assert low.finish_reason == high.finish_reason == late.finish_reason == "length"
+
+
+def test_a_priority_other_than_0_needs_the_priority_policy():
+    from loramux.engine.input_processor import EngineLimits, InputProcessor
+
+    params = SamplingParams(priority=2)
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        InputProcessor(None, EngineLimits(64, 100)).check_params(params)
+    InputProcessor(None, EngineLimits(64, 100, priority_scheduling=True)).check_params(params)
+    InputProcessor(None, EngineLimits(64, 100)).check_params(SamplingParams(priority=0))

@@ -245,6 +245,12 @@ def test_fields_sent_with_their_off_value_and_harmless_ones_are_accepted(client,
     assert "user 'someone'" in server_log(served[0])  # `user` is logged, as OpenAI means it to be used
 
 
+def test_a_priority_needs_the_priority_scheduling_policy(client):
+    """vLLM's answer under its default fcfs policy: a priority other than 0 is refused, naming the policy."""
+    with pytest.raises(openai.BadRequestError, match="--scheduling-policy priority"):
+        client.completions.create(model="s0", prompt="a", max_tokens=2, extra_body={"priority": 3})
+
+
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
           "required": ["ok", "n"], "additionalProperties": False}
 
