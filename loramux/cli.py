@@ -154,8 +154,8 @@ _SERVER_LIMITS = (
     ("--max-pending-tokens", int, "max_pending_tokens", "prompt tokens + max_tokens in flight at most; past it, 429"),
     ("--max-pending-per-client", int, "max_pending_per_client", "requests in flight per client (API key or "
                                                                 "address); 0 = no limit"),
-    ("--max-resolves-per-client", int, "max_resolves_per_client", "cold adapter names one client may have "
-                                                                  "resolving at once (429 past it); 0 = no limit"),
+    ("--max-resolves-per-client", int, "max_resolves_per_client", "cold adapter names one client has resolving "
+                                                                  "at once (its others wait); 0 = no limit"),
     ("--max-prompts-per-request", int, "max_prompts_per_request", "prompts x n in one HTTP request at most (400)"),
     ("--shutdown-timeout", float, "shutdown_timeout", "on SIGTERM, seconds running requests get to finish before "
                                                       "they end with an error"),

@@ -300,9 +300,9 @@ class ServerConfig:
     max_pending_per_client: int = 0
     """Requests in flight per client (its API key, else its address); 0 = no per-client limit."""
     max_resolves_per_client: int = 8
-    """Cold adapter names one client may have resolving at once (its API key, else its address): the resolver
-    threads are shared, and one client asking for hundreds of unknown names must not hold them all (past it:
-    429 with Retry-After). 0 = no limit."""
+    """Cold adapter names one client (its API key, else its address) has resolving at once; its others wait
+    their turn. The resolver threads are shared: one client asking for hundreds of unknown names must not hold
+    them all while another's cold adapter waits. 0 = no limit."""
     shutdown_timeout: float = 30.0
     """On SIGTERM, running requests get this long to finish; then they end with an error and the server exits."""
     engine_start_timeout: float = 600.0

@@ -14,18 +14,20 @@ server (api_server.py) and the Ray Serve ingress. No torch.
   never fails for want of room (the engine parks it until its requests need it).
 - A name no resolver knows is answered 404 again without asking them for NOT_FOUND_TTL_S (a client retrying
   an unknown Hub id costs the Hub nothing); an adapter put in a resolver's directory meanwhile is found after.
-- Resolver threads are shared: one client (API key, else address) may have at most
-  ServerConfig.max_resolves_per_client cold names resolving at once (429 with Retry-After past it), so one
-  client asking for hundreds of unknown names cannot keep another tenant's cold adapter waiting.
+- Resolver threads are shared: one client (API key, else address) has at most
+  ServerConfig.max_resolves_per_client cold names resolving at once; its others wait their turn (pressure
+  waits, it never fails a request), so one client asking for hundreds of unknown names cannot keep another
+  tenant's cold adapter waiting.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from loramux.adapters import resolvers
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
@@ -84,6 +86,12 @@ def _refused(name: str, path: str, reason: str) -> HTTPError:
     return HTTPError(400, f"adapter '{name}' (resolved to {path}) does not load: {reason}", code="invalid_adapter")
 
 
+@dataclass
+class _Gate:
+    semaphore: asyncio.Semaphore
+    users: int = 0  # its cold names under way or waiting
+
+
 class OnDemand:
     def __init__(self, config: ServerConfig, install: Install):
         """install(name, resolved): load and register it (HTTPError with the refusal if it does not load)."""
@@ -93,7 +101,7 @@ class OnDemand:
         self.failed = _Failures()
         self.missing = _Failures(NOT_FOUND_TTL_S)  # names no resolver knew
         self.max_per_client = config.max_resolves_per_client
-        self._per_client: Counter[str] = Counter()  # cold names each client has resolving now
+        self._gates: dict[str, _Gate] = {}  # per client with cold names under way or waiting their turn
         self._pool = ThreadPoolExecutor(RESOLVE_THREADS, thread_name_prefix="loramux-resolve")  # threads made as needed
 
     def __bool__(self) -> bool:
@@ -101,8 +109,8 @@ class OnDemand:
 
     async def load(self, name: str, base_model: str, client: str = "?") -> None:
         """`name` resolved and installed, once for all who ask at the same time; 404 if it is not a valid
-        adapter name or no resolver has it, the refusal if it does not load; 429 if `client` has
-        max_resolves_per_client cold names resolving already."""
+        adapter name or no resolver has it, the refusal if it does not load. client: who asks (its cold names
+        take turns, _in_turn)."""
         if not self.resolvers:
             raise model_not_found(name)
         if (reason := self.failed.get(name)) is not None:
@@ -111,29 +119,26 @@ class OnDemand:
             raise model_not_found(name, reason)
         future = self._pending.get(name)
         if future is None:
-            self._check_client(client)
-            future = self._pending[name] = asyncio.ensure_future(self._resolve_and_install(name, base_model))
+            future = self._pending[name] = asyncio.ensure_future(self._in_turn(client, name, base_model))
             future.add_done_callback(lambda _: self._pending.pop(name, None))
-            self._count(client, future)
         await asyncio.shield(future)  # a waiter that disconnects does not cancel the others' load
 
-    def _check_client(self, client: str) -> None:
-        if self.max_per_client and self._per_client[client] >= self.max_per_client:
-            logger.warning("a client has %d cold adapter names resolving: refusing another", self._per_client[client])
-            raise HTTPError(429, f"this client has {self.max_per_client} cold adapter names resolving already; at "
-                                 "most that many at once (--max-resolves-per-client)", "rate_limit_error",
-                            "too_many_resolves", {"Retry-After": "1"})
-
-    def _count(self, client: str, future: asyncio.Future) -> None:
-        """The new resolve counts against `client` until it is done."""
-        self._per_client[client] += 1
-
-        def done(_) -> None:
-            self._per_client[client] -= 1
-            if not self._per_client[client]:
-                del self._per_client[client]
-
-        future.add_done_callback(done)
+    async def _in_turn(self, client: str, name: str, base_model: str) -> None:
+        """_resolve_and_install once `client` has fewer than max_resolves_per_client of its own under way: its
+        other cold names wait their turn, and no other client's wait for them."""
+        if not self.max_per_client:
+            return await self._resolve_and_install(name, base_model)
+        gate = self._gates.get(client)
+        if gate is None:
+            gate = self._gates[client] = _Gate(asyncio.Semaphore(self.max_per_client))
+        gate.users += 1
+        try:
+            async with gate.semaphore:
+                return await self._resolve_and_install(name, base_model)
+        finally:
+            gate.users -= 1
+            if not gate.users:
+                del self._gates[client]
 
     async def _resolve_and_install(self, name: str, base_model: str) -> None:
         try:
