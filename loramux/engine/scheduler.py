@@ -150,7 +150,7 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
                              "serves the base model only (EngineConfig.lora is None)")
         self._check_fits(seq)
-        self._queue(seq) if self.by_priority else self.waiting.append(seq)
+        self._enqueue(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish the request with "abort" wherever it is; None if it is not here (already finished)."""
@@ -344,7 +344,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway (of its priority)
-        self._queue(seq) if self.by_priority else self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
 
     def _prefetch(self) -> None:
         """Start reading the adapters of the next waiting requests back into host memory (S-LoRA's prefetch):
@@ -373,11 +373,16 @@ class Scheduler:
         return failed
 
     # ---- helpers -------------------------------------------------------------------------
-    def _queue(self, seq: Sequence) -> None:
-        """Into the waiting queue at its place by _key (after every one that goes before it)."""
-        key = _key(seq)
-        at = next((i for i, s in enumerate(self.waiting) if _key(s) > key), len(self.waiting))
-        self.waiting.insert(at, seq)
+    def _enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Into the waiting queue: at its back (front: a preempted one, at its front), or by_priority at its place
+        by _key (after every one that goes before it)."""
+        if self.by_priority:
+            key = _key(seq)
+            self.waiting.insert(next((i for i, s in enumerate(self.waiting) if _key(s) > key), len(self.waiting)), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def _free(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
