@@ -178,15 +178,19 @@ class LoRAManager:
     @property
     def active_loras(self) -> dict[str, int]:
         """name -> device slot of the adapters whose current identity holds one."""
-        current = {self.store.current(name): name for name in self.store.names}
+        current = self._names_by_identity()
         return {current[ref]: slot for ref, slot in self.cache.active.items() if ref in current}
 
     @property
     def resident(self) -> dict[str, list[str]]:
         """Tier ("host", "device") -> the names whose current identity is there now."""
-        current = {self.store.current(name): name for name in self.store.names}
+        current = self._names_by_identity()
         return {"host": sorted(current[ref] for ref in self.cache.host if ref in current),
-                "device": sorted(self.active_loras)}
+                "device": sorted(current[ref] for ref in self.cache.active if ref in current)}
+
+    def _names_by_identity(self) -> dict[AdapterRef, str]:
+        """The current identity of each loaded name -> the name (retiring identities have none)."""
+        return {self.store.current(name): name for name in self.store.names}
 
     @property
     def paths(self) -> dict[str, str | None]:
