@@ -29,6 +29,7 @@ from loramux.adapters.status import LoRAResult
 from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.fair_queue import Origin
 from loramux.engine.grammar import GrammarCompiler
 from loramux.engine.input_processor import EngineLimits
 from loramux.engine.model_runner import ModelRunner, Sampled
@@ -162,17 +163,18 @@ class EngineCore:
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter: str | None = None) -> None:
+                    adapter: str | None = None, origin: Origin = Origin()) -> None:
         """Queue a validated request (InputProcessor). LookupError: no adapter has that name (now: it may have
         been unloaded after the caller looked); ValueError: the id is in use, or the request could never run.
-        The name is resolved to an identity when the request is admitted (Scheduler)."""
+        The name is resolved to an identity when the request is admitted (Scheduler). origin: its tenant and
+        fair share (engine/fair_queue.py)."""
         if adapter is not None:
             if self.adapters is None:
                 raise LookupError(f"The model `{adapter}` does not exist (this engine serves the base model only).")
             self.adapters.resolve(adapter)
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(prompt_token_ids, params, adapter, request_id)
+        seq = Sequence(prompt_token_ids, params, adapter, request_id, origin)
         seq.bad_words_ids = self._bad_words_ids(params.bad_words)
         if params.structured_outputs is not None:  # queued once its grammar is compiled (off this thread)
             self._compiling[request_id] = (seq, self.grammars.submit(params.structured_outputs))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from loramux.adapters.cache import AdapterCache, Readiness
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.fair_queue import FairQueue
 from loramux.engine.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled or adapter gone; error: failed in a step
@@ -103,7 +104,9 @@ class Scheduler:
         self.max_loras = adapters.max_loras if adapters is not None else 0
         self.max_wait_steps = config.max_wait_steps
         self.by_priority = config.scheduling_policy == "priority"
-        # FIFO by arrival, preempted ones at the front; by_priority: by (priority, arrival) (_key)
+        # by fair-queue tag (engine/fair_queue.py: FIFO where every request has the same origin), preempted ones
+        # at the front; by_priority, each share's requests take its tags in order of (priority, arrival) (_key)
+        self.fair = FairQueue()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -261,6 +264,8 @@ class Scheduler:
     def _try_admit(self, seq: Sequence, step: _Pass, first: bool = False) -> _Verdict:
         ref = self._ref(seq)
         salt = b"base" if ref is None else repr(ref).encode()  # its K/V are this identity's alone
+        if seq.origin.tenant is not None:  # and this tenant's
+            salt += b"\0tenant\0" + seq.origin.tenant.encode()
         if seq.params.cache_salt is not None:  # and this salt's (vLLM's cache_salt)
             salt += b"\0" + seq.params.cache_salt.encode()
         if salt != seq.cache_salt:  # its name moved to another identity since it was last looked at
@@ -276,6 +281,7 @@ class Scheduler:
         if self.block_manager.in_flight(seq):
             return _Verdict.IN_FLIGHT
         self.waiting.remove(seq)
+        self.fair.admitted(seq.fair_tag)
         seq.num_computed_tokens = self.block_manager.allocate(seq)  # its cached prefix: the prefill starts after
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -374,15 +380,28 @@ class Scheduler:
 
     # ---- helpers -------------------------------------------------------------------------
     def _enqueue(self, seq: Sequence, front: bool = False) -> None:
-        """Into the waiting queue: at its back (front: a preempted one, at its front), or by_priority at its place
-        by _key (after every one that goes before it)."""
+        """Into the waiting queue in fair-queue order (engine/fair_queue.py; arrival order where every request has
+        one origin). front: a preempted one, which keeps its tag and goes first (by_priority: first of its
+        priority). by_priority: a share's waiting requests take its tags in order of _key."""
+        if not front:
+            seq.fair_tag = self.fair.tag(seq.origin, seq.num_prompt_tokens + seq.params.max_tokens)
         if self.by_priority:
-            key = _key(seq)
-            self.waiting.insert(next((i for i, s in enumerate(self.waiting) if _key(s) > key), len(self.waiting)), seq)
+            self._order_share(seq)
+            self.waiting = deque(sorted(self.waiting, key=_fair_key))
         elif front:
             self.waiting.appendleft(seq)
-        else:
+        elif not self.waiting or _fair_key(self.waiting[-1]) <= _fair_key(seq):
             self.waiting.append(seq)
+        else:
+            self.waiting.insert(next(i for i, s in enumerate(self.waiting) if _fair_key(s) > _fair_key(seq)), seq)
+
+    def _order_share(self, seq: Sequence) -> None:
+        """Add `seq` to the waiting queue; its share's waiting requests swap tags so that the most urgent (_key)
+        holds the earliest."""
+        self.waiting.append(seq)
+        mine = [s for s in self.waiting if s.origin.share == seq.origin.share]
+        for s, tag in zip(sorted(mine, key=_key), sorted(s.fair_tag for s in mine)):
+            s.fair_tag = tag
 
     def _free(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)
@@ -418,3 +437,8 @@ class Scheduler:
 def _key(seq: Sequence) -> tuple[int, int]:
     """The priority policy's order: lower priority value first, then earlier arrival (vLLM's)."""
     return seq.params.priority, seq.seq_id
+
+
+def _fair_key(seq: Sequence) -> tuple[float, int, int]:
+    """The waiting queue's order: fair-queue tag, then (the priority policy's order) priority, then arrival."""
+    return seq.fair_tag, seq.params.priority, seq.seq_id

@@ -5,6 +5,7 @@ import enum
 import itertools
 import time
 
+from loramux.engine.fair_queue import Origin
 from loramux.sampling_params import SamplingParams
 
 PROMPT_LOGPROBS_WEIGHT = 2
@@ -23,7 +24,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
-                 request_id: str | None = None):
+                 request_id: str | None = None, origin: Origin = Origin()):
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         self.seq_id = next(_ids)
@@ -32,6 +33,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.adapter = adapter  # the name the request asked for
+        self.origin = origin  # its tenant (a prefix cache of its own) and fair share
+        self.fair_tag = 0.0  # its start tag in the fair queue (engine.fair_queue), set when it is queued
         self.adapter_ref = None  # the identity (AdapterRef) it runs on, fixed when it is first admitted
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []

@@ -169,10 +169,12 @@ class EngineCoreProc:
 
     # ---- generation ------------------------------------------------------------------------------
     def _add(self, msg: AddRequest) -> None:
+        from loramux.engine.fair_queue import Origin
         from loramux.engine.output import CoreOutput
 
         try:
-            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.adapter)
+            self.core.add_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.adapter,
+                                  Origin(msg.tenant, msg.share, msg.weight))
         except LookupError as e:
             self._pending.append(CoreOutput(msg.request_id, [], "error", str(e).strip("'\""), 404))
         except ValueError as e:

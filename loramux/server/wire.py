@@ -26,6 +26,9 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    tenant: str | None = None  # engine.fair_queue.Origin's fields: its tenant's own prefix cache ...
+    share: str | None = None  # ... and whose fair share of admissions it takes (a tenant, or a client's digest)
+    weight: float = 1.0
 
 
 class Abort(msgspec.Struct, tag="abort"):
