@@ -178,7 +178,7 @@ def _server_config(args) -> ServerConfig:
     if args.enable_auto_tool_choice and parser is None:
         sys.exit("--enable-auto-tool-choice needs --tool-call-parser (one of: hermes)")
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          api_key=args.api_key, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
+                          api_key=args.api_key, tenants_file=args.tenants, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
                           lora_resolver_dirs=tuple(args.lora_resolver_dir), lora_resolver_hf=args.lora_resolver_hf,
                           lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser, **limits)
     from loramux.server.on_demand import build_resolvers
@@ -191,7 +191,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     _engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="the operator's key: every route, every adapter")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="a TOML file of tenants: each one's API key hashes, the adapter names it may use and change, "
+                        "its limits and fair share (docs/server.md, Tenants); reloaded on SIGHUP")
     p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
                    help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
     p.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
@@ -270,6 +273,16 @@ def prepare(args) -> None:
         print(f"embedded default model: {prepare_default_gguf()} ({time.monotonic() - started:.0f} s)", flush=True)
 
 
+def tenant_key(args) -> None:
+    from loramux.server.tenants import new_key
+
+    if not args.name or any(c in args.name for c in "\"\\\n"):
+        sys.exit("loramux tenant-key: the name must be non-empty, with no quote, backslash or newline")
+    key, line = new_key(args.name)
+    print(f"API key for tenant {args.name!r} (shown once; give it to the tenant):\n  {key}\n"
+          f"In the tenants file (add the keys line to the tenant's table; `kill -HUP` the server to apply):\n{line}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="loramux", description="One base LLM, many LoRA adapters, one batch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -293,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
                                            "a first start (make does it with the venv)")
     r.add_argument("--skip-model", action="store_true", help="the kernels only")
     r.set_defaults(func=prepare)
+    k = commands.add_parser("tenant-key", help="a new random API key for a tenant, and the tenants-file line that "
+                                               "gives it (only its SHA-256 goes in the file)")
+    k.add_argument("name", help="the tenant's name, as in [tenants.NAME]")
+    k.set_defaults(func=tenant_key)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "bench":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -278,6 +278,9 @@ class ServerConfig:
     """The name clients use for the base model; None = the model path's last component."""
     api_key: str | None = None
     """When set, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
+    tenants_file: str | None = None
+    """A TOML file of tenants (server/tenants.py): their keys, the adapter names each may use and change, their
+    limits and shares; reloaded on SIGHUP. None: no tenants (the API key, if any, opens everything)."""
     allowed_adapter_dirs: tuple[str, ...] = ()
     """Runtime loads (/v1/load_lora_adapter) only from under these directories; none = runtime loads off."""
     lora_resolver_dirs: tuple[str, ...] = ()

@@ -11,7 +11,6 @@ import os
 from fastapi.responses import PlainTextResponse
 
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
-from loramux.config import ServerConfig
 from loramux.server import protocol as p
 from loramux.server.errors import HTTPError
 
@@ -25,15 +24,16 @@ def checked_name(name: str) -> str:
         raise HTTPError(400, str(e), code="invalid_adapter_name") from e
 
 
-def allowed_adapter_path(config: ServerConfig, path: str) -> str:
-    """The real path of a runtime-loaded adapter: under an allowed directory, safetensors only. (The engine
-    resolves each file it reads again: a file inside may be a symlink to one outside.)"""
-    if not config.allowed_adapter_dirs:
+def allowed_adapter_path(dirs: tuple[str, ...], path: str) -> str:
+    """The real path of a runtime-loaded adapter: under one of `dirs` (--allowed-adapter-dir, or a tenant's
+    adapter_dir), safetensors only. (The engine resolves each file it reads again: a file inside may be a symlink
+    to one outside.)"""
+    if not dirs:
         raise HTTPError(400, "runtime adapter loading is off; start the server with --allowed-adapter-dir DIR")
     if "\x00" in path:
         raise HTTPError(400, "lora_path must not contain a NUL byte")
     real = os.path.realpath(path)  # symlinks and `..` resolved before the check
-    allowed = [os.path.realpath(d) for d in config.allowed_adapter_dirs]
+    allowed = [os.path.realpath(d) for d in dirs]
     if not any(os.path.commonpath([real, d]) == d for d in allowed):
         raise HTTPError(400, f"adapter path {path!r} is outside the allowed adapter directories ({', '.join(allowed)})")
     st, pickle = (os.path.join(real, f"adapter_model.{ext}") for ext in ("safetensors", "bin"))

@@ -25,6 +25,7 @@ class Ticket:
     client: str
     num_requests: int
     num_tokens: int
+    tenant: object = None  # server.tenants.Tenant, whose quotas the requests count against (None: no tenant)
 
 
 class Admission:
@@ -38,7 +39,7 @@ class Admission:
         self.per_client: collections.Counter[str] = collections.Counter()
         self._generated: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens)
 
-    def admit(self, client: str, num_requests: int, num_tokens: int) -> Ticket:
+    def admit(self, client: str, num_requests: int, num_tokens: int, tenant=None) -> Ticket:
         """Count the work in, or raise TooBusy naming the limit it would pass."""
         problem = self._over_limit(client, num_requests, num_tokens)
         if problem:
@@ -46,7 +47,7 @@ class Admission:
         self.requests += num_requests
         self.tokens += num_tokens
         self.per_client[client] += num_requests
-        return Ticket(client, num_requests, num_tokens)
+        return Ticket(client, num_requests, num_tokens, tenant)
 
     def _over_limit(self, client: str, num_requests: int, num_tokens: int) -> str | None:
         if self.requests + num_requests > self.max_requests:

@@ -7,6 +7,7 @@ it answers /v1/models and 404s, and it is what a restarted engine loads again.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import os
@@ -31,6 +32,7 @@ from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
 from loramux.server.on_demand import OnDemand
+from loramux.server.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
 from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
                                  ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
@@ -59,8 +61,24 @@ def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
 
 
 def client_of(raw: Request) -> str:
-    """Who sends a request, for per-client limits: its API key, else its address."""
+    """Who sends a request, for per-client limits and fair shares: its tenant, else its API key, else its
+    address. (Only ever a key in this process: the engine gets share_of's digest.)"""
+    tenant = tenant_of(raw)
+    if tenant is not None:
+        return f"tenant:{tenant.name}"
     return raw.headers.get("authorization") or (raw.client.host if raw.client else "?")
+
+
+def tenant_of(raw: Request) -> Tenant | None:
+    """The tenant a request was authenticated as (app.Auth); None: the operator, or no tenants."""
+    return raw.scope.get("state", {}).get("tenant")
+
+
+def share_of(client: str) -> str:
+    """A client's fair-share key for the engine: a tenant's name, else a digest (never an API key)."""
+    if client.startswith("tenant:"):
+        return client
+    return "client:" + hashlib.sha256(client.encode()).hexdigest()[:16]
 
 
 class APIServer:
@@ -82,6 +100,9 @@ class APIServer:
         self.metrics = Metrics()
         self.admission = Admission(config.max_pending_requests, config.max_pending_tokens,
                                    config.max_pending_per_client)
+        self.priority_scheduling = engine_config.scheduling_policy == "priority"
+        self.tenants = self._read_tenants()
+        self.quotas = Quotas()
         self.tokenizer: Tokenizer | None = None
         self.inputs: InputProcessor | None = None
         self.logprobs: LogprobFormatter | None = None
@@ -106,6 +127,27 @@ class APIServer:
         adapters = ", ".join(self.registry) or "none"
         logger.info("ready in %.0f s: http://%s:%d serves %s; adapters: %s", time.monotonic() - started,
                     self.config.host, self.config.port, self.model_name, adapters)
+
+    def _read_tenants(self) -> Tenants:
+        """ValueError naming the cause if the file is not a valid tenants file for this server."""
+        if self.config.tenants_file is None:
+            return Tenants()
+        tenants = load_tenants(self.config.tenants_file)
+        urgent = [t.name for t in tenants.tenants if t.priority != 0]
+        if urgent and not self.priority_scheduling:
+            raise ValueError(f"--tenants {self.config.tenants_file}: tenant(s) {', '.join(urgent)} set a priority, "
+                             "which needs --scheduling-policy priority")
+        return tenants
+
+    def reload_tenants(self) -> None:
+        """SIGHUP: read the tenants file again. Requests in flight keep the tenant they started with; a file that
+        does not read leaves the tenants as they were (logged)."""
+        try:
+            self.tenants = self._read_tenants()
+        except ValueError as e:
+            logger.error("tenants not reloaded (the old ones stay): %s", e)
+            return
+        logger.info("tenants reloaded from %s: %d tenant(s)", self.tenants.path, len(self.tenants.tenants))
 
     @property
     def started(self) -> bool:
@@ -182,22 +224,30 @@ class APIServer:
         return self.client.health()
 
     # ---- requests -------------------------------------------------------------------------------
-    async def resolve(self, model: str, client: str = "?") -> str | None:
+    async def resolve(self, model: str, client: str = "?", tenant: Tenant | None = None) -> str | None:
         """The adapter a `model` field names (None = the base model), loaded first if a resolver has it and it
-        is not registered (client: who asks, for on-demand's per-client cap); 404 for anything else."""
+        is not registered (client: who asks, for on-demand's per-client cap); 404 for anything else, and for a
+        name outside the tenant's patterns (resolvers are never asked for one)."""
+        check_use(tenant, model)
         if model == self.model_name:
             return None
         if model not in self.registry:
             await self.on_demand.load(model, self.model_root, client)
         return model
 
-    async def engine_requests(self, request: p.GenerationRequest, chat: bool, client: str = "?") -> list[AddRequest]:
-        """One engine request per (prompt, choice), every field checked and every prompt tokenized first."""
+    async def engine_requests(self, request: p.GenerationRequest, chat: bool, client: str = "?",
+                              tenant: Tenant | None = None) -> list[AddRequest]:
+        """One engine request per (prompt, choice), every field checked and every prompt tokenized first; they
+        carry the tenant (its own prefix cache) and the client's fair share."""
         if self.draining:
             raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
         self.require_engine()
         self._check_counts(request)
-        adapter = await self.resolve(request.model, client)
+        adapter = await self.resolve(request.model, client, tenant)
+        if tenant is not None and "priority" not in request.model_fields_set:
+            request = request.model_copy(update={"priority": tenant.priority})
+        origin = {"tenant": tenant.name if tenant else None, "share": share_of(client),
+                  "weight": tenant.weight if tenant else 1.0}
         sources = [request.messages] if chat else self._check(request.prompts)
         if len(sources) * request.n > self.config.max_prompts_per_request:
             raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
@@ -228,13 +278,13 @@ class APIServer:
             for j in range(request.n):
                 params = self._sampling_params(request, max_tokens, j)
                 self._check(lambda: self.inputs.check_length(len(prompt_ids), params, strict=True))
-                requests.append(AddRequest(f"{rid}-{i}-{j}", prompt_ids, params, adapter))
+                requests.append(AddRequest(f"{rid}-{i}-{j}", prompt_ids, params, adapter, **origin))
         return requests
 
-    async def tokenize(self, request: p.TokenizeRequest) -> list[int]:
+    async def tokenize(self, request: p.TokenizeRequest, tenant: Tenant | None = None) -> list[int]:
         """/tokenize, in the tokenizer thread (the chat template renders as for a chat request)."""
         self.require_engine()
-        await self.resolve(request.model)
+        await self.resolve(request.model, tenant=tenant)
 
         def run():
             if request.messages is not None:
@@ -243,9 +293,9 @@ class APIServer:
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, lambda: self._check(run))
 
-    async def detokenize(self, request: p.DetokenizeRequest) -> str:
+    async def detokenize(self, request: p.DetokenizeRequest, tenant: Tenant | None = None) -> str:
         self.require_engine()
-        await self.resolve(request.model)
+        await self.resolve(request.model, tenant=tenant)
         ids = self._check(lambda: self.inputs.prompt_ids(request.tokens))  # ids inside the vocabulary
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -276,8 +326,31 @@ class APIServer:
         return [self._check(lambda s=s: self.inputs.prompt_ids(s)) for s in sources]
 
     def admit(self, requests: list[AddRequest], raw: Request) -> Ticket:
-        """Count the requests in (TooBusy -> 429 past a limit); release the ticket when they are done."""
-        return self.admission.admit(client_of(raw), len(requests), sum(map(work_tokens, requests)))
+        """Count the requests in (TooBusy -> 429 past a limit; a tenant's own limits: HTTPError 429); release()
+        the ticket when they are done."""
+        tenant = tenant_of(raw)
+        if tenant is None:
+            return self.admission.admit(client_of(raw), len(requests), sum(map(work_tokens, requests)))
+        try:
+            self.quotas.admit(tenant)
+        except HTTPError as e:
+            self.metrics.tenant_rejected.labels(tenant.name, e.code).inc()
+            raise
+        try:
+            ticket = self.admission.admit(client_of(raw), len(requests), sum(map(work_tokens, requests)), tenant)
+        except BaseException:
+            self.quotas.finished(tenant, 0)
+            raise
+        self.metrics.tenant_requests.labels(tenant.name).inc()
+        return ticket
+
+    def release(self, ticket: Ticket, choices: list[Choice] | None) -> None:
+        """The ticket's requests are done; their tokens (prompt + generated, every choice) count for the tenant."""
+        self.admission.release(ticket)
+        if ticket.tenant is not None:
+            used = sum(c.prompt_tokens + c.num_tokens for c in choices) if choices else 0
+            self.quotas.finished(ticket.tenant, used)
+            self.metrics.tenant_tokens.labels(ticket.tenant.name).inc(used)
 
     def timers(self, choices: list[Choice]) -> list[RequestTimer]:
         model = choices[0].request.adapter or self.model_name
@@ -286,7 +359,7 @@ class APIServer:
     async def complete(self, requests: list[AddRequest], raw: Request, discard: bool = False) -> list[Choice]:
         """Run the requests to the end (a non-streaming response); a client that goes away aborts them.
         discard: the requests' tokens are not part of the answer (echo with max_tokens 0)."""
-        ticket = self.admit(requests, raw)
+        ticket, choices = self.admit(requests, raw), None
         try:
             stream = await self.client.generate(requests)
             choices = new_choices(requests, self.tokenizer, discard)
@@ -296,7 +369,7 @@ class APIServer:
             finally:
                 await stream.close()
         finally:
-            self.admission.release(ticket)
+            self.release(ticket, choices)
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             raise HTTPError(failed.status or 500, failed.error or "the request failed",

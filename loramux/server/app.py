@@ -12,6 +12,7 @@ import contextlib
 import hmac
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
@@ -27,7 +28,8 @@ from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.api_server import APIServer, ShuttingDown, client_of, until_disconnected
+from loramux.server.api_server import APIServer, ShuttingDown, client_of, tenant_of, until_disconnected
+from loramux.server.tenants import Tenants, check_admin, check_use, load_dirs
 from loramux.logprobs import Logprobs
 from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.wire import PauseMode
@@ -87,6 +89,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     async def lifespan(app: FastAPI):
         # The engine starts in the background: /health answers 503 with the reason until it is up.
         starting = asyncio.create_task(server.start())
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # (not in the main thread: tests)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, server.reload_tenants)
         starting.add_done_callback(lambda task: _started(app, task))
         try:
             yield
@@ -141,26 +145,40 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str, sockets=None)
     return 3 if not server.started or getattr(app.state, "start_failed", False) else 0
 
 
-class ApiKey:
-    """ASGI middleware: with an API key set, every path but /health needs `Authorization: Bearer <key>`.
-    (Plain ASGI, not Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the route.)"""
+class Auth:
+    """ASGI middleware: who a request is, decided once, at the boundary, into `scope["state"]["tenant"]` (read
+    with tenant_of). With an API key or tenants set, every path but /health needs `Authorization: Bearer <key>`:
+    the operator's key (tenant None, allowed everything) or a tenant's (server/tenants.py); else 401. Without
+    either, every request is the operator's. Keys are compared in constant time and never logged. (Plain ASGI,
+    not Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the route.)
 
-    def __init__(self, app, key: str | None):
-        self.app, self.expected = app, None if key is None else f"Bearer {key}".encode()
+    tenants(): the tenants now (a SIGHUP reload swaps them)."""
+
+    def __init__(self, app, key: str | None, tenants=lambda: Tenants()):
+        self.app, self.tenants = app, tenants
+        self.expected = None if key is None else f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and self.expected is not None and scope["path"] != "/health":
-            sent = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(sent, self.expected):  # in constant time: no timing oracle on the key
-                response = _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                                  "authentication_error", "invalid_api_key")
-                return await response(scope, receive, send)
+        if scope["type"] == "http":
+            tenants = self.tenants()
+            if (self.expected is not None or tenants.enabled) and scope["path"] != "/health":
+                sent = dict(scope["headers"]).get(b"authorization", b"")
+                operator = self.expected is not None and hmac.compare_digest(sent, self.expected)
+                tenant = None
+                if tenants.enabled and not operator and sent.startswith(b"Bearer "):
+                    tenant = tenants.find(sent[7:].decode("utf-8", "replace"))
+                if not operator and tenant is None:
+                    response = _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                                      "authentication_error", "invalid_api_key")
+                    return await response(scope, receive, send)
+                scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)
 
 
 def _add_middleware(app: FastAPI, server: APIServer) -> None:
     app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
-    app.add_middleware(ApiKey, key=server.config.api_key)  # added last, so it runs first: 401 before 413
+    # added last, so it runs first: 401 before 413
+    app.add_middleware(Auth, key=server.config.api_key, tenants=lambda: server.tenants)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -199,7 +217,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/completions")
     async def completions(request: p.CompletionRequest, raw: Request):
-        requests = await server.engine_requests(request, chat=False, client=client_of(raw))
+        requests = await server.engine_requests(request, chat=False, client=client_of(raw), tenant=tenant_of(raw))
         chunks = CompletionChunks(request, p.new_id("cmpl"), server)
         if request.stream:
             return await _sse(server, raw, requests, chunks)
@@ -213,7 +231,7 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
-        requests = await server.engine_requests(request, chat=True, client=client_of(raw))
+        requests = await server.engine_requests(request, chat=True, client=client_of(raw), tenant=tenant_of(raw))
         chunks = ChatChunks(request, p.new_id("chatcmpl"), server)
         if request.stream:
             return await _sse(server, raw, requests, chunks)
@@ -385,7 +403,7 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
     except BaseException:
         if stream is not None:
             await stream.close()
-        server.admission.release(ticket)
+        server.release(ticket, None)
         raise
     choices = new_choices(requests, server.tokenizer, chunks.discard)
     timers = server.timers(choices)
@@ -411,7 +429,7 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
                         yield _event(event)
         finally:
             await stream.close()
-            server.admission.release(ticket)
+            server.release(ticket, choices)
         if error is not None:
             yield _event(error)
         elif (usage := chunks.usage(choices)) is not None:
@@ -445,15 +463,19 @@ def _choice_error(choices: list[Choice]) -> dict | None:
 def _add_model_routes(app: FastAPI, server: APIServer) -> None:
     """/v1/models (one or all), and vLLM's /tokenize and /detokenize."""
     @app.get("/v1/models")
-    async def models():
+    async def models(raw: Request):
         server.require_engine()
+        tenant = tenant_of(raw)
+        allowed = (lambda name: True) if tenant is None else tenant.may_use
         base = p.model_card(server.model_name, server.model_root, None, server.max_model_len)
-        adapters = [(name, source.path) for name, source in server.registry.items()]
-        return await json_off_the_loop(lambda: p.model_list(base, adapters, server.model_name))  # 10,000s of them
+        adapters = [(name, source.path) for name, source in server.registry.items() if allowed(name)]
+        show_base = allowed(server.model_name)  # a tenant sees the base model only where its patterns list it
+        return await json_off_the_loop(lambda: p.model_list(base if show_base else None, adapters, server.model_name))
 
     @app.get("/v1/models/{model_id:path}")  # adapter names may hold "/" (org/adapter)
-    async def model(model_id: str):
+    async def model(model_id: str, raw: Request):
         server.require_engine()
+        check_use(tenant_of(raw), model_id)
         if model_id == server.model_name:
             return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
         if model_id in server.registry:
@@ -461,58 +483,67 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
         raise model_not_found(model_id)
 
     @app.post("/tokenize")
-    async def tokenize(request: p.TokenizeRequest):
+    async def tokenize(request: p.TokenizeRequest, raw: Request):
         """vLLM's: a prompt, or chat messages through the chat template, to token ids."""
-        ids = await server.tokenize(request)
+        ids = await server.tokenize(request, tenant_of(raw))
         strs = [server.tokenizer.decode([t], skip_special_tokens=False) for t in ids] if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
-    async def detokenize(request: p.DetokenizeRequest):
-        return {"prompt": await server.detokenize(request)}
+    async def detokenize(request: p.DetokenizeRequest, raw: Request):
+        return {"prompt": await server.detokenize(request, tenant_of(raw))}
 
 
 # ---- admin --------------------------------------------------------------------------------------------
 def _add_pause_routes(app: FastAPI, server: APIServer) -> None:
     """vLLM's /pause, /resume and /is_paused (what each mode does: wire.Pause, docs/server.md)."""
     @app.post("/pause")
-    async def pause(mode: PauseMode = "abort", clear_cache: bool = True):
+    async def pause(raw: Request, mode: PauseMode = "abort", clear_cache: bool = True):
+        check_admin(tenant_of(raw))
         await server.pause(mode, clear_cache)
         return {"status": "paused"}
 
     @app.post("/resume")
-    async def resume():
+    async def resume(raw: Request):
+        check_admin(tenant_of(raw))
         await server.resume()
         return {"status": "resumed"}
 
     @app.get("/is_paused")
-    async def is_paused():
+    async def is_paused(raw: Request):
+        check_admin(tenant_of(raw))
         return {"is_paused": await server.is_paused()}
 
 
 def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/load_lora_adapter")
-    async def load(request: p.LoadLoRAAdapterRequest):
-        name = admin.checked_name(request.lora_name)
-        path = admin.allowed_adapter_path(server.config, request.lora_path)
+    async def load(request: p.LoadLoRAAdapterRequest, raw: Request):
+        name, tenant = admin.checked_name(request.lora_name), tenant_of(raw)
+        check_admin(tenant, name)
+        dirs = load_dirs(tenant, server.config.allowed_adapter_dirs)
+        path = admin.allowed_adapter_path(dirs, request.lora_path)
         source = server.registry.get(name)
         kind = admin.load_kind(request, path, server.model_name, source.path if source else None)
-        await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE)
+        await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
+                                  allowed_dirs=None if tenant is None else dirs)
         return admin.loaded(name, kind)
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload(request: p.UnloadLoRAAdapterRequest):
+    async def unload(request: p.UnloadLoRAAdapterRequest, raw: Request):
         name = admin.unload_name(request)
+        check_admin(tenant_of(raw), name)
         await server.unload_adapter(name)
         return admin.removed(name)
 
     @app.post("/v1/pin_lora_adapter")
-    async def pin(request: p.PinLoRAAdapterRequest):
+    async def pin(request: p.PinLoRAAdapterRequest, raw: Request):
+        check_admin(tenant_of(raw), request.lora_name)
         await server.pin_adapter(request.lora_name, True)
         return admin.pinned(request.lora_name, True)
 
     @app.post("/v1/unpin_lora_adapter")
-    async def unpin(request: p.PinLoRAAdapterRequest):
+    async def unpin(request: p.PinLoRAAdapterRequest, raw: Request):
+        check_admin(tenant_of(raw), request.lora_name)
         await server.pin_adapter(request.lora_name, False)
         return admin.pinned(request.lora_name, False)
 
@@ -528,11 +559,13 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
         return {"version": VERSION}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
+    async def reset_prefix_cache(raw: Request):
         """vLLM's route: forget every cached prefix block (requests running keep theirs)."""
+        check_admin(tenant_of(raw))
         await server.reset_prefix_cache()
         return Response(status_code=200)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(raw: Request):
+        check_admin(tenant_of(raw))  # every tenant's adapter names are in it
         return Response(await server.render_metrics(), media_type="text/plain; version=0.0.4")

@@ -70,6 +70,12 @@ class Metrics:
         self.resident = Gauge("loramux:lora_adapter_resident", "1 while the adapter is in that tier (host memory or "
                               "a device slot); a series goes when the adapter leaves it (for LoRA-aware routers)",
                               ["adapter", "tier", "pinned"], registry=r)
+        self.tenant_requests = Counter("loramux:tenant_requests", "HTTP generation requests a tenant sent that were "
+                                       "admitted", ["tenant"], registry=r)
+        self.tenant_tokens = Counter("loramux:tenant_tokens", "Prompt + generated tokens of a tenant's finished "
+                                     "requests (every choice; what tpm_limit counts)", ["tenant"], registry=r)
+        self.tenant_rejected = Counter("loramux:tenant_rejected", "A tenant's requests refused with 429, by the limit "
+                                       "they hit", ["tenant", "limit"], registry=r)
         self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
         self.frontend_restarts = Gauge("loramux:frontend_restarts", "Times the HTTP front end process died and "
                                        "was replaced (with a new engine, and the adapters it had)", registry=r)

@@ -443,9 +443,10 @@ def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str
                          "finish_reason": finish_reason}]}
 
 
-def model_list(base: dict, adapters, base_name: str) -> dict:
-    """/v1/models: the base model's card, then one per (name, path) of `adapters`."""
-    return {"object": "list", "data": [base] + [model_card(name, path, base_name) for name, path in adapters]}
+def model_list(base: dict | None, adapters, base_name: str) -> dict:
+    """/v1/models: the base model's card (None: not shown), then one per (name, path) of `adapters`."""
+    cards = [model_card(name, path, base_name) for name, path in adapters]
+    return {"object": "list", "data": ([base] if base is not None else []) + cards}
 
 
 def model_card(name: str, root: str, parent: str | None, max_model_len: int | None = None) -> dict:

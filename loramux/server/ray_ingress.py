@@ -38,8 +38,9 @@ from loramux.adapters.names import parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
 from loramux.server import adapter_admin as admin
-from loramux.server.api_server import client_of
-from loramux.server.app import ApiKey, BodyLimit, BodyTooLarge, json_off_the_loop
+from loramux.server.api_server import client_of, tenant_of
+from loramux.server.app import Auth, BodyLimit, BodyTooLarge, json_off_the_loop
+from loramux.server.tenants import Tenants, check_admin, check_use, load_dirs, load_tenants
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.on_demand import OnDemand
 from loramux.server.ray_replica import AdapterEntry, ServeReplica
@@ -117,11 +118,14 @@ class Ingress:
         self._entries: dict[str, AdapterEntry] = {}
         self._changes = 0  # bumped at each change made here: a lookup begun before one is not kept
         self.on_demand = OnDemand(config, self._install_resolved)  # the replicas' own resolvers are off
+        # the same file as the replicas' (they authenticate the forwarded key again: their prefix caches and
+        # quotas are per tenant); read at deployment
+        self.tenants = load_tenants(config.tenants_file) if config.tenants_file else Tenants()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="loramux (Ray Serve)")
         app.add_middleware(BodyLimit, limit=self.config.max_body_bytes)
-        app.add_middleware(ApiKey, key=self.config.api_key)
+        app.add_middleware(Auth, key=self.config.api_key, tenants=lambda: self.tenants)
         app.add_exception_handler(HTTPError, lambda _, e: _json_error(e.status_code, e.message, e.err_type, e.code,
                                                                            e.headers))
         app.add_exception_handler(BodyTooLarge, lambda _, e: _json_error(413, e.detail))
@@ -140,6 +144,8 @@ class Ingress:
     async def forward(self, request: Request) -> Response:
         body = await request.body()
         model = _model_of(body) if request.method == "POST" else None
+        if model is not None:
+            check_use(tenant_of(request), model)  # outside its patterns: 404, and no resolver is asked
         entry = await self._entry(model) if model is not None else None
         if model is not None and entry is None and model != (await self._base())["model_name"]:
             # not registered (or being unloaded, while replicas still hold it): resolved, or 404 as one server
@@ -173,13 +179,16 @@ class Ingress:
             self._info = await self.replica.info.remote()
         return self._info
 
-    async def models(self) -> Response:
-        base, entries = await self._base(), await self.registry.all.remote()
+    async def models(self, raw: Request) -> Response:
+        base, entries, tenant = await self._base(), await self.registry.all.remote(), tenant_of(raw)
+        allowed = (lambda name: True) if tenant is None else tenant.may_use
         card = p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
-        adapters = [(name, e.path) for name, e in entries.items()]
+        adapters = [(name, e.path) for name, e in entries.items() if allowed(name)]
+        card = card if allowed(base["model_name"]) else None
         return await json_off_the_loop(lambda: p.model_list(card, adapters, base["model_name"]))
 
-    async def model(self, model_id: str) -> dict:
+    async def model(self, model_id: str, raw: Request) -> dict:
+        check_use(tenant_of(raw), model_id)
         base = await self._base()
         if model_id == base["model_name"]:
             return p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
@@ -189,10 +198,12 @@ class Ingress:
         return p.model_card(model_id, entry.path, base["model_name"])
 
     # ---- admin ----------------------------------------------------------------------------------
-    async def load(self, request: p.LoadLoRAAdapterRequest) -> Response:
+    async def load(self, request: p.LoadLoRAAdapterRequest, raw: Request) -> Response:
         """Registered cluster-wide, and loaded on one replica now: the engine's refusal, if any, is the answer."""
-        name = admin.checked_name(request.lora_name)
-        path = admin.allowed_adapter_path(self.config, request.lora_path)
+        name, tenant = admin.checked_name(request.lora_name), tenant_of(raw)
+        check_admin(tenant, name)
+        dirs = load_dirs(tenant, self.config.allowed_adapter_dirs)
+        path = admin.allowed_adapter_path(dirs, request.lora_path)
         existing = await self.registry.get.remote(name)
         kind = admin.load_kind(request, path, (await self._base())["model_name"], existing.path if existing else None)
         if kind == admin.AGAIN:  # as on one server: nothing to read again; `pinned` pins it
@@ -200,7 +211,7 @@ class Ingress:
                 await self._pin(name, True)
             return admin.loaded(name, kind)
         keep_pin = kind == admin.REPLACE and existing.pinned  # a reload in place keeps the pin
-        await self._register(name, path, request.pinned or keep_pin)
+        await self._register(name, path, request.pinned or keep_pin, None if tenant is None else dirs)
         return admin.loaded(name, kind)
 
     async def _install_resolved(self, name: str, found) -> None:
@@ -218,10 +229,11 @@ class Ingress:
             self._changed(name)
             raise _from_replica(e) from None
 
-    async def unload(self, request: p.UnloadLoRAAdapterRequest) -> Response:
+    async def unload(self, request: p.UnloadLoRAAdapterRequest, raw: Request) -> Response:
         """Removed from the registry; answered once every replica has applied that (each unloads it when its
         running requests on it finish)."""
         name = admin.unload_name(request)
+        check_admin(tenant_of(raw), name)
         generation = await self.registry.remove.remote(name)
         self._changed(name)
         if generation is None:
@@ -229,10 +241,12 @@ class Ingress:
         await self._applied(generation, f"adapter '{name}' was removed from the registry")
         return admin.removed(name)
 
-    async def pin(self, request: p.PinLoRAAdapterRequest) -> Response:
+    async def pin(self, request: p.PinLoRAAdapterRequest, raw: Request) -> Response:
+        check_admin(tenant_of(raw), request.lora_name)
         return await self._pin(request.lora_name, True)
 
-    async def unpin(self, request: p.PinLoRAAdapterRequest) -> Response:
+    async def unpin(self, request: p.PinLoRAAdapterRequest, raw: Request) -> Response:
+        check_admin(tenant_of(raw), request.lora_name)
         return await self._pin(request.lora_name, False)
 
     async def _pin(self, name: str, pinned: bool) -> Response:
@@ -262,7 +276,8 @@ class Ingress:
             return Response(status_code=200)
         return _json_error(503, f"No replica has a healthy engine ({len(replicas)} reporting).", "service_unavailable")
 
-    async def metrics(self) -> Response:
+    async def metrics(self, raw: Request) -> Response:
+        check_admin(tenant_of(raw))
         replicas = await self.registry.replicas.remote()
         return Response(render_metrics(replicas, len(await self.registry.all.remote())),
                         media_type="text/plain; version=0.0.4")

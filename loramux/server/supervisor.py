@@ -9,7 +9,8 @@ The front end keeps its adapter registry (what was loaded at run time, and pins)
 supervisor owns, so the one that replaces it serves the same adapters; connections that arrive meanwhile wait
 in the socket's backlog and are answered by the new front end (503 with the reason until its engine is up).
 `loramux:frontend_restarts` counts the restarts. SIGTERM or Ctrl-C is passed to the front end as one SIGTERM
-per signal (the first drains, a second stops at once); its exit code is the server's.
+per signal (the first drains, a second stops at once); its exit code is the server's. SIGHUP is passed on
+too: the front end reads its tenants file again.
 """
 from __future__ import annotations
 
@@ -51,6 +52,12 @@ class _Supervisor:
         self.stopping = False
         signal.signal(signal.SIGTERM, self._forward)
         signal.signal(signal.SIGINT, self._forward)
+        signal.signal(signal.SIGHUP, self._reload)
+
+    def _reload(self, *_) -> None:
+        """SIGHUP: the front end reads its tenants file again (requests in flight go on)."""
+        if self.child is not None and self.child.pid is not None and self.child.is_alive():
+            os.kill(self.child.pid, signal.SIGHUP)
 
     def _forward(self, *_) -> None:
         self.stopping = True
@@ -87,6 +94,7 @@ def _frontend_main(sock: socket.socket, engine_config: EngineConfig, config: Ser
     prctl.die_with_parent(signal.SIGKILL)
     prctl.set_name("loramux-http")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor passes Ctrl-C on as SIGTERM
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the app's handler (a reload of its tenants) is set
     # A worker thread building a large response holds the GIL for up to the switch interval at a time; the
     # event loop, which every other client's request goes through, should wait 1 ms for it, not 5.
     sys.setswitchinterval(0.001)

@@ -1,4 +1,4 @@
-"""The API key check (server/app.py ApiKey): 401 without the key, in constant time (hmac.compare_digest)."""
+"""The API key check (server/app.py Auth): 401 without the key, in constant time (hmac.compare_digest)."""
 import asyncio
 import hmac
 
@@ -32,7 +32,7 @@ def test_the_key_is_compared_in_constant_time_and_only_the_right_one_passes(monk
         return real(a, b)
 
     monkeypatch.setattr(app_module.hmac, "compare_digest", compare)
-    middleware = app_module.ApiKey(ok_app, "s3cret")
+    middleware = app_module.Auth(ok_app, "s3cret")
     assert call(middleware, "/v1/models", [(b"authorization", b"Bearer s3cret")]) == 200
     assert call(middleware, "/v1/models", [(b"authorization", b"Bearer s3cre")]) == 401
     assert call(middleware, "/v1/models", []) == 401

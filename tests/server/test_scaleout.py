@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from loramux import SamplingParams  # noqa: E402
+from loramux.server.tenants import key_hash  # noqa: E402
 from support.serving import NO_KEEPALIVE, make_files, offline_llm, start_server, stop, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,10 +37,15 @@ def oracle(files):
     return {row: out.text for row, out in zip(rows, outs)}
 
 
+TENANT_KEY = "acme-key"
+
+
 @pytest.fixture(scope="module")
 def server(files, oracle):
+    tenants = files["root"] / "tenants.toml"
+    tenants.write_text(f'[tenants.acme]\nkeys = ["sha256:{key_hash(TENANT_KEY)}"]\nmodels = ["s0", "cold"]\n')
     proc, url = start_server(files, "--replicas", "2", "--max-adapters-per-replica", "8", "--api-key", KEY,
-                             "--lora-resolver-dir", files["resolvable"])
+                             "--lora-resolver-dir", files["resolvable"], "--tenants", str(tenants))
     yield url
     stop(proc)
 
@@ -103,6 +109,19 @@ def test_the_api_key_and_the_health_route_as_on_one_server(server, http):
     refused = httpx.post(f"{server}/v1/completions", json={"model": "s0", "prompt": "x", "max_tokens": 2})
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{server}/v1/models").status_code == 401
+
+
+def test_the_ingress_scopes_a_tenant_as_one_server_does(server):
+    """The same tenants file: names outside its patterns are 404 (never resolved), /v1/models lists its own,
+    admin and operator routes are 403."""
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {TENANT_KEY}"}, timeout=120,
+                      limits=NO_KEEPALIVE) as acme:
+        assert complete(acme, "hello", "s0")[0] == 200
+        outside, absent = complete(acme, "hello", "s1"), complete(acme, "hello", "acme/legal")  # (a resolvable name)
+        assert outside[0] == absent[0] == 404
+        assert [m["id"] for m in acme.get("/v1/models").json()["data"]] == ["s0"]
+        assert acme.post("/v1/unload_lora_adapter", json={"lora_name": "s1"}).status_code == 403
+        assert acme.get("/metrics").status_code == 403
 
 
 def test_load_and_unload_reach_every_replica(http, files, oracle):
