@@ -156,6 +156,12 @@ _SERVER_LIMITS = (
                                                                 "address); 0 = no limit"),
     ("--max-resolves-per-client", int, "max_resolves_per_client", "cold adapter names one client has resolving "
                                                                   "at once (its others wait); 0 = no limit"),
+    ("--max-connections", int, "max_connections", "open connections at most (0: the file limit less a margin); past "
+                                                   "it the oldest one waiting for a request is closed"),
+    ("--max-connections-per-client", int, "max_connections_per_client", "open connections per client address; "
+                                                                        "past it its oldest idle one is closed"),
+    ("--header-timeout", float, "header_timeout", "seconds a connection has to send a whole request head (after it "
+                                                  "opens, and after each response) before it is closed"),
     ("--max-prompts-per-request", int, "max_prompts_per_request", "prompts x n in one HTTP request at most (400)"),
     ("--shutdown-timeout", float, "shutdown_timeout", "on SIGTERM, seconds running requests get to finish before "
                                                       "they end with an error"),

@@ -306,6 +306,14 @@ class ServerConfig:
     """Cold adapter names one client (its API key, else its address) has resolving at once; its others wait
     their turn. The resolver threads are shared: one client asking for hundreds of unknown names must not hold
     them all while another's cold adapter waits. 0 = no limit."""
+    max_connections: int = 0
+    """Open connections at most (0: the file limit less a margin); past it the oldest one waiting for a request
+    head is closed (server/connections.py)."""
+    max_connections_per_client: int = 1024
+    """Open connections per client address at most; past it that client's oldest idle one is closed."""
+    header_timeout: float = 30.0
+    """A connection whose request head is not complete this many seconds after it opened (or after its last
+    response) is closed."""
     shutdown_timeout: float = 30.0
     """On SIGTERM, running requests get this long to finish; then they end with an error and the server exits."""
     engine_start_timeout: float = 600.0
@@ -327,6 +335,11 @@ class ServerConfig:
             _check_positive(name, getattr(self, name))
         if not isinstance(self.max_resolves_per_client, int) or self.max_resolves_per_client < 0:
             raise ValueError(f"max_resolves_per_client must be an integer >= 0, got {self.max_resolves_per_client!r}")
+        if not isinstance(self.max_connections, int) or self.max_connections < 0:
+            raise ValueError(f"max_connections must be an integer >= 0, got {self.max_connections!r}")
+        _check_positive("max_connections_per_client", self.max_connections_per_client)
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout!r}")
         if not isinstance(self.max_pending_per_client, int) or self.max_pending_per_client < 0:
             raise ValueError(f"max_pending_per_client must be an integer >= 0, got {self.max_pending_per_client!r}")
         for name in ("shutdown_timeout", "engine_start_timeout", "engine_unresponsive_s", "engine_kill_s"):

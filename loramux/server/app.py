@@ -26,6 +26,7 @@ from loramux.server import adapter_admin as admin
 from loramux.server import protocol as p
 from loramux.server import tools
 from loramux.server.admission import TooBusy
+from loramux.server.connections import ConnectionGuard, default_max_connections, guarded_protocol
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.api_server import APIServer, ShuttingDown, client_of, tenant_of, until_disconnected
@@ -138,8 +139,11 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str, sockets=None)
             self._loop = asyncio.get_running_loop()
             await super().serve(sockets)
 
+    guard = ConnectionGuard(config.max_connections or default_max_connections(), config.max_connections_per_client,
+                            config.header_timeout)
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                   timeout_graceful_shutdown=int(config.shutdown_timeout) + 5))
+                                   timeout_graceful_shutdown=int(config.shutdown_timeout) + 5,
+                                   http=guarded_protocol(guard)))
     app.state.uvicorn = server
     server.run(sockets=sockets)
     return 3 if not server.started or getattr(app.state, "start_failed", False) else 0
