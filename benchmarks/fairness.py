@@ -7,7 +7,14 @@ every --interval seconds, timed end to end. Each configuration gets its own serv
 latency is measured on it first. Prints each phase's p50 / p95 / worst and their ratios to idle, then one
 JSON line.
 
+--tenants: two tenants instead, on one server with a tenants file and on one without (tenants off: both
+clients' requests share one queue). Tenant A floods: --flood concurrent requests of a --flood-prompt-token
+prompt, each sent again as it finishes, far past what 2 cores serve. Tenant B sends one short chat request at a
+time (streamed: its time to first token is timed), first idle, then beside the flood, then beside the heavy
+requests above (A's, n = 8, prompt logprobs, echo). Prints B's TTFT p50 / p95 and their ratios to idle.
+
   .venv/bin/python benchmarks/fairness.py            # ~10 min on 2 cores
+  .venv/bin/python benchmarks/fairness.py --tenants  # ~10 min
 """
 from __future__ import annotations
 
@@ -18,6 +25,9 @@ import os
 import statistics
 import sys
 import time
+
+import tempfile
+import threading
 
 import httpx
 
@@ -34,29 +44,51 @@ def start(extra: list[str]):
                   "--log-level", "warning", *extra], port)
 
 
-def bystander(url: str) -> float:
+def bystander(url: str, key: str | None = None) -> float:
     started = time.monotonic()
     body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
             "max_tokens": 16, "temperature": 0}
-    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+    response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600, headers=_auth(key))
     response.raise_for_status()
     return time.monotonic() - started
 
 
-def heavy(url: str, i: int) -> int:
+def ttft(url: str, key: str | None) -> float:
+    """Tenant B's short chat request, streamed: seconds to its first token."""
+    body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
+            "max_tokens": 16, "temperature": 0, "stream": True}
+    started = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600, headers=_auth(key)) as response:
+        response.raise_for_status()
+        first, lines = None, response.iter_lines()
+        for line in lines:
+            if line.startswith("data: {") and any(c["delta"].get("content") for c in json.loads(line[6:])["choices"]):
+                first = time.monotonic() - started
+                break
+        for _ in lines:  # the rest of the answer
+            pass
+    return first
+
+
+def _auth(key: str | None) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def heavy(url: str, i: int, key: str | None = None) -> int:
     words = [f"word{(i * 7919 + j) % 1000}" for j in range(5000)]
     if i % 2:
         body = {"prompt": " ".join(words[:2000]), "n": 8, "prompt_logprobs": 5, "max_tokens": 16}
     else:
         body = {"prompt": " ".join(words[:4050]), "echo": True, "logprobs": 20, "max_tokens": 1}
-    body["prompt"] = _tokens(url, body["prompt"], 2001 if i % 2 else 4051)
+    body["prompt"] = _tokens(url, body["prompt"], 2001 if i % 2 else 4051, key)
     response = httpx.post(f"{url}/v1/completions", json={"model": "SmolLM2-135M-Instruct", "temperature": 0.7,
-                                                         **body}, timeout=1800)
+                                                         **body}, timeout=1800, headers=_auth(key))
     return response.status_code
 
 
-def _tokens(url: str, text: str, count: int) -> list[int]:
-    ids = httpx.post(f"{url}/tokenize", json={"model": "SmolLM2-135M-Instruct", "prompt": text}).json()["tokens"]
+def _tokens(url: str, text: str, count: int, key: str | None = None) -> list[int]:
+    ids = httpx.post(f"{url}/tokenize", json={"model": "SmolLM2-135M-Instruct", "prompt": text},
+                     headers=_auth(key)).json()["tokens"]
     return (ids * (count // len(ids) + 1))[:count]
 
 
@@ -77,13 +109,94 @@ def phase(url: str, args) -> dict:
             "heavy_status": codes}
 
 
+TENANT_KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
+
+
+def tenants_file() -> str:
+    from loramux.server.tenants import key_hash
+
+    path = os.path.join(tempfile.mkdtemp(prefix="fairness-"), "tenants.toml")
+    with open(path, "w") as f:
+        for name, key in TENANT_KEYS.items():
+            f.write(f'[tenants.{name}]\nkeys = ["sha256:{key_hash(key)}"]\nmodels = ["SmolLM2-135M-Instruct"]\n')
+    return path
+
+
+def flood(url: str, key: str | None, stop: threading.Event, prompt_tokens: int, i: int) -> None:
+    """One of tenant A's flood: a long prompt, again and again until `stop`."""
+    prompt = _tokens(url, " ".join(f"flood{(i * 31 + j) % 997}" for j in range(prompt_tokens)), prompt_tokens, key)
+    with httpx.Client(timeout=1800, headers=_auth(key)) as client:
+        while not stop.is_set():
+            client.post(f"{url}/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": prompt,
+                                                       "max_tokens": 16, "temperature": 0.7})
+
+
+def tenant_phases(url: str, keys: dict, args) -> dict:
+    """B's TTFT idle, beside A's flood, and beside A's heavy requests."""
+    ttft(url, keys["B"])
+    idle = [ttft(url, keys["B"]) for _ in range(args.idle)]
+    found = {"idle_p50": statistics.median(idle)}
+    stop = threading.Event()
+    threads = [threading.Thread(target=flood, args=(url, keys["A"], stop, args.flood_prompt_tokens, i), daemon=True)
+               for i in range(args.flood)]
+    for t in threads:
+        t.start()
+    time.sleep(args.flood_warmup)
+    during = sorted(ttft(url, keys["B"]) for _ in range(args.tenant_samples))
+    stop.set()
+    found["flood"] = {"p50": statistics.median(during), "p95": during[int(0.95 * (len(during) - 1))],
+                      "worst": during[-1], "samples": len(during)}
+    for t in threads:
+        t.join()
+    with concurrent.futures.ThreadPoolExecutor(2 * args.heavy_n) as pool:
+        load = [pool.submit(heavy, url, i, keys["A"]) for i in range(2 * args.heavy_n)]
+        time.sleep(1.0)
+        during = []
+        while not all(f.done() for f in load):
+            during.append(ttft(url, keys["B"]))
+            time.sleep(args.interval)
+    during.sort()
+    found["heavy"] = {"p50": statistics.median(during), "p95": during[int(0.95 * (len(during) - 1))],
+                      "worst": during[-1], "samples": len(during)}
+    return found
+
+
+def run_tenants(args, report: dict) -> None:
+    """Tenants on (a tenants file: A and B are each their own fair share) against off (no file, no keys: one
+    queue for both)."""
+    for name, extra, keys in (("tenants on", ["--tenants", tenants_file()], TENANT_KEYS),
+                              ("tenants off", [], {"A": None, "B": None})):
+        proc, url = start(extra)
+        try:
+            report["phases"][name] = result = tenant_phases(url, keys, args)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        idle = result["idle_p50"]
+        for load in ("flood", "heavy"):
+            r = result[load]
+            print(f"{name:<12} B's TTFT idle {idle * 1000:5.0f} ms | beside A's {load:<5} p50 {r['p50'] * 1000:6.0f} "
+                  f"({r['p50'] / idle:5.1f}x) p95 {r['p95'] * 1000:6.0f} ({r['p95'] / idle:5.1f}x) worst "
+                  f"{r['worst'] * 1000:6.0f} ms, {r['samples']} samples")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heavy-n", type=int, default=2, help="requests of each heavy kind")
     parser.add_argument("--idle", type=int, default=8)
     parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--tenants", action="store_true", help="the two-tenant runs instead")
+    parser.add_argument("--flood", type=int, default=64, help="tenant A's concurrent requests")
+    parser.add_argument("--flood-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--flood-warmup", type=float, default=10.0, help="seconds of flood before B is timed")
+    parser.add_argument("--tenant-samples", type=int, default=20)
     args = parser.parse_args()
     report = {"load_before": cpu_load(), "phases": {}}
+    if args.tenants:
+        run_tenants(args, report)
+        report["load_after"] = cpu_load()
+        print(json.dumps(report))
+        return
     for name, extra in CONFIGS.items():
         proc, url = start(extra)
         try:

@@ -8,6 +8,10 @@ while starts at V, so one tenant's queue of a thousand requests puts at most abo
 of another tenant's next request, whatever their arrival order; over time each busy share gets admissions in
 proportion to its weight. Requests of one share keep their arrival order (or, under the priority policy, the
 order of their priorities: scheduler.Scheduler._enqueue).
+
+Admission order alone does not help a share whose request finds the batch full of another's (max_num_seqs
+running, or no KV blocks left): the scheduler then takes a place back (Scheduler._fair_preempt) from the share
+furthest over its weighted part of max_num_seqs, as long as the one waiting is under its own part.
 """
 from __future__ import annotations
 

@@ -185,17 +185,19 @@ class Scheduler:
         Chunked: one mixed step; prefill_allowance bounds its prompt tokens (None: the token budget alone)."""
         failed = self._fail_unloaded()
         self._prefetch()
+        fair = self._fair_preempt()
         if self.chunked:
-            return self._schedule_chunked(failed, prefill_allowance)
+            return self._schedule_chunked(failed, prefill_allowance, fair)
         admitted = self._admit()
         if admitted:  # spans: where cached prefixes let prefills start later
             spans = [(s.num_computed_tokens, len(s)) for s in admitted]
             spans = spans if any(start for start, _ in spans) else None
-            return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=[], failed=failed, spans=spans)
+            return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=fair, failed=failed, spans=spans)
         seqs, preempted = self._schedule_running()
-        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed)
+        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed)
 
-    def _schedule_chunked(self, failed: list[Sequence], allowance: int | None) -> ScheduledBatch:
+    def _schedule_chunked(self, failed: list[Sequence], allowance: int | None,
+                          fair: list[Sequence]) -> ScheduledBatch:
         """Every decoding request one token; then prompt work within the step's budget (max_num_batched_tokens
         less the decode rows, and at most `allowance` prompt tokens: the engine's bound on a step's time):
         running prefills and new admissions, shortest remaining prompt first, so a short request is not held
@@ -210,15 +212,19 @@ class Scheduler:
         seqs = decodes + [seq for seq, _ in chunks]
         spans = [(s.num_computed_tokens, len(s)) for s in decodes] + [span for _, span in chunks]
         work = [(len(s) - s.num_computed_tokens) * s.prompt_token_cost for s in admitted]
-        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=preempted, failed=failed, spans=spans,
+        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed, spans=spans,
                               new_prompt_work=sum(w for w in work if w <= self.max_num_batched_tokens))
 
     def _chunks(self, prefills: list[Sequence], budget: int) -> list[tuple[Sequence, tuple[int, int]]]:
-        """Each prefill's chunk this step, in the order they get the budget (those it does not reach wait)."""
+        """Each prefill's chunk this step, in the order they get the budget (those it does not reach wait): the
+        shares take turns (each share's first, shortest of them first; then each share's second, ...), a share's
+        own by (passed over max_wait_steps first, then shortest remaining prompt). Where every request has one
+        origin, that is the share's own order: one share's starving prompts never hold another's short one."""
         def remaining(seq: Sequence) -> int:
             return len(seq) - seq.num_computed_tokens
 
-        order = sorted(prefills, key=lambda s: (s.waited_steps < self.max_wait_steps, remaining(s)))
+        own = sorted(prefills, key=lambda s: (s.waited_steps < self.max_wait_steps, remaining(s)))
+        order = _take_turns(own, remaining)
         chunks = []
         for seq in order:  # a prompt token scored for its logprobs takes two of the budget
             cost = seq.prompt_token_cost
@@ -342,15 +348,57 @@ class Scheduler:
                 scheduled.append(seq)
         return scheduled, preempted
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the K/V and re-prefill later, ahead of newer arrivals."""
+    def _preempt(self, seq: Sequence, front: bool = True) -> None:
+        """Recompute preemption: drop the K/V and re-prefill later, ahead of newer arrivals (front), or (a fair
+        share's victim) queued again as a new arrival of its share."""
         self.running.remove(seq)
         self._free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.waited_steps = 0  # a new wait starts; it is at the front of the queue anyway (of its priority)
-        self._enqueue(seq, front=True)
+        self._enqueue(seq, front=front)
+
+    def _fair_preempt(self) -> list[Sequence]:
+        """The first waiting request cannot start for want of a place in the batch or KV blocks, and its share
+        runs fewer requests than its fair part of max_num_seqs (by weight, among the shares running or first in
+        line) while another share runs more: the newest request of the share furthest over its part gives its
+        place back (a recompute preemption; it queues again behind its share's tag). One a step: a share over
+        its part loses places only to a share under its own, and never goes below its part."""
+        head = self.waiting[0] if self.waiting and self.running else None
+        if head is None or not self._only_room_missing(head):
+            return []
+        running, part = self._shares(head)
+        mine = head.origin.share
+        if len(running.get(mine, ())) + 1 > part[mine]:
+            return []
+        over = max((share for share in running if share != mine), key=lambda s: len(running[s]) - part[s], default=None)
+        if over is None or len(running[over]) - 1 < part[over]:
+            return []
+        victim = running[over][-1]
+        self._preempt(victim, front=False)
+        return [victim]
+
+    def _only_room_missing(self, seq: Sequence) -> bool:
+        """Whether a place in the batch and KV blocks are all `seq` lacks to start now (its adapter has a slot
+        and is in host memory)."""
+        if len(self.running) < self.max_num_seqs and self.block_manager.can_allocate(seq):
+            return False
+        ref = self._ref(seq)
+        if ref is None:
+            return True
+        ready = self.ready is None or self.ready(ref, False) is Readiness.READY
+        return ready and self._slot_fits(ref, self.running_adapters() | self._pinned())
+
+    def _shares(self, head: Sequence) -> tuple[dict[Hashable, list[Sequence]], dict[Hashable, float]]:
+        """The running requests of each share (in admission order), and each share's weighted part of
+        max_num_seqs among those running and `head`'s."""
+        running: dict[Hashable, list[Sequence]] = {}
+        for seq in self.running:
+            running.setdefault(seq.origin.share, []).append(seq)
+        weights = {s.origin.share: s.origin.weight for s in (*self.running, head)}
+        total = sum(weights.values())
+        return running, {share: self.max_num_seqs * w / total for share, w in weights.items()}
 
     def _prefetch(self) -> None:
         """Start reading the adapters of the next waiting requests back into host memory (S-LoRA's prefetch):
@@ -437,6 +485,18 @@ class Scheduler:
 def _key(seq: Sequence) -> tuple[int, int]:
     """The priority policy's order: lower priority value first, then earlier arrival (vLLM's)."""
     return seq.params.priority, seq.seq_id
+
+
+def _take_turns(seqs: list[Sequence], remaining: Callable[[Sequence], int]) -> list[Sequence]:
+    """`seqs` (in each share's own order) with the shares taking turns: every share's first, shortest first, then
+    every share's second, ...; unchanged where they all share one origin."""
+    turn, seen = {}, {}
+    for seq in seqs:
+        turn[id(seq)] = seen.get(seq.origin.share, 0)
+        seen[seq.origin.share] = turn[id(seq)] + 1
+    if len(seen) < 2:
+        return seqs
+    return sorted(seqs, key=lambda s: (turn[id(s)], remaining(s)))
 
 
 def _fair_key(seq: Sequence) -> tuple[float, int, int]:

@@ -66,3 +66,62 @@ def test_fair_queue_tags_start_at_virtual_time_for_an_idle_share():
     assert tags == [0.0, 100.0, 200.0]
     fair.admitted(100.0)
     assert fair.tag(Origin(share="B", weight=2.0), 100) == 100.0 and fair.tag(Origin(share="B", weight=2.0), 100) == 150.0
+
+
+def test_a_share_under_its_part_of_the_batch_takes_places_from_the_share_furthest_over_and_no_more():
+    s = scheduler(max_num_seqs=4)
+    flood = [request("A") for _ in range(6)]
+    for seq in flood:
+        s.add(seq)
+    assert s.schedule().seqs == flood[:4]  # A fills the batch; two of its requests wait
+    b = [request("B", weight=3.0) for _ in range(4)]  # B's part of the 4 places: 3
+    s.add(b[0])
+    batch = s.schedule()
+    assert batch.preempted == [flood[3]] and batch.seqs == [b[0]]  # A's newest gives its place back
+    assert flood[3].num_preemptions == 1 and list(s.waiting)[-1] is flood[3]  # queued again behind A's others
+    s.add(b[1])
+    assert s.schedule().preempted == [flood[2]]
+    s.add(b[2])
+    assert s.schedule().preempted == [flood[1]]
+    s.add(b[3])
+    batch = s.schedule()
+    assert batch.preempted == [] and b[3] in s.waiting  # at its part: it waits for a place like anyone
+    assert sorted(q.origin.share for q in s.running) == ["A", "B", "B", "B"]
+
+
+def test_one_origin_never_preempts_for_fairness():
+    s = scheduler(max_num_seqs=2)
+    seqs = [request(None) for _ in range(3)]
+    for seq in seqs:
+        s.add(seq)
+    s.schedule()
+    assert s.schedule().preempted == [] and seqs[2] in s.waiting
+
+
+def test_shares_take_turns_at_a_steps_prompt_budget_so_one_shares_starving_prompts_never_hold_anothers():
+    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    long = [Sequence([1] * 300, SamplingParams(max_tokens=8), origin=Origin("A", "A")) for _ in range(3)]
+    for seq in long:
+        s.add(seq)
+    s.schedule()
+    for seq in long:
+        seq.waited_steps = config.max_wait_steps  # passed over for long: within A they go first
+    short = Sequence([1] * 8, SamplingParams(max_tokens=8), origin=Origin("B", "B"))
+    s.add(short)
+    batch = s.schedule()
+    assert batch.seqs[0] is short and batch.spans[0] == (0, 8)  # B's turn first (shortest), then A's
+    assert sum(end - start for end, start in ((e, b) for b, e in batch.spans)) == 64
+
+
+def test_one_share_keeps_its_own_chunk_order():
+    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    long = [Sequence([1] * 300, SamplingParams(max_tokens=8)) for _ in range(2)]
+    for seq in long:
+        s.add(seq)
+    assert s.schedule().seqs == [long[0]]  # the budget reaches one prompt
+    long[0].waited_steps = config.max_wait_steps
+    short = Sequence([1] * 8, SamplingParams(max_tokens=8))
+    s.add(short)
+    assert s.schedule().seqs[0] is long[0]  # the starving one first, as ever, though the short one is shorter
