@@ -247,3 +247,25 @@ def test_sighup_reloads_the_tenants_file_and_a_bad_file_keeps_the_old_one(server
     wait_until(lambda: http(url, "gamma").get("/v1/models").status_code == 200, 60, "gamma's key works")
     assert [m.id for m in gamma.models.list().data] == ["s4"]
     assert KEYS["gamma"] not in open(proc.log.name).read()  # keys are never logged
+
+
+def test_a_tenants_keys_and_addresses_are_one_client_for_limits_and_shares_and_no_key_reaches_the_engine():
+    """Per-client limits (requests in flight, cold names resolving: a flood of unknown names waits its turn
+    behind its own) and the engine's fair share key on the tenant, whichever of its keys or addresses a
+    request comes from; without tenants, on the key, sent to the engine only as a digest."""
+    from starlette.requests import Request
+
+    from loramux.server.api_server import client_of, share_of
+
+    acme = Tenant("acme", ("0" * 64,), ("acme/*",))
+
+    def request(key: str, host: str, tenant=None):
+        scope = {"type": "http", "headers": [(b"authorization", f"Bearer {key}".encode())], "client": (host, 1),
+                 "state": {"tenant": tenant}}
+        return Request(scope)
+
+    assert client_of(request("k1", "10.0.0.1", acme)) == client_of(request("k2", "10.0.0.2", acme)) == "tenant:acme"
+    assert share_of("tenant:acme") == "tenant:acme"
+    plain = client_of(request("secret-key", "10.0.0.1"))
+    assert plain == "Bearer secret-key" and "secret" not in share_of(plain)
+    assert share_of(plain) != share_of(client_of(request("other-key", "10.0.0.1")))
