@@ -185,6 +185,8 @@ class APIServer:
             self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
             self.model_name = self.config.served_model_name or os.path.basename(ready.model_name.rstrip("/"))
             self.grammars = GrammarChecker(self._grammar_source(ready), self.grammar_limits, workers=2)
+        for seconds in ready.load_seconds.values():
+            self.metrics.load_seconds.labels("registered").observe(seconds)
         for name, why in ready.failed_adapters.items():
             logger.error("adapter %r did not load into the engine: %s", name, why)
             self.registry.pop(name, None)

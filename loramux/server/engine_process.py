@@ -132,14 +132,19 @@ class EngineCoreProc:
         """Load the start-up adapters (a failing one is reported, not fatal after a restart) and describe the
         engine; saves the tokenizer for the front end."""
         self.core.hf_tokenizer.save_pretrained(tokenizer_dir)
-        loaded, failed = [], {}
+        loaded, failed, seconds = [], {}, {}
         for source in adapters:
+            started = time.monotonic()
             result = self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs,
                                             pinned=source.pinned)
-            (loaded.append(source) if result else failed.__setitem__(source.name, result.message))
+            if result:
+                loaded.append(source)
+                seconds[source.name] = time.monotonic() - started
+            else:
+                failed[source.name] = result.message
         limits = self.core.limits
         return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed,
-                     sorted(self.core.eos_token_ids), limits.priority_scheduling)
+                     sorted(self.core.eos_token_ids), limits.priority_scheduling, seconds)
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):

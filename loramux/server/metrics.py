@@ -65,7 +65,8 @@ class Metrics:
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.load_seconds = Histogram("loramux:lora_load_seconds", "Time a successful adapter load took, from the "
                                       "request to the engine's answer (runtime: the admin route; resolver: a first "
-                                      "request's load on demand, after the resolver found it)", ["source"],
+                                      "request's load on demand, after the resolver found it; registered: an adapter "
+                                      "given at start, or reloaded with a restarted engine, read in the engine)", ["source"],
                                       buckets=LATENCY_BUCKETS, registry=r)
         self.resident = Gauge("loramux:lora_adapter_resident", "1 while the adapter is in that tier (host memory or "
                               "a device slot); a series goes when the adapter leaves it (for LoRA-aware routers)",

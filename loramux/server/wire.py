@@ -118,6 +118,7 @@ class Ready(msgspec.Struct, tag="ready"):
     failed_adapters: dict[str, str] = {}  # name -> why it did not load (a restart after its file went away)
     eos_token_ids: list[int] = []  # the model's end tokens (the front end's grammar checks compile with them)
     priority_scheduling: bool = False  # EngineLimits.priority_scheduling
+    load_seconds: dict[str, float] = {}  # how long each start-up adapter that loaded took (loramux:lora_load_seconds)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

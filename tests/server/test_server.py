@@ -227,7 +227,8 @@ def test_metrics_in_prometheus_format(files, http, client):
                  'loramux:lora_requests_info{max_lora="4"', "loramux:lora_loads_total",
                  'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="device"} 1.0',
                  'loramux:lora_adapter_resident{adapter="s0",pinned="false",tier="host"} 1.0',
-                 'loramux:lora_load_seconds_count{source="runtime"}'):
+                 'loramux:lora_load_seconds_count{source="runtime"}',
+                 'loramux:lora_load_seconds_count{source="registered"} 5.0'):  # the five given at start
         assert name in text, name
 
 
