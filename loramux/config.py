@@ -333,15 +333,13 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts_per_request", "max_pending_requests",
                      "max_pending_tokens"):
             _check_positive(name, getattr(self, name))
-        if not isinstance(self.max_resolves_per_client, int) or self.max_resolves_per_client < 0:
-            raise ValueError(f"max_resolves_per_client must be an integer >= 0, got {self.max_resolves_per_client!r}")
-        if not isinstance(self.max_connections, int) or self.max_connections < 0:
-            raise ValueError(f"max_connections must be an integer >= 0, got {self.max_connections!r}")
+        for name in ("max_resolves_per_client", "max_connections", "max_pending_per_client"):  # 0: no limit
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         _check_positive("max_connections_per_client", self.max_connections_per_client)
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout!r}")
-        if not isinstance(self.max_pending_per_client, int) or self.max_pending_per_client < 0:
-            raise ValueError(f"max_pending_per_client must be an integer >= 0, got {self.max_pending_per_client!r}")
         for name in ("shutdown_timeout", "engine_start_timeout", "engine_unresponsive_s", "engine_kill_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")

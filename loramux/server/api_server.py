@@ -330,16 +330,16 @@ class APIServer:
     def admit(self, requests: list[AddRequest], raw: Request) -> Ticket:
         """Count the requests in (TooBusy -> 429 past a limit; a tenant's own limits: HTTPError 429); release()
         the ticket when they are done."""
-        tenant = tenant_of(raw)
+        tenant, work = tenant_of(raw), (client_of(raw), len(requests), sum(map(work_tokens, requests)))
         if tenant is None:
-            return self.admission.admit(client_of(raw), len(requests), sum(map(work_tokens, requests)))
+            return self.admission.admit(*work)
         try:
             self.quotas.admit(tenant)
         except HTTPError as e:
             self.metrics.tenant_rejected.labels(tenant.name, e.code).inc()
             raise
         try:
-            ticket = self.admission.admit(client_of(raw), len(requests), sum(map(work_tokens, requests)), tenant)
+            ticket = self.admission.admit(*work, tenant)
         except BaseException:
             self.quotas.finished(tenant, 0)
             raise

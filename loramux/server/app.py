@@ -30,7 +30,7 @@ from loramux.server.connections import ConnectionGuard, default_max_connections,
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.api_server import APIServer, ShuttingDown, client_of, tenant_of, until_disconnected
-from loramux.server.tenants import Tenants, check_admin, check_use, load_dirs
+from loramux.server.tenants import Tenants, allows, check_admin, check_use, load_dirs
 from loramux.logprobs import Logprobs
 from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.wire import PauseMode
@@ -61,7 +61,7 @@ class BodyLimit:
         length = dict(scope["headers"]).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.limit:
             message = f"the request body is {int(length)} bytes; the limit is {self.limit}"
-            return await _error(413, message)(scope, receive, send)
+            return await error_response(413, message)(scope, receive, send)
         seen = 0
 
         async def counted():
@@ -75,7 +75,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-def _error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
+def error_response(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
            headers: dict | None = None) -> JSONResponse:
     return JSONResponse(p.error_body(message, err_type, code), status_code=status, headers=headers)
 
@@ -172,7 +172,7 @@ class Auth:
                 if tenants.enabled and not operator and sent.startswith(b"Bearer "):
                     tenant = tenants.find(sent[7:].decode("utf-8", "replace"))
                 if not operator and tenant is None:
-                    response = _error(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                    response = error_response(401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                                       "authentication_error", "invalid_api_key")
                     return await response(scope, receive, send)
                 scope.setdefault("state", {})["tenant"] = tenant
@@ -188,33 +188,33 @@ def _add_middleware(app: FastAPI, server: APIServer) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(BodyTooLarge)
     async def too_large(_, e: BodyTooLarge):
-        return _error(413, e.detail)
+        return error_response(413, e.detail)
 
     @app.exception_handler(HTTPError)
     async def http_error(_, e: HTTPError):
-        return _error(e.status_code, e.message, e.err_type, e.code, e.headers)
+        return error_response(e.status_code, e.message, e.err_type, e.code, e.headers)
 
     @app.exception_handler(TooBusy)
     async def too_busy(_, e: TooBusy):
-        return _error(429, str(e), "rate_limit_exceeded", "server_busy", {"Retry-After": str(e.retry_after)})
+        return error_response(429, str(e), "rate_limit_exceeded", "server_busy", {"Retry-After": str(e.retry_after)})
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_, e: EngineDeadError):
-        return _error(503, f"The engine is not available: {e}", "service_unavailable", None, {"Retry-After": "5"})
+        return error_response(503, f"The engine is not available: {e}", "service_unavailable", None, {"Retry-After": "5"})
 
     @app.exception_handler(ShuttingDown)
     async def shutting_down(_, e: ShuttingDown):
-        return _error(503, str(e), "service_unavailable", None, {"Connection": "close"})
+        return error_response(503, str(e), "service_unavailable", None, {"Connection": "close"})
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
         details = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in e.errors())
-        return _error(400, f"invalid request: {details}")
+        return error_response(400, f"invalid request: {details}")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_exception(_, e: StarletteHTTPException):  # unknown routes, wrong methods, unparsable bodies
         err_type = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error(e.status_code, str(e.detail), err_type, None, getattr(e, "headers", None))
+        return error_response(e.status_code, str(e.detail), err_type, None, getattr(e, "headers", None))
 
 
 # ---- generation ---------------------------------------------------------------------------------------
@@ -469,8 +469,7 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
     @app.get("/v1/models")
     async def models(raw: Request):
         server.require_engine()
-        tenant = tenant_of(raw)
-        allowed = (lambda name: True) if tenant is None else tenant.may_use
+        allowed = allows(tenant_of(raw))
         base = p.model_card(server.model_name, server.model_root, None, server.max_model_len)
         adapters = [(name, source.path) for name, source in server.registry.items() if allowed(name)]
         show_base = allowed(server.model_name)  # a tenant sees the base model only where its patterns list it
@@ -555,7 +554,7 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     async def health():
         problem = server.health()
         if problem:
-            return _error(503, f"The engine is not available: {problem}", "service_unavailable")
+            return error_response(503, f"The engine is not available: {problem}", "service_unavailable")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -29,7 +29,7 @@ import time
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from ray import serve
 from ray.exceptions import RayError
@@ -39,8 +39,8 @@ from loramux.config import EngineConfig, ServerConfig
 from loramux.server import protocol as p
 from loramux.server import adapter_admin as admin
 from loramux.server.api_server import client_of, tenant_of
-from loramux.server.app import Auth, BodyLimit, BodyTooLarge, json_off_the_loop
-from loramux.server.tenants import Tenants, check_admin, check_use, load_dirs, load_tenants
+from loramux.server.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop
+from loramux.server.tenants import Tenants, allows, check_admin, check_use, load_dirs, load_tenants
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.on_demand import OnDemand
 from loramux.server.ray_replica import AdapterEntry, ServeReplica
@@ -126,9 +126,9 @@ class Ingress:
         app = FastAPI(title="loramux (Ray Serve)")
         app.add_middleware(BodyLimit, limit=self.config.max_body_bytes)
         app.add_middleware(Auth, key=self.config.api_key, tenants=lambda: self.tenants)
-        app.add_exception_handler(HTTPError, lambda _, e: _json_error(e.status_code, e.message, e.err_type, e.code,
+        app.add_exception_handler(HTTPError, lambda _, e: error_response(e.status_code, e.message, e.err_type, e.code,
                                                                            e.headers))
-        app.add_exception_handler(BodyTooLarge, lambda _, e: _json_error(413, e.detail))
+        app.add_exception_handler(BodyTooLarge, lambda _, e: error_response(413, e.detail))
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}")(self.model)
         app.post("/v1/load_lora_adapter")(self.load)
@@ -159,7 +159,7 @@ class Ingress:
         try:
             status, response_headers, replica_id = await stream.__anext__()
         except (RayError, StopAsyncIteration) as e:
-            return _json_error(503, f"The replica serving this request failed: {e}", "service_unavailable")
+            return error_response(503, f"The replica serving this request failed: {e}", "service_unavailable")
         headers = {k.decode(): v.decode() for k, v in response_headers if k.lower() != b"content-length"}
         headers["x-loramux-replica"] = replica_id
         return StreamingResponse(_rest(stream, headers.get("content-type", "")), status_code=status, headers=headers)
@@ -180,8 +180,7 @@ class Ingress:
         return self._info
 
     async def models(self, raw: Request) -> Response:
-        base, entries, tenant = await self._base(), await self.registry.all.remote(), tenant_of(raw)
-        allowed = (lambda name: True) if tenant is None else tenant.may_use
+        base, entries, allowed = await self._base(), await self.registry.all.remote(), allows(tenant_of(raw))
         card = p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
         adapters = [(name, e.path) for name, e in entries.items() if allowed(name)]
         card = card if allowed(base["model_name"]) else None
@@ -274,7 +273,7 @@ class Ingress:
         replicas = await self.registry.replicas.remote()
         if any(state["healthy"] for state in replicas.values()):
             return Response(status_code=200)
-        return _json_error(503, f"No replica has a healthy engine ({len(replicas)} reporting).", "service_unavailable")
+        return error_response(503, f"No replica has a healthy engine ({len(replicas)} reporting).", "service_unavailable")
 
     async def metrics(self, raw: Request) -> Response:
         check_admin(tenant_of(raw))
@@ -326,11 +325,6 @@ async def _rest(stream, content_type: str):
         if content_type.startswith("text/event-stream"):
             error = p.error_body(f"The replica serving this request failed: {e}", "service_unavailable")
             yield f"data: {json.dumps(error)}\n\n".encode()
-
-
-def _json_error(status: int, message: str, err_type: str = "invalid_request_error", code: str | None = None,
-                headers: dict | None = None):
-    return JSONResponse(p.error_body(message, err_type, code), status_code=status, headers=headers)
 
 
 def _from_replica(e: RayError) -> HTTPError:

@@ -28,6 +28,7 @@ import os
 import secrets
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loramux.server.errors import HTTPError
@@ -189,8 +190,8 @@ class Quotas:
         if tenant.tpm_limit is not None:
             used = sum(n for _, n in usage.tokens)
             if used >= tenant.tpm_limit:
-                raise _over(tenant, "tpm_limit", f"{used} tokens in the last minute", _tokens_wait(usage, used -
-                                                                                                   tenant.tpm_limit, now))
+                wait = _tokens_wait(usage, used - tenant.tpm_limit, now)
+                raise _over(tenant, "tpm_limit", f"{used} tokens in the last minute", wait)
         usage.in_flight += 1
         usage.requests.append(now)
 
@@ -200,9 +201,6 @@ class Quotas:
         usage.in_flight -= 1
         if tokens:
             usage.tokens.append((self.clock(), tokens))
-
-    def in_flight(self, name: str) -> int:
-        return self._usage[name].in_flight if name in self._usage else 0
 
 
 def _expire(usage: _Usage, now: float) -> None:
@@ -229,9 +227,14 @@ def _over(tenant: Tenant, limit: str, used: str, wait_s: float) -> HTTPError:
 
 
 # ---- the rules, as the routes apply them (tenant None: the operator, allowed everything) ----------------------
+def allows(tenant: Tenant | None) -> Callable[[str], bool]:
+    """Whether a name is the tenant's to use (and to see in /v1/models); the operator's: every name."""
+    return (lambda name: True) if tenant is None else tenant.may_use
+
+
 def check_use(tenant: Tenant | None, model: str) -> None:
     """A name outside the tenant's patterns gets the 404 of a name that does not exist (no existence oracle)."""
-    if tenant is not None and not tenant.may_use(model):
+    if not allows(tenant)(model):
         from loramux.server.errors import model_not_found
 
         raise model_not_found(model)
