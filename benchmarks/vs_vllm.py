@@ -95,7 +95,7 @@ def run_loramux(args, model: str, adapters: dict, prompts, cases) -> dict[str, l
 
     llm = LLM(model=model, dtype=args.dtype, device=args.device, max_num_seqs=args.requests,
               max_model_len=args.prompt_len + args.new_tokens + 16,
-              lora=LoRAConfig(max_loras=32, max_cpu_loras=32, max_lora_rank=16))
+              lora=LoRAConfig(max_loras=32, max_cpu_loras=32, max_lora_rank=16), enforce_eager=args.enforce_eager)
     for name, path in adapters.items():
         assert llm.load_adapter(f"{name}={path}"), name
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-python", default="/tmp/vllm-cpu-venv/bin/python",
                         help="the Python of a venv with vLLM (on a CPU: bash benchmarks/vllm_cpu_venv.sh)")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="loramux's decode without CUDA graphs")
     args = parser.parse_args(argv)
     model, adapters = make_files(args)
     from transformers import AutoConfig
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts, cases = workload(args, AutoConfig.from_pretrained(model).vocab_size)
     report = {"model": args.shape or os.path.basename(model.rstrip("/")), "device": args.device, "dtype": args.dtype,
               "requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "enforce_eager": args.enforce_eager,
               "load_before": cpu_load(), "loramux": run_loramux(args, model, adapters, prompts, cases)}
     if not args.skip_vllm:
         report["vllm"] = run_vllm(args, model, adapters, prompts, cases)

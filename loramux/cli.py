@@ -73,6 +73,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
                         help="fcfs (requests' priority must be 0) or priority: lower `priority` first, and preempted "
                              "last (as vLLM's)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="decode on a GPU op by op, without CUDA graphs (as vLLM's; graphs are captured at start "
+                             "for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
                              "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
@@ -94,7 +97,7 @@ def _engine_config(args, usage: str) -> EngineConfig:
                         enable_chunked_prefill=args.enable_chunked_prefill, num_threads=args.num_threads,
                         prefill_slowdown_cap=getattr(args, "prefill_slowdown_cap", None),
                         enable_prefix_caching=args.enable_prefix_caching,
-                        batch_invariant=args.batch_invariant, usage=usage, scheduling_policy=args.scheduling_policy,
+                        batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager, usage=usage, scheduling_policy=args.scheduling_policy,
                         **budget)
 
 

@@ -204,6 +204,10 @@ class EngineConfig:
     """Seed for requests that bring none."""
     grammar_limits: GrammarLimits = GrammarLimits()
     """What a structured output may be (checked where a request enters: HTTP or LLM.generate)."""
+    enforce_eager: bool = False
+    """As vLLM's: decode steps on a GPU run op by op instead of as CUDA graphs (engine/cuda_graphs.py), which
+    are captured at start for batch sizes 1, 2, 4, 8, 16, ... up to max_num_seqs where everything the model
+    runs can be captured (the start-up log says why not where it cannot)."""
     batch_invariant: bool = False
     """A request's tokens do not depend on its batch mates, in any dtype (as vLLM's VLLM_BATCH_INVARIANT):
     every GEMM on a fixed row count (the LoRA op's too: torch-fixed-rows), attention per sequence length.

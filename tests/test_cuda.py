@@ -152,3 +152,51 @@ def prefix_cache_equals_hf_peft(tmp_path, device: str) -> None:
     for prompt, adapter, one, two in zip(prompts, rows, first, again):
         want = hf_greedy(base, adapters.get(adapter), prompt, params.max_tokens)
         assert one.token_ids == want and two.token_ids == want, adapter
+
+
+def test_decode_as_cuda_graphs_equals_eager_and_syncs_nothing(tmp_path):
+    """The decode steps replayed as CUDA graphs (captured at start) give the eager engine's tokens for a mixed
+    batch, sampled rows with seeds included; a decode forward through the graphs makes no host sync."""
+    from loramux.engine.sequence import Sequence
+
+    base = tiny_llama()
+    adapters = {name: save_peft_adapter(base, tmp_path / name, seed=i, **ADAPTER_KINDS[name])
+                for i, name in enumerate(("r4", "r16_patterns"))}
+    model = save_checkpoint(base, tmp_path / "model")
+    rows = ["r4", None, "r16_patterns", "r4", None]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 128, (5 + 3 * i,), generator=gen).tolist() for i in range(len(rows))]
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)] * 3
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(model=model, lora=LoRAConfig(max_loras=2, max_lora_rank=16), dtype="float32", device="cuda",
+                  kv_cache_memory=2**24, max_num_seqs=8, enforce_eager=eager)
+        assert (llm.engine.runner.graphs is None) == eager
+        for name, path in adapters.items():
+            assert llm.load_adapter(f"{name}={path}")
+        outputs[eager] = [o.token_ids for o in llm.generate(prompts, params[:len(rows)], adapters=rows)]
+        if not eager:
+            core = llm.engine.core
+            slots = [core.lora_manager.activate_adapter(n) if n else -1 for n in rows]
+            seqs = [Sequence(list(p), params[0], n, f"s{i}") for i, (p, n) in enumerate(zip(prompts, rows))]
+            for seq in seqs:
+                core.block_manager.allocate(seq)
+            core.runner.run(seqs, slots, is_prefill=True)
+            for seq in seqs:
+                seq.num_computed_tokens = len(seq)
+                seq.append_token(1)
+                core.block_manager.may_append(seq)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.inference_mode():
+                    core.runner._decode(seqs, slots)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            for seq in seqs:
+                core.block_manager.deallocate(seq)
+    assert outputs[False] == outputs[True]
+    for prompt, adapter, tokens, p in zip(prompts, rows, outputs[False], params):
+        if p.temperature == 0:
+            assert tokens == hf_greedy(base, adapters.get(adapter), prompt, p.max_tokens), adapter

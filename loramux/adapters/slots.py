@@ -64,8 +64,8 @@ class AdapterSlots:
         self.context = LoRAContext()  # the forward pass's tokens
         self.head_context = LoRAContext()  # the rows whose logits are computed (the output head's LoRA)
         self.base_weights: dict[str, torch.Tensor] = {}  # wrapped embedding / head -> its plain weight
-        self._add_lora = select_backend(backend, next(model.parameters()).device)
-        self.wants_grouped_tokens = wants_grouped_tokens(self._add_lora)  # see ModelRunner.run
+        self.add_lora = select_backend(backend, next(model.parameters()).device)  # the LoRA op, chosen once
+        self.wants_grouped_tokens = wants_grouped_tokens(self.add_lora)  # see ModelRunner.run
         self._layers: dict[str, tuple[LoRALinear, tuple[str, ...]]] = {}  # layer name -> (layer, module names)
         self._bindings: dict[str, _Binding] = {}
         self.unwrapped_experts: dict[str, tuple[int, int, int]] = {}  # MoE blocks left without expert LoRA
@@ -111,7 +111,7 @@ class AdapterSlots:
         prefix, _, attr = name.rpartition(".")
         config = self.config
         kw = dict(max_loras=config.max_loras, max_rank=config.max_lora_rank, context=self.context,
-                  add_lora=self._add_lora, dtype=self._lora_dtype)
+                  add_lora=self.add_lora, dtype=self._lora_dtype)
         if isinstance(base, (nn.Embedding, QuantizedEmbedding)) or attr in _OUTPUT_HEADS:
             self.base_weights[name] = _plain_weight(base)  # (before prepacking) for adapters' copies of it
         if isinstance(base, FusedExperts):  # an MoE block's experts: one layer, both 3D weights

@@ -133,8 +133,8 @@ class EngineCore:
         adapter is loaded (it adds nothing), so the LoRA ops run too. The blocks go back; no state is left."""
         greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         length = max(1, min(8, self.config.max_model_len - 1))  # the prompt and one decoded token fit the model
-        seqs = [Sequence([1] * length, greedy) for _ in range(2)]
-        slots = [-1, -1 if self.adapters is None else 0]
+        seqs = [Sequence([1] * length, greedy) for _ in range(min(2, self.config.max_num_seqs))]
+        slots = [-1, -1 if self.adapters is None else 0][-len(seqs):]  # (one row: on slot 0)
         chunked = self.config.enable_chunked_prefill
         try:
             for seq in seqs:

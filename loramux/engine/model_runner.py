@@ -6,6 +6,7 @@ looks adapters up itself.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import NamedTuple
@@ -14,6 +15,8 @@ import torch
 
 from loramux.adapters.slots import AdapterSlots
 from loramux.config import EngineConfig
+from loramux.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers
+from loramux.engine.decode_inputs import DecodeInputs
 from loramux.engine.sequence import Sequence
 from loramux.layers.attention import AttentionMetadata
 from loramux.layers.linear import can_prepack, fix_linear_rows, prepack_linears
@@ -24,6 +27,9 @@ from loramux.models.llama import head_dim_of
 from loramux.models.moe import FusedExperts
 from loramux.ops import (LoRAMapping, attention_cpu, bind_ops, select_attention_ops, select_moe_backend,
                          select_pointwise_backend, select_quant_backend)
+from loramux.ops.mapping import segments_of
+
+logger = logging.getLogger(__name__)
 
 INVARIANT_ROWS = 32  # batch_invariant: the row count of every GEMM (decode batches up to 32 take one call)
 PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs: logits for this many positions at a time ([512, vocab] float32)
@@ -56,6 +62,14 @@ def batch_order(row_slots: list[int], grouped: bool) -> list[int]:
     if not grouped:
         return list(range(len(row_slots)))
     return sorted(range(len(row_slots)), key=row_slots.__getitem__)
+
+
+def _decode_only(seqs: list[Sequence], is_prefill: bool, spans: list[tuple[int, int]] | None) -> bool:
+    """Whether a step feeds each sequence its last token alone (a decode step; or a chunk that is only the
+    last prompt token, after a prefix-cache hit: the same computation)."""
+    if spans is None:
+        return not is_prefill
+    return all(end - start == 1 and end == len(s) for s, (start, end) in zip(seqs, spans))
 
 
 def padding_indices(offsets: list[int], lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +115,12 @@ class ModelRunner:
         # unequal ones costs up to 2x (benchmarks/mixed_attention.py).
         self.pad_fresh_chunks = device.type == "cuda"
         self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
-        self._shared_generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self.decode_inputs = DecodeInputs(config.max_num_seqs, math.ceil(self.max_model_len / self.block_size),
+                                          self.block_size, self.num_blocks * self.block_size, device)
+        self.graphs = self._capture_graphs(attention.decode_attention) if device.type == "cuda" else None
+        # Seeded requests draw from their own generators, on the device that samples (a GPU's draw needs no copy)
+        self._generator_device = "cuda" if device.type == "cuda" else "cpu"
+        self._shared_generator = torch.Generator(device=self._generator_device).manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}
 
     # ---- KV cache ------------------------------------------------------------------------------
@@ -115,13 +134,28 @@ class ModelRunner:
         if num_blocks < blocks_per_seq:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {self.block_size} "
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")
-        cache = torch.zeros(2, len(layers), num_blocks * self.block_size, kv_heads, head_dim, dtype=self.dtype, device=self.device)
+        # and one block beyond the budget, which the block manager never hands out: padded decode rows write there
+        rows = (num_blocks + 1) * self.block_size
+        cache = torch.zeros(2, len(layers), rows, kv_heads, head_dim, dtype=self.dtype, device=self.device)
         invariant = self.config.batch_invariant
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
             layer.prefill = layer.prefill_per_sequence if invariant else layer.prefill_padded
         self.kv_cache = cache
         return num_blocks
+
+    def _capture_graphs(self, decode_op) -> DecodeGraphs | None:
+        """Decode as CUDA graphs, where everything the forward runs can be captured (else None, logged once)."""
+        add_lora = self.slots.add_lora if self.slots is not None else None
+        blockers = graph_blockers(self.model, self.config, add_lora, decode_op)
+        if blockers:
+            logger.info("decode steps run eagerly, without CUDA graphs: %s", "; ".join(blockers))
+            return None
+        sizes = capture_sizes(self.config.max_num_seqs)
+        with torch.inference_mode():  # (as every step runs)
+            graphs = DecodeGraphs(self._decode_forward, sizes, lambda rows: self.decode_inputs.fill([], [], rows))
+        logger.info("decode steps run as CUDA graphs for batch sizes %s", ", ".join(map(str, sizes)))
+        return graphs
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -135,18 +169,19 @@ class ModelRunner:
         if spans is not None:  # decode rows first: the paged decode op takes them as one block
             order = sorted(order, key=lambda i: spans[i][1] - spans[i][0] > 1)
         ordered, ordered_slots = [seqs[i] for i in order], [slots[i] for i in order]
-        if spans is not None:
-            ordered_spans = [spans[i] for i in order]
-            input_ids, positions, meta, token_counts, offsets = self._prepare_mixed(ordered, ordered_spans)
+        if _decode_only(seqs, is_prefill, spans):
+            ordered_spans = [(len(s) - 1, len(s)) for s in ordered]
+            hidden, offsets = self._decode(ordered, ordered_slots), range(len(ordered) + 1)
         else:
-            ordered_spans = [(0, len(s)) if is_prefill else (len(s) - 1, len(s)) for s in ordered]
-            prepare = self._prepare_prefill if is_prefill else self._prepare_decode
-            input_ids, positions, meta, token_counts, offsets = prepare(ordered)
-        hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
+            ordered_spans = [spans[i] for i in order] if spans is not None else \
+                [(0, len(s)) if is_prefill else (len(s) - 1, len(s)) for s in ordered]
+            prepare = self._prepare_mixed if spans is not None else self._prepare_prefill
+            input_ids, positions, meta, token_counts, offsets = prepare(ordered, ordered_spans)
+            hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
         prompt = self._prompt_logprobs(ordered, ordered_slots, ordered_spans, hidden, offsets)
         done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s)]
-        sampled = self._sample([ordered[i] for i in done], hidden[[offsets[i + 1] - 1 for i in done]],
-                               [ordered_slots[i] for i in done])
+        last = hidden if len(done) == hidden.shape[0] else hidden[[offsets[i + 1] - 1 for i in done]]
+        sampled = self._sample([ordered[i] for i in done], last, [ordered_slots[i] for i in done])
         # Nothing raised: commit. (Sampling advanced generators and grammars, so it comes last: a step that
         # raises is rerun per sequence and must not have changed any sequence's state.)
         for i, parts in prompt.items():
@@ -211,6 +246,28 @@ class ModelRunner:
             out[i] = parts
         return out
 
+    def _decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
+        """A decode step (one new token per sequence) through the decode inputs: replayed as the CUDA graph of
+        the smallest captured size that holds it, else run eagerly on exactly its rows. -> hidden [rows, hidden]"""
+        size = self.graphs.size_for(len(seqs)) if self.graphs is not None else None
+        self.decode_inputs.fill(seqs, slots, size)
+        if size is not None:
+            return self.graphs.replay(size, len(seqs))
+        return self._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
+
+    def _decode_forward(self, rows: int, slots: list[int] | None = None, blocks: int | None = None) -> torch.Tensor:
+        """The model over the decode inputs' first `rows` rows. slots: theirs, known on the host (None: a graph's
+        capture, whose LoRA op reads them on the device only); blocks: the block-table columns they need (None:
+        all, a graph's fixed width)."""
+        inputs = self.decode_inputs.views(rows, blocks)
+        meta = AttentionMetadata(False, inputs.cache_rows, block_tables=inputs.block_tables,
+                                 context_lens=inputs.context_lens, block_size=self.block_size)
+        if self.slots is None or (slots is not None and all(s < 0 for s in slots)):
+            return self.model(inputs.ids, inputs.positions, meta)
+        mapping = LoRAMapping(inputs.token_slots, host_slots=slots)
+        with self.slots.mapping(mapping):
+            return self.model(inputs.ids, inputs.positions, meta)
+
     def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
         if self.slots is None or all(s < 0 for s in slots):
             return self.model(input_ids, positions, meta)
@@ -225,7 +282,7 @@ class ModelRunner:
         table, size = seq.block_table, self.block_size
         return [table[p // size] * size + p % size for p in positions]
 
-    def _prepare_prefill(self, seqs: list[Sequence]):
+    def _prepare_prefill(self, seqs: list[Sequence], spans=None):
         lengths = [len(s) for s in seqs]
         offsets = [0]
         for n in lengths:
@@ -238,14 +295,6 @@ class ModelRunner:
         pad, unpad = padding_indices(offsets, lengths, self.device)
         meta = AttentionMetadata(True, cache_rows, pad_index=pad, unpad_index=unpad, seq_offsets=offsets)
         return input_ids, positions, meta, lengths, offsets
-
-    def _prepare_decode(self, seqs: list[Sequence]):
-        input_ids = self._tensor([s.last_token_id for s in seqs])
-        positions = self._tensor([len(s) - 1 for s in seqs])
-        cache_rows = self._tensor([self._cache_index(s, range(len(s) - 1, len(s)))[0] for s in seqs])
-        counts = [1] * len(seqs)
-        meta = self._rows_metadata(seqs, counts, positions, cache_rows)
-        return input_ids, positions, meta, counts, list(range(len(seqs) + 1))
 
     def _rows_metadata(self, seqs: list[Sequence], counts: list[int], positions: torch.Tensor,
                        cache_rows: torch.Tensor) -> AttentionMetadata:
@@ -316,7 +365,7 @@ class ModelRunner:
             generator = self._generators.get(seq.seq_id)
             if generator is None:
                 seed = params.seed % 2**64  # torch takes [-2**63, 2**64); one signed range maps onto it 1:1
-                generator = self._generators[seq.seq_id] = torch.Generator(device="cpu").manual_seed(seed)
+                generator = self._generators[seq.seq_id] = torch.Generator(self._generator_device).manual_seed(seed)
         allowed = None if seq.grammar is None else allowed_tokens(seq.grammar.compute_bitmask(), vocab_size)
         prompt = seq.token_ids[:seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
         return SamplingRow(params, seq.output_token_ids, generator, allowed, self._blocked(seq), prompt)

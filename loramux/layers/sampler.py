@@ -89,30 +89,49 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
-           argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax) -> list[int | None]:
+           argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax,
+           on_host: bool | None = None) -> list[int | None]:
     """logits: [batch, vocab] float32 -> one token id per row. `argmax`: a pointwise backend's (greedy rows).
     Order, as vLLM's: logit bias, penalties, blocked tokens and the grammar's mask, then (sampled rows)
     temperature, min_p, top-k, top-p. The logits are changed in place.
 
     None for a row whose logits are not all finite (NaN or Inf, from its adapter or its inputs): no token
-    can be trusted there, and that request fails alone; the other rows are sampled as usual."""
-    finite = torch.isfinite(logits.sum(-1)).tolist()  # one pass over [batch, vocab]; inf - inf gives NaN
+    can be trusted there, and that request fails alone; the other rows are sampled as usual. On a GPU the
+    tokens and these flags are read back together, once: the step's one wait for the device.
+
+    on_host: draw sampled rows on the host, from CPU generators with torch.multinomial (None: where the logits
+    are on a CPU); else on the logits' device, from generators there (_race)."""
+    finite = torch.isfinite(logits.sum(-1))  # one pass over [batch, vocab]; inf - inf gives NaN
     apply_logit_bias(logits, rows)  # finite values (SamplingParams) keep finite logits finite
     apply_penalties(logits, rows)
     apply_masks(logits, rows)  # after the check: a mask's -inf is not a broken row
-    tokens: list[int | None] = argmax(logits).tolist()
-    drawn = [i for i, row in enumerate(rows) if finite[i] and not row.params.greedy]
+    tokens = argmax(logits)
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if not (on_host if on_host is not None else logits.device.type == "cpu"):
+        for i in drawn:
+            tokens[i], drawable = _race(logits[i], rows[i])
+            finite[i] &= drawable
+        ids, ok = torch.stack([tokens, finite.to(tokens.dtype)]).tolist()
+        return [t if f else None for t, f in zip(ids, ok)]
+    ok, ids = finite.tolist(), tokens.tolist()
+    drawn = [i for i in drawn if ok[i]]
     if drawn:
         probs = logits.new_empty(len(drawn), logits.shape[1])
         for j, i in enumerate(drawn):
             torch.softmax(_filtered(logits[i], rows[i].params), -1, out=probs[j])
-        probs = probs.cpu()  # generators live on the CPU: one copy for the rows drawn (none on a CPU)
         for j, i in enumerate(drawn):
-            tokens[i] = _draw(probs[j], rows[i].generator)
-    for i in range(len(rows)):
-        if not finite[i]:
-            tokens[i] = None
-    return tokens
+            ids[i] = _draw(probs[j], rows[i].generator)
+    return [t if f else None for t, f in zip(ids, ok)]
+
+
+def _race(logits: torch.Tensor, row: SamplingRow) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's draw on its device, read nothing back: argmax(p / q) with q ~ Exp(1) per token picks token i
+    with probability p_i (an exponential race; vLLM's GPU sampler draws so). -> (token, whether p was a
+    distribution at all: a row whose filters left nothing finite gets None, as torch.multinomial refuses it)."""
+    probs = torch.softmax(_filtered(logits, row.params), -1)
+    drawable = torch.isfinite(probs.sum())
+    q = torch.empty_like(probs).exponential_(generator=row.generator)
+    return probs.div_(q).argmax(), drawable
 
 
 def _filtered(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from loramux.ops import (attention_cpu, attention_triton, lora_cpu, lora_triton, moe_cpu, moe_torch, moe_triton,
-                         pointwise_cpu, pointwise_torch, quant_cpu, quant_torch, triton_common)
+                         pointwise_cpu, pointwise_torch, pointwise_triton, quant_cpu, quant_torch, triton_common)
 from loramux.ops.attention_torch import decode_attention_by_length, decode_attention_torch, store_kv_torch
 from loramux.ops.lora_torch import add_lora_gathered, add_lora_segmented, add_lora_segmented_fixed_rows
 from loramux.ops.mapping import LoRAMapping, RowSlots, UniformSlot
@@ -36,6 +36,16 @@ BACKENDS: dict[str, AddLoRA] = {
 # itself; the gathered form indexes per token). For the segmented form a batch ordered by slot means
 # fewer, longer runs: one GEMM pair per run.
 ORDER_FREE: frozenset[AddLoRA] = frozenset({lora_cpu.add_lora_cpu, lora_triton.add_lora_triton, add_lora_gathered})
+
+
+# Ops that read no tensor on the host and launch the same kernels whatever the values: a CUDA graph captured
+# around them replays right for any later inputs of the same shapes (engine/cuda_graphs.py).
+GRAPH_SAFE: frozenset[Callable] = frozenset({lora_triton.add_lora_triton, attention_triton.decode_attention_triton,
+                                             decode_attention_torch})
+
+
+def captures_in_graphs(op: Callable) -> bool:
+    return op in GRAPH_SAFE
 
 
 def wants_grouped_tokens(op: AddLoRA) -> bool:
@@ -84,7 +94,7 @@ ATTENTION_BACKENDS = {"torch": decode_attention_torch, "cpu": attention_cpu.deco
 # chosen with the attention backend
 KV_STORE_BACKENDS = {"torch": store_kv_torch, "cpu": attention_cpu.store_kv_cpu, "triton": attention_triton.store_kv_triton}
 # pointwise backends are modules with rms_norm, silu_and_mul, rotary and argmax (see pointwise_torch.py)
-POINTWISE_BACKENDS = {"torch": pointwise_torch, "cpu": pointwise_cpu}
+POINTWISE_BACKENDS = {"torch": pointwise_torch, "cpu": pointwise_cpu, "triton": pointwise_triton}
 
 
 def select_attention_backend(name: str = "auto", device: str | torch.device = "cpu"):
@@ -130,7 +140,9 @@ def select_quant_backend(name: str = "auto", device: str | torch.device = "cpu")
 
 
 def select_pointwise_backend(name: str = "auto", device: str | torch.device = "cpu"):
-    """The pointwise ops (a module with rms_norm, silu_and_mul, rotary, argmax; see pointwise_torch.py)."""
+    """The pointwise ops (a module with rms_norm, silu_and_mul, rotary, argmax; see pointwise_torch.py); "auto" on
+    a CUDA device: the Triton kernels where triton is installed."""
+    name = _triton_on_cuda("pointwise", name, device)
     return _choose("pointwise", POINTWISE_BACKENDS, pointwise_cpu.available, name, device)
 
 
@@ -146,7 +158,8 @@ def select_moe_backend(name: str = "auto", device: str | torch.device = "cpu"):
     return _choose("fused experts", MOE_BACKENDS, moe_cpu.available, name, device)
 
 
-__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "KV_STORE_BACKENDS", "MOE_BACKENDS", "ORDER_FREE", "POINTWISE_BACKENDS",
-           "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "bind_ops", "fuses_with_quantized",
+__all__ = ["ATTENTION_BACKENDS", "BACKENDS", "GRAPH_SAFE", "KV_STORE_BACKENDS", "MOE_BACKENDS", "ORDER_FREE",
+           "POINTWISE_BACKENDS", "QUANT_BACKENDS", "LoRAMapping", "RowSlots", "UniformSlot", "bind_ops",
+           "captures_in_graphs", "fuses_with_quantized",
            "select_attention_backend", "select_attention_ops", "select_backend", "select_kv_store_backend",
            "select_moe_backend", "select_pointwise_backend", "select_quant_backend", "wants_grouped_tokens"]

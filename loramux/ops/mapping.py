@@ -29,19 +29,25 @@ class LoRAMapping:
     """token_slots: [num_tokens] int64 (-1 = base); segments: (slot, start, end) runs with slot >= 0,
     computed on first use (only the segmented backend needs them)."""
 
-    def __init__(self, token_slots: torch.Tensor, segments: tuple[tuple[int, int, int], ...] | None = None):
+    def __init__(self, token_slots: torch.Tensor, segments: tuple[tuple[int, int, int], ...] | None = None,
+                 host_slots: Sequence[int] | None = None):
+        """host_slots: token_slots' values as the caller has them on the host, where segments and one_slot are
+        read from (token_slots on a GPU would have to be waited for)."""
         self.token_slots = token_slots
+        self._host_slots = host_slots
         if segments is not None:
             self.segments = segments
 
     @functools.cached_property
     def segments(self) -> tuple[tuple[int, int, int], ...]:
-        return segments_of(self.token_slots.tolist())
+        return segments_of(self._host_slots if self._host_slots is not None else self.token_slots.tolist())
 
     @functools.cached_property
     def one_slot(self) -> int:
         """The slot of a one-token pass (batch-1 decode) as an int, read once for all its layers; -1 otherwise."""
-        return int(self.token_slots[0]) if self.num_tokens == 1 else -1
+        if self.num_tokens != 1:
+            return -1
+        return int(self._host_slots[0] if self._host_slots is not None else self.token_slots[0])
 
     @classmethod
     def from_slots(cls, token_slots: Sequence[int], device: torch.device | str = "cpu") -> LoRAMapping:

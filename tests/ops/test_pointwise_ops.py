@@ -1,8 +1,9 @@
-"""Every pointwise backend (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary, argmax) against HF transformers' formulas (argmax: torch's)."""
+"""Every pointwise backend (RMSNorm, add + RMSNorm, SiLU-and-mul, rotary, argmax) against HF transformers' formulas
+(argmax: torch's); the Triton kernels in its interpreter on CPU tensors."""
 import pytest
 import torch
 
-from loramux.ops import POINTWISE_BACKENDS, pointwise_cpu
+from loramux.ops import POINTWISE_BACKENDS, pointwise_cpu, triton_common
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -10,6 +11,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 def backend_or_skip(name):
     if name == "cpu" and not pointwise_cpu.available():
         pytest.skip("needs the C++ CPU kernel")
+    if name == "triton" and not triton_common.available("cpu"):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
     return POINTWISE_BACKENDS[name]
 
 
