@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import os
 import runpy
 import sys
 
 from loramux.adapters.names import parse_adapter_arg
 from loramux.config import LORA_DTYPES, EngineConfig, GrammarLimits, LoRAConfig, ServerConfig
+from loramux.logs import log_to_stderr
 
 # structured outputs' limits: (flag, type, GrammarLimits field, help); the default is the field's
 _GRAMMAR_LIMITS = (
@@ -26,59 +26,63 @@ _GRAMMAR_LIMITS = (
 
 
 def _engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapters to load at start-up")
-    parser.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
-    parser.add_argument("--max-cpu-loras", type=int, default=None,
-                        help="adapters kept in host memory (default: 16, or --max-loras if that is more)")
-    parser.add_argument("--max-cpu-lora-bytes", type=int, default=None,
-                        help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
-                             "least recently used leave until a new one fits")
-    parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--lora-load-timeout", type=float, default=60.0, metavar="SECONDS",
-                        help="how long a pinned load waits for host memory and a device slot held by requests in "
-                             "use (unpinned loads never wait: they are read into host memory on use)")
-    parser.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
-                        help="the LoRA weights' dtype (default: the activations'); bfloat16 on a float32 model (a "
-                             "GGUF's default) halves what an adapter costs a decode step at batch 1")
-    parser.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
-                        help="modules that get LoRA layers (default: the 7 projections); add embed_tokens and "
-                             "lm_head for embedding / output-head LoRA")
-    parser.add_argument("--max-module-copies-bytes", type=int, default=0,
-                        help="bytes for adapters' whole copies of embed_tokens / lm_head (PEFT modules_to_save); "
-                             "0 = such adapters are refused")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "bitsandbytes"],
-                        help="the base model's weights: (not given) as the checkpoint is, a GGUF, GPTQ/AWQ or "
-                             "bitsandbytes 4-bit checkpoint stays quantized; none = dequantized to --dtype; int8 / "
-                             "int4 / bitsandbytes (NF4) = quantized at load")
-    parser.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
-                        help="inputs per scale for --quantization int4")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-threads", type=int, default=None,
-                        help="the engine's CPU threads (default: torch's, one per core or OMP_NUM_THREADS)")
+    model = parser.add_argument_group("model")
+    adapters = parser.add_argument_group("adapters")
+    batching = parser.add_argument_group("batching and speed")
+    grammar = parser.add_argument_group("structured outputs' limits")
+    model.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    adapters.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapters to load at start-up")
+    adapters.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
+    adapters.add_argument("--max-cpu-loras", type=int, default=None,
+                          help="adapters kept in host memory (default: 16, or --max-loras if that is more)")
+    adapters.add_argument("--max-cpu-lora-bytes", type=int, default=None,
+                          help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
+                               "least recently used leave until a new one fits")
+    adapters.add_argument("--max-lora-rank", type=int, default=64)
+    adapters.add_argument("--lora-load-timeout", type=float, default=60.0, metavar="SECONDS",
+                          help="how long a pinned load waits for host memory and a device slot held by requests in "
+                               "use (unpinned loads never wait: they are read into host memory on use)")
+    adapters.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
+                          help="the LoRA weights' dtype (default: the activations'); bfloat16 on a float32 model (a "
+                               "GGUF's default) halves what an adapter costs a decode step at batch 1")
+    adapters.add_argument("--lora-target-modules", nargs="*", default=None, metavar="MODULE",
+                          help="modules that get LoRA layers (default: the 7 projections); add embed_tokens and "
+                               "lm_head for embedding / output-head LoRA")
+    adapters.add_argument("--max-module-copies-bytes", type=int, default=0,
+                          help="bytes for adapters' whole copies of embed_tokens / lm_head (PEFT modules_to_save); "
+                               "0 = such adapters are refused")
+    model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    model.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "bitsandbytes"],
+                       help="the base model's weights: (not given) as the checkpoint is, a GGUF, GPTQ/AWQ or "
+                            "bitsandbytes 4-bit checkpoint stays quantized; none = dequantized to --dtype; int8 / "
+                            "int4 / bitsandbytes (NF4) = quantized at load")
+    model.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
+                       help="inputs per scale for --quantization int4")
+    model.add_argument("--device", default="auto")
+    model.add_argument("--max-model-len", type=int, default=None)
+    batching.add_argument("--max-num-seqs", type=int, default=64)
+    batching.add_argument("--num-threads", type=int, default=None,
+                          help="the engine's CPU threads (default: torch's, one per core or OMP_NUM_THREADS)")
     for flag, kind, field, help_text in _GRAMMAR_LIMITS:
-        parser.add_argument(flag, type=kind, default=getattr(GrammarLimits, field), help=help_text)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
-                        help="mix decode rows and prompt chunks in every step (as vLLM V1; on by default, off with "
-                             "--batch-invariant): running requests keep streaming while long prompts start")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="share full KV blocks between requests of the same adapter whose prompts start alike "
-                             "(as vLLM V1; on by default, off with --batch-invariant)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step at most (default: 256 on a CPU; on a GPU as vLLM's, served 2048, 8192 "
-                             "on one of >= 70 GiB, offline 8192 / 16384; unchunked: 4096)")
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
-                        help="fcfs (requests' priority must be 0) or priority: lower `priority` first, and preempted "
-                             "last (as vLLM's)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="decode on a GPU op by op, without CUDA graphs (as vLLM's; graphs are captured at start "
-                             "for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
-                             "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
+        grammar.add_argument(flag, type=kind, default=getattr(GrammarLimits, field), help=help_text)
+    batching.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                          help="mix decode rows and prompt chunks in every step (as vLLM V1; on by default, off with "
+                               "--batch-invariant): running requests keep streaming while long prompts start")
+    batching.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                          help="share full KV blocks between requests of the same adapter whose prompts start alike "
+                               "(as vLLM V1; on by default, off with --batch-invariant)")
+    batching.add_argument("--max-num-batched-tokens", type=int, default=None,
+                          help="tokens per step at most (default: 256 on a CPU; on a GPU as vLLM's, served 2048, 8192 "
+                               "on one of >= 70 GiB, offline 8192 / 16384; unchunked: 4096)")
+    batching.add_argument("--scheduling-policy", default="fcfs", choices=("fcfs", "priority"),
+                          help="fcfs (requests' priority must be 0) or priority: lower `priority` first, and preempted "
+                               "last (as vLLM's)")
+    batching.add_argument("--enforce-eager", action="store_true",
+                          help="decode on a GPU op by op, without CUDA graphs (as vLLM's; graphs are captured at start "
+                               "for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)")
+    batching.add_argument("--batch-invariant", action="store_true",
+                          help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
+                               "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
 
 
 def _engine_config(args, usage: str) -> EngineConfig:
@@ -99,19 +103,6 @@ def _engine_config(args, usage: str) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching,
                         batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager, usage=usage, scheduling_policy=args.scheduling_policy,
                         **budget)
-
-
-def log_to_stderr(level: str) -> None:
-    """uvicorn configures its own loggers only: loramux's (a request's `user`, adapters that failed to load,
-    the engine's supervision, shutdown) go to stderr at --log-level too."""
-    logger = logging.getLogger("loramux")
-    if not any(getattr(h, "loramux_cli", False) for h in logger.handlers):  # once per process
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-        handler.loramux_cli = True
-        logger.addHandler(handler)
-    logger.setLevel("DEBUG" if level == "trace" else level.upper())  # trace: uvicorn's own, below debug
-    logger.propagate = False  # the root logger's handlers, if any, would print it twice
 
 
 def serve(args) -> None:
@@ -198,44 +189,49 @@ def _server_config(args) -> ServerConfig:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     _engine_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="the operator's key: every route, every adapter")
-    p.add_argument("--tenants", default=None, metavar="FILE",
-                   help="a TOML file of tenants: each one's API key hashes, the adapter names it may use and change, "
-                        "its limits and fair share (docs/server.md, Tenants); reloaded on SIGHUP")
-    p.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
-                   help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
-    p.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
-                   help="adapters on demand: a `model` that names no registered adapter is loaded from DIR/<model> "
-                        "on its first request (repeatable; asked in order)")
-    p.add_argument("--lora-resolver-hf", action="store_true",
-                   help="adapters on demand from the local Hugging Face cache (a Hub id, org/name), downloaded there "
-                        "first unless HF_HUB_OFFLINE=1")
-    p.add_argument("--lora-resolver", action="append", default=[], metavar="MODULE:ATTR",
-                   help="an adapter resolver plugin (an object with resolve(base_model, name) -> directory or None, "
-                        "or a class making one); those in the entry-point group loramux.lora_resolvers are used too")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice "auto": parse tool calls from the model\'s text (needs --tool-call-parser)')
-    p.add_argument("--tool-call-parser", choices=["hermes"], default=None,
-                   help="the tool-call format the model writes: hermes = <tool_call>{json}</tool_call> (Hermes, Qwen, "
-                        "SmolLM3)")
+    server = p.add_argument_group("server")
+    access = p.add_argument_group("access: keys, tenants, runtime loads")
+    on_demand = p.add_argument_group("adapters on demand")
+    limits = p.add_argument_group("admission and limits")
+    scaleout = p.add_argument_group("scale-out (Ray Serve)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    access.add_argument("--api-key", default=None, help="the operator's key: every route, every adapter")
+    access.add_argument("--tenants", default=None, metavar="FILE",
+                        help="a TOML file of tenants: each one's API key hashes, the adapter names it may use and change, "
+                             "its limits and fair share (docs/server.md, Tenants); reloaded on SIGHUP")
+    access.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
+                        help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
+    on_demand.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
+                           help="adapters on demand: a `model` that names no registered adapter is loaded from DIR/<model> "
+                                "on its first request (repeatable; asked in order)")
+    on_demand.add_argument("--lora-resolver-hf", action="store_true",
+                           help="adapters on demand from the local Hugging Face cache (a Hub id, org/name), downloaded there "
+                                "first unless HF_HUB_OFFLINE=1")
+    on_demand.add_argument("--lora-resolver", action="append", default=[], metavar="MODULE:ATTR",
+                           help="an adapter resolver plugin (an object with resolve(base_model, name) -> directory or None, "
+                                "or a class making one); those in the entry-point group loramux.lora_resolvers are used too")
+    server.add_argument("--served-model-name", default=None)
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": parse tool calls from the model\'s text (needs --tool-call-parser)')
+    server.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                        help="the tool-call format the model writes: hermes = <tool_call>{json}</tool_call> (Hermes, Qwen, "
+                             "SmolLM3)")
     for flag, kind, field, help_text in _SERVER_LIMITS:
-        p.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
-    p.add_argument("--prefill-slowdown-cap", type=_float_or_none, default=2.0,
-                   help="a step takes prompt tokens up to about this many times the time of a decode step (learned "
-                        "as it runs), so that streams and arriving requests are not held behind long prompts; none "
-                        "= only --max-num-batched-tokens bounds a step (more prefill throughput)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
-    p.add_argument("--replicas", type=int, default=0,
-                   help="scale out: N engine replicas behind one endpoint on Ray Serve, adapters routed to the "
-                        "replicas that hold them (needs ray[serve]; 0 = one server, no Ray)")
-    p.add_argument("--ray-address", default=None,
-                   help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379, after `ray start --head`); "
-                        "default: start a local one")
-    p.add_argument("--max-adapters-per-replica", type=int, default=16,
-                   help="with --replicas: adapters one replica holds before Serve evicts its least recently used")
+        limits.add_argument(flag, type=kind, default=getattr(ServerConfig, field), help=help_text)
+    limits.add_argument("--prefill-slowdown-cap", type=_float_or_none, default=2.0,
+                        help="a step takes prompt tokens up to about this many times the time of a decode step (learned "
+                             "as it runs), so that streams and arriving requests are not held behind long prompts; none "
+                             "= only --max-num-batched-tokens bounds a step (more prefill throughput)")
+    server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    scaleout.add_argument("--replicas", type=int, default=0,
+                          help="scale out: N engine replicas behind one endpoint on Ray Serve, adapters routed to the "
+                               "replicas that hold them (needs ray[serve]; 0 = one server, no Ray)")
+    scaleout.add_argument("--ray-address", default=None,
+                          help="with --replicas: join this Ray cluster (e.g. 10.0.0.1:6379, after `ray start --head`); "
+                               "default: start a local one")
+    scaleout.add_argument("--max-adapters-per-replica", type=int, default=16,
+                          help="with --replicas: adapters one replica holds before Serve evicts its least recently used")
 
 
 def generate(args) -> None:

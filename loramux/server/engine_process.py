@@ -39,7 +39,7 @@ def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str
     what was wrapped for the start-up adapters) go to stderr at it too."""
     _live_with_parent(parent_pid, ipc_dir, heartbeat)
     if log_level:
-        from loramux.cli import log_to_stderr
+        from loramux.logs import log_to_stderr
 
         log_to_stderr(logging.getLevelName(log_level).lower())
     ctx = zmq.Context()

@@ -98,7 +98,7 @@ def _frontend_main(sock: socket.socket, engine_config: EngineConfig, config: Ser
     # A worker thread building a large response holds the GIL for up to the switch interval at a time; the
     # event loop, which every other client's request goes through, should wait 1 ms for it, not 5.
     sys.setswitchinterval(0.001)
-    from loramux.cli import log_to_stderr
+    from loramux.logs import log_to_stderr
     from loramux.server.app import build_app, run_server
 
     log_to_stderr(log_level)
