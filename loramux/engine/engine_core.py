@@ -36,7 +36,6 @@ from loramux.engine.model_runner import ModelRunner, Sampled
 from loramux.engine.output import CoreOutput
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
-from loramux.engine.step_cost import StepCost
 from loramux.models.loader import load_model
 from loramux.sampling_params import SamplingParams
 
@@ -81,7 +80,6 @@ class EngineCore:
         lora, needs = _with_startup_targets(config.lora, config.startup_adapters)
         self.config = replace(config, lora=lora, max_model_len=loaded.max_model_len,
                               max_num_batched_tokens=config.step_token_budget(self.device.type, *_memory(self.device)))
-        self.step_cost = StepCost(self.config.prefill_slowdown_cap if self.config.enable_chunked_prefill else None)
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         self.adapters = self._adapter_system(loaded.model, needs)
         self.eos_token_ids = self._eos_token_ids()
@@ -216,8 +214,7 @@ class EngineCore:
     def step(self) -> list[CoreOutput]:
         """One scheduler step: an output for every request that progressed or finished."""
         outputs = self._queue_compiled() + self.install_loaded()
-        batch = self.scheduler.schedule(self._prompt_allowance())
-        self.step_cost.admitted(batch.new_prompt_work)
+        batch = self.scheduler.schedule()
         if not batch.seqs and self.loading:
             self.loader.wait(LOAD_WAIT_S)  # the queue waits for adapters being read: do not spin meanwhile
         outputs += [self._ended(s, "error", f"The model `{s.adapter}` was unloaded before the request started.",
@@ -236,23 +233,12 @@ class EngineCore:
                     outputs.append(self._append(seq, result))
         return outputs
 
-    def _prompt_allowance(self) -> int | None:
-        """The step bound's prompt tokens for the next step (StepCost); the batch about to decode is counted only
-        where there is a bound (offline, thousands of requests may wait)."""
-        if not self.step_cost.bounding:
-            return None
-        return self.step_cost.prompt_allowance(self.scheduler.num_decoding, self.scheduler.rows_about_to_decode)
-
     def _timed_run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
                    spans: list[tuple[int, int]] | None) -> list[Sampled | None | str]:
-        """_run, and what the step cost (StepCost learns the time of decode rows and of prompt tokens)."""
+        """_run, timed for the scheduler's step bound."""
         started = time.perf_counter()
         results = self._run(seqs, slots, is_prefill, spans)
-        if spans is not None:
-            decode_rows = sum(not s.is_prefilling for s in seqs)
-            prompt_tokens = sum((end - start) * s.prompt_token_cost for s, (start, end) in zip(seqs, spans)
-                                if s.is_prefilling)
-            self.step_cost.observe(decode_rows, prompt_tokens, time.perf_counter() - started)
+        self.scheduler.observe(seqs, spans, time.perf_counter() - started)
         return results
 
     def install_loaded(self) -> list[CoreOutput]:

@@ -33,6 +33,7 @@ from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.fair_queue import FairQueue
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.step_cost import StepCost
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled or adapter gone; error: failed in a step
 
@@ -109,6 +110,8 @@ class Scheduler:
         self.fair = FairQueue()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # the bound on a chunked step's prompt tokens, from the steps' times (observe)
+        self.step_cost = StepCost(config.prefill_slowdown_cap if self.chunked else None)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -180,14 +183,16 @@ class Scheduler:
         seq.finish_reason = reason
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self, prefill_allowance: int | None = None) -> ScheduledBatch:
+    def schedule(self) -> ScheduledBatch:
         """The next step: a prefill of newly admitted requests if any fit, else a decode of all running.
-        Chunked: one mixed step; prefill_allowance bounds its prompt tokens (None: the token budget alone)."""
+        Chunked: one mixed step, its prompt tokens within the step bound (StepCost, fed by observe)."""
         failed = self._fail_unloaded()
         self._prefetch()
         fair = self._fair_preempt()
         if self.chunked:
-            return self._schedule_chunked(failed, prefill_allowance, fair)
+            batch = self._schedule_chunked(failed, self._prompt_allowance(), fair)
+            self.step_cost.admitted(batch.new_prompt_work)
+            return batch
         admitted = self._admit()
         if admitted:  # spans: where cached prefixes let prefills start later
             spans = [(s.num_computed_tokens, len(s)) for s in admitted]
@@ -195,6 +200,23 @@ class Scheduler:
             return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=fair, failed=failed, spans=spans)
         seqs, preempted = self._schedule_running()
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed)
+
+    def _prompt_allowance(self) -> int | None:
+        """The step bound's prompt tokens for the next step; the batch about to decode is counted only where
+        there is a bound (offline, thousands of requests may wait)."""
+        if not self.step_cost.bounding:
+            return None
+        return self.step_cost.prompt_allowance(self.num_decoding, self.rows_about_to_decode)
+
+    def observe(self, seqs: list[Sequence], spans: list[tuple[int, int]] | None, seconds: float) -> None:
+        """A chunked step of `seqs` over `spans` (as schedule() gave them, before they advance) ran in `seconds`:
+        what the step bound learns from."""
+        if spans is None:
+            return
+        decode_rows = sum(not s.is_prefilling for s in seqs)
+        prompt_tokens = sum((end - start) * s.prompt_token_cost for s, (start, end) in zip(seqs, spans)
+                            if s.is_prefilling)
+        self.step_cost.observe(decode_rows, prompt_tokens, seconds)
 
     def _schedule_chunked(self, failed: list[Sequence], allowance: int | None,
                           fair: list[Sequence]) -> ScheduledBatch:

@@ -1,41 +1,15 @@
-"""StepCost: how long the engine's steps take, learned from the steps it runs. No torch.
+"""StepCost: how long the engine's steps take, learned from the steps it runs (the scheduler's step bound). No
+torch.
 
-Chunked prefill mixes decode rows (one token for each running stream) with prompt chunks. A long prompt's
-chunk can make a step many times longer than a decode step, and every stream, and every request that
-arrives meanwhile, then waits that long. The scheduler bounds a step to about `slowdown` times a decode-only
-step of D rows, the batch the engine is about to decode (the rows decoding now, and the requests whose
-prompts finish within a step's token budget): `prompt_allowance(rows, D)` says how many prompt tokens that
-leaves.
-
-The model, fitted by least squares to the steps run (the newer weighted more):
+A step that decodes is bounded to about `slowdown` times a decode-only step of D rows, the batch about to
+decode (the rows decoding now, and the requests whose prompts finish within a step's token budget):
+`prompt_allowance(rows, D)` says how many prompt tokens that leaves. The time model, fitted by least squares to
+the steps run (the newer weighted more; decode-only and mixed steps in separate moving averages):
     step seconds = fixed + per_row x (decode rows + prompt tokens) + per_chunk x [the step has prompt tokens]
-- One per_row for decode rows and prompt tokens: each takes one row through every weight matrix, and a cost
-  fitted to both kinds of step stays current. Under load almost every step carries a prompt chunk; a decode
-  step's time learned from the decode-only steps alone went stale, and a chunk's whole excess over it,
-  charged to the chunk's tokens, made the small chunks the bound allows look dear, which shrank the
-  allowance further: the engine settled at whatever batch it started from.
-- per_chunk: what a step pays for carrying prompt chunks at all (their attention calls, sampling at a prompt's
-  end), whatever their size. Where it alone exceeds the allowed slowdown (a small model, whose steps are
-  mostly fixed costs) a step carries MIN_CHUNK tokens.
-The decode-only and the mixed steps keep separate moving averages: what tells fixed from per_chunk is the
-difference between the two kinds, and a long stretch of one kind must not wipe out the other.
-
-D, not the rows decoding now: referred to those, the bound feeds on itself: few rows decoding -> a short
-decode step -> few prompt tokens allowed -> few requests admitted -> few rows decoding, while the queue grows
-and slots stand free. Referred to the batch about to decode, the short prompts waiting raise the allowance
-that admits them; a long prompt does not (it is many steps from decoding), so it still cannot stall the
-streams. The price of the bound: a long prompt alone is prefilled in smaller chunks (each step's fixed cost
-is paid more often).
-
-The bound decides when short prompts run, not how many: the prompts a sustained load sends must be
-prefilled anyway, and holding them back only parks requests in prefill while fewer rows decode. Where the
-load's prompt tokens outweigh what the slowdown leaves (128-token prompts for 64 new tokens: two prompt
-tokens a decoding row, ~2.2x a decode step at 32 rows, past a cap of 2), the capped engine settled with a
-third of its requests in prefill, TTFT of seconds and ~12% less throughput. So a step may always carry
-KEEP_UP times the prompt tokens admitted per step lately (`admitted`: a moving average over ~1 /
-DEMAND_SMOOTHING steps) of the prompts that fit in one step's budget (the scheduler counts those alone): a
-sustained load of short prompts keeps pace, while long prompts, one or many at once, still move at the
-slowdown's pace.
+A step that decodes may always carry MIN_CHUNK prompt tokens, and KEEP_UP times the prompt tokens admitted per
+step lately (`admitted`) of prompts that fit in one step's budget, so that a sustained load of short prompts
+keeps pace while long prompts move at the slowdown's pace. Why each of these: docs/performance.md (the step
+bound under saturation).
 """
 from __future__ import annotations
 

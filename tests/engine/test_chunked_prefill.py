@@ -96,8 +96,23 @@ def chunked_scheduler(budget: int, max_wait_steps: int = 64) -> Scheduler:
     return Scheduler(config, BlockManager(64, 4), None)
 
 
-def run_step(sched, allowance=None):
-    batch = sched.schedule(allowance)
+class FixedBound:
+    """A step bound that allows `tokens` prompt tokens a step (the scheduler's StepCost, learned from step times)."""
+
+    bounding = True
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def prompt_allowance(self, rows: int, about_to_decode: int) -> int:
+        return self.tokens
+
+    def admitted(self, work: int) -> None:
+        pass
+
+
+def run_step(sched):
+    batch = sched.schedule()
     for seq, (_, end) in zip(batch.seqs, batch.spans):
         seq.num_computed_tokens = end
         sched.block_manager.cache_computed(seq)
@@ -126,12 +141,14 @@ def test_the_chunked_scheduler_decodes_first_then_shortest_prompts_first():
     assert run_step(sched) == [(a, (10, 11)), (b, (4, 5)), (c, (3, 4))]  # all decode
 
 
-def test_the_engines_allowance_bounds_the_prompt_tokens_of_a_step():
+def test_the_step_bounds_allowance_bounds_the_prompt_tokens_of_a_step():
     sched = chunked_scheduler(budget=100)
+    assert not sched.step_cost.bounding  # offline (no slowdown cap): the token budget alone
     a, b = add(sched, 30, 40)
-    assert run_step(sched, allowance=None) == [(a, (0, 30)), (b, (0, 40))]
+    assert run_step(sched) == [(a, (0, 30)), (b, (0, 40))]
     c = add(sched, 50)[0]
-    assert run_step(sched, allowance=16) == [(a, (30, 31)), (b, (40, 41)), (c, (0, 16))]
+    sched.step_cost = FixedBound(16)
+    assert run_step(sched) == [(a, (30, 31)), (b, (40, 41)), (c, (0, 16))]
 
 
 def test_a_long_prompt_passed_over_max_wait_steps_times_goes_first():

@@ -89,11 +89,11 @@ def test_a_step_may_carry_twice_the_prompt_work_arriving_lately_whatever_the_slo
 
 def closed_loop(steps: int, in_flight: int = 32, prompt_len: int = 128, new_tokens: int = 64,
                 long_prompt_at: int | None = None):
-    """Scheduler + StepCost on true_step's engine, as `loramux serve` steps them (a slowdown cap of 2), under a
+    """The scheduler and its step bound on true_step's engine, as `loramux serve` steps them (a slowdown cap of 2), under a
     closed loop: a finished request is replaced at once. Per step: (decode rows, prompt tokens, seconds)."""
     config = EngineConfig(max_num_seqs=in_flight + 1, enable_chunked_prefill=True, enable_prefix_caching=False,
-                          max_num_batched_tokens=256, block_size=16)
-    sched, cost, rng, log = Scheduler(config, BlockManager(4096, 16)), StepCost(slowdown=2.0), random.Random(0), []
+                          max_num_batched_tokens=256, block_size=16, prefill_slowdown_cap=2.0)
+    sched, rng, log = Scheduler(config, BlockManager(4096, 16)), random.Random(0), []
 
     def add(length: int) -> None:
         tokens = [rng.randrange(1000) for _ in range(length)]
@@ -104,13 +104,11 @@ def closed_loop(steps: int, in_flight: int = 32, prompt_len: int = 128, new_toke
     for i in range(steps):
         if i == long_prompt_at:
             add(2048)
-        allowance = cost.prompt_allowance(sched.num_decoding, sched.rows_about_to_decode)
-        batch = sched.schedule(allowance)
-        cost.admitted(batch.new_prompt_work)
+        batch = sched.schedule()  # its prompt tokens within the bound the scheduler learned
         decode_rows = sum(not s.is_prefilling for s in batch.seqs)
         prompt_tokens = sum(end - start for s, (start, end) in zip(batch.seqs, batch.spans) if s.is_prefilling)
         seconds = true_step(decode_rows, prompt_tokens)
-        cost.observe(decode_rows, prompt_tokens, seconds)
+        sched.observe(batch.seqs, batch.spans, seconds)
         log.append((decode_rows, prompt_tokens, seconds))
         for seq, (_, end) in zip(batch.seqs, batch.spans):
             seq.num_computed_tokens = end
