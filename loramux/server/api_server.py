@@ -81,6 +81,11 @@ def share_of(client: str) -> str:
     return "client:" + hashlib.sha256(client.encode()).hexdigest()[:16]
 
 
+def _kept(source: AdapterSource) -> bool:
+    """Whether an engine restart loads the adapter again (else it is resolved on its next request)."""
+    return not source.resolved or source.pinned
+
+
 class APIServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str],
                  state_file: str | None = None, restarts: int = 0):
@@ -169,13 +174,15 @@ class APIServer:
 
     def _preloaded(self) -> list[AdapterSource]:
         """What an engine (re)start loads: the registry, less the adapters resolved on demand (they are
-        resolved again on their next request, rather than all read at once)."""
-        return [source for source in self.registry.values() if not source.resolved]
+        resolved again on their next request, rather than all read at once) unless pinned (a pin keeps an
+        adapter loaded, across restarts too; it stays an on-demand adapter: unpinned, it is not loaded at the
+        next restart, and it never gets what only the operator's start-up adapters get wrapped)."""
+        return [source for source in self.registry.values() if _kept(source)]
 
     def _on_ready(self, ready: Ready) -> None:
         """After every engine (re)start: the first one sets the tokenizer and names; a restart's adapters
         that no longer load are dropped from the registry (their requests get 404 from now on), and so are
-        those resolved on demand, which it did not load."""
+        those resolved on demand, which it did not load (all but the pinned ones)."""
         if self.tokenizer is None:
             self.tokenizer = Tokenizer.from_dir(ready.tokenizer_dir)
             self.template_shows_tools = self.tokenizer.shows_tools()  # tool_choice "auto" needs it
@@ -190,7 +197,7 @@ class APIServer:
         for name, why in ready.failed_adapters.items():
             logger.error("adapter %r did not load into the engine: %s", name, why)
             self.registry.pop(name, None)
-        self.registry = {name: source for name, source in self.registry.items() if not source.resolved}
+        self.registry = {name: source for name, source in self.registry.items() if _kept(source)}
         self._save_registry()
 
     def _grammar_source(self, ready: Ready) -> GrammarSource:
@@ -430,8 +437,7 @@ class APIServer:
             raise HTTPError(503, result.message, "service_unavailable", "adapter_busy", {"Retry-After": "5"})
         if result.status is not LoRAStatus.SUCCESS:
             raise HTTPError(400, result.message)
-        source = self.registry[name]
-        self.registry[name] = AdapterSource(source.name, source.path, source.allowed_dirs, result.pinned)
+        self.registry[name] = msgspec.structs.replace(self.registry[name], pinned=result.pinned)
         self._save_registry()
 
     async def reset_prefix_cache(self) -> None:

@@ -1,7 +1,8 @@
 """`loramux serve --lora-resolver-dir DIR`: a `model` nobody registered is loaded from DIR/<model> on its
 first request. It answers as the same adapter registered at start; many first requests at once make one
 load; unknown names get 404, a broken adapter 400, and neither touches the others; nothing outside DIR is
-read; after an engine restart, a resolved adapter is resolved again on its next request."""
+read; after an engine restart, a resolved adapter is resolved again on its next request (a pinned one comes back
+with the engine)."""
 import concurrent.futures
 import os
 import shutil
@@ -130,3 +131,29 @@ def test_after_an_engine_restart_a_resolved_adapter_is_resolved_on_its_next_requ
     r = complete(http, "acme/legal", PROMPTS[3])
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle[PROMPTS[3], "acme/legal"]
     assert server_log(proc).count("adapter 'acme/legal' resolved to") == before + 1
+
+
+def test_a_pinned_resolved_adapter_comes_back_pinned_after_a_restart_and_stays_on_demand(server, http, oracle):
+    """A pin keeps an adapter loaded across engine restarts; the adapter is still one resolved on demand: once
+    unpinned, the next restart leaves it to be resolved on its next request again."""
+    proc, url = server
+
+    def restart():
+        restarts = metric(url, "loramux:engine_restarts")
+        os.kill(engine_pid(proc.pid), signal.SIGKILL)
+        wait_until(lambda: metric(url, "loramux:engine_restarts") > restarts and http.get("/health").status_code == 200,
+                   120, "the engine back")
+
+    assert complete(http, "cold").status_code == 200
+    assert http.post("/v1/pin_lora_adapter", json={"lora_name": "cold"}).status_code == 200
+    resolved = server_log(proc).count("adapter 'cold' resolved to")
+    restart()
+    assert "cold" in models(http) and metric(url, "loramux:num_pinned_adapters") >= 1  # loaded with the engine
+    r = complete(http, "cold", PROMPTS[4])
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == oracle[PROMPTS[4], "cold"]
+    assert server_log(proc).count("adapter 'cold' resolved to") == resolved  # not resolved again
+    assert http.post("/v1/unpin_lora_adapter", json={"lora_name": "cold"}).status_code == 200
+    restart()
+    assert "cold" not in models(http)
+    assert complete(http, "cold", PROMPTS[5]).json()["choices"][0]["text"] == oracle[PROMPTS[5], "cold"]
+    assert server_log(proc).count("adapter 'cold' resolved to") == resolved + 1
