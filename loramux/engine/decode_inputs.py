@@ -67,8 +67,8 @@ class DecodeInputs:
         n, rows = len(seqs), rows or len(seqs)
         if not n <= rows <= self.max_rows:
             raise ValueError(f"{n} sequences padded to {rows} rows do not fit {self.max_rows} rows")
-        if self._copied is not None:
-            self._copied.synchronize()  # (done long since: each step waits for its sampled tokens)
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # (done long since, as a rule: each step waits for its sampled tokens)
         f, size = self._fields, self.block_size
         lengths = [len(s) for s in seqs]
         f["ids"][:n] = [s.last_token_id for s in seqs]
