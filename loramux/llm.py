@@ -79,6 +79,14 @@ class LLM:
         """"name=path", a bare path, or (name, path); kwargs: allow_pickle, allowed_dirs (LoRAManager)."""
         return self.engine.load_adapter(spec, path, **kwargs)
 
+    def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
+        """An adapter pushed from memory, as a trainer holds it: `tensors` named as PEFT saves them
+        (`get_peft_model_state_dict(model)`, or adapter_model.safetensors' keys), `peft_config` as
+        adapter_config.json holds it (`peft_config.to_dict()`). Checked as files are (dtype, shapes, finite
+        values, rank, targets); the weights are copied. replace=True: new weights for a loaded name, in place
+        (requests already running finish on the old ones; new requests get these, with a cold prefix cache)."""
+        return self.engine.load_adapter_from_tensors(name, tensors, peft_config, replace)
+
     def unload_adapter(self, name: str) -> LoRAResult:
         return self.engine.unload_adapter(name)
 

@@ -9,7 +9,8 @@ LoRAModel drives a plain HF model with it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import json
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -52,13 +53,22 @@ class LoRAManager:
         allow = self.config.allow_pickle if allow_pickle is None else allow_pickle
         return self.store.load(name, Source(path, allow, tuple(allowed_dirs), lora_alpha), replace, pinned)
 
-    def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
-        """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
+    def add_adapter(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict,
+                    replace: bool = False) -> LoRAResult:
+        """Register an adapter from in-memory PEFT tensors (named as in adapter_model.safetensors) and its PEFT
+        config (adapter_config.json's dict), under the checks files get; no I/O, no disk copy. replace: new
+        weights for a loaded name, in place (AdapterStore.add_tensors)."""
         try:
             check_adapter_name(name)
         except InvalidAdapterNameError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
-        return self.store.add_tensors(name, tensors, peft_config)
+        problem = _push_problem(tensors, peft_config)
+        config = _as_saved(peft_config) if not problem else None
+        if problem or config is None:
+            problem = problem or "the PEFT config does not convert to JSON as adapter_config.json would"
+            return LoRAResult(LoRAStatus.LOAD_INVALID_ADAPTER, f"adapter {name!r}: {problem}")
+        detached = {key: t.detach() for key, t in tensors.items()}  # (a trainer's tensors may carry autograd state)
+        return self.store.add_tensors(name, detached, config, replace)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """The name goes at once; its weights and slot go as soon as no request (or `using` block) runs on them."""
@@ -214,3 +224,32 @@ class LoRAManager:
     @property
     def host_bytes(self) -> int:
         return self.cache.host_bytes
+
+
+def _push_problem(tensors, peft_config) -> str:
+    """What is wrong with the shapes of a push's arguments ("" if nothing): the tensors' values are checked as a
+    file's are, when the adapter is built."""
+    if not isinstance(peft_config, Mapping):
+        return f"the PEFT config must be a dict (adapter_config.json's contents), got {type(peft_config).__name__}"
+    if not isinstance(tensors, Mapping) or not tensors:
+        return "the tensors must be a non-empty dict of PEFT tensor names to tensors"
+    odd = [repr(k) for k, t in tensors.items()
+           if not isinstance(k, str) or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta]
+    if odd:
+        return f"{', '.join(odd[:3])}{' ...' if len(odd) > 3 else ''}: not a dense tensor with values under a string name"
+    return ""
+
+
+def _as_saved(peft_config) -> dict | None:
+    """The config as adapter_config.json holds it, through JSON as PEFT writes it (its to_dict() has enums and
+    sets: a str enum becomes its value, a set a sorted list), so that a push and its files mean one thing;
+    None if it has values JSON cannot hold."""
+    def plain(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(value, key=str)
+        raise TypeError(type(value).__name__)
+
+    try:
+        return json.loads(json.dumps(dict(peft_config), default=plain))
+    except (TypeError, ValueError):
+        return None

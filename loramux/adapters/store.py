@@ -231,19 +231,19 @@ class AdapterStore:
                               f"{self.config.max_loras} device slots hold pinned adapters; it was not loaded")
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded and pinned")
 
-    def add_tensors(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict) -> LoRAResult:
-        """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy)."""
-        if name in self._current:
-            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded")
-        ref = AdapterRef(name)
+    def add_tensors(self, name: str, tensors: dict[str, torch.Tensor], peft_config: dict,
+                    replace: bool = False) -> LoRAResult:
+        """Register an adapter from in-memory PEFT tensors and config (no I/O; it has no disk copy, so it stays
+        in host memory). The weights are copied: the caller may change its tensors afterwards. replace: a loaded
+        name takes these as a new identity (a reload in place: requests running on the old one finish on it)."""
+        if name in self._current and not replace:
+            return LoRAResult(LoRAStatus.LOAD_NAME_EXISTS, f"an adapter named {name!r} is already loaded; replace "
+                                                           "it in place to load new weights under its name")
         try:
             weights = self._build(name, peft_config, tensors, None)
         except Exception as e:
             return refusal(name, e)
-        result = self._guarded_install(ref, weights, None)
-        if result:
-            self._publish(ref, None)
-        return result
+        return self.install(name, None, weights, replace=True)
 
     def clone(self, name: str, new_name: str) -> LoRAResult:
         """`new_name` becomes an adapter of its own with `name`'s current weights: the same host tensors (no

@@ -25,7 +25,7 @@ import torch
 from loramux.adapters.files import modules_to_wrap
 from loramux.adapters.manager import LoRAManager
 from loramux.adapters.store import Source
-from loramux.adapters.status import LoRAResult
+from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
@@ -353,6 +353,12 @@ class EngineCore:
         if self.loader is None:
             raise RuntimeError("this engine was built with lora=None; adapters are off")
         return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned)
+
+    def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
+        """LoRAManager.add_adapter: PEFT tensors and config from memory (a trainer's push), between steps."""
+        if self.adapters is None:
+            return LoRAResult(LoRAStatus.LOAD_ERROR, "this engine was built with lora=None; adapters are off")
+        return self.lora_manager.add_adapter(name, tensors, peft_config, replace)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """The name goes now: its requests that have not started end with an error at the next step; the

@@ -144,6 +144,9 @@ class LLMEngine:
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
         return self.core.load_adapter(spec, path, **kwargs)
 
+    def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
+        return self.core.load_adapter_from_tensors(name, tensors, peft_config, replace)
+
     def unload_adapter(self, name: str) -> LoRAResult:
         return self.core.unload_adapter(name)
 
