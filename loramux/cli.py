@@ -143,6 +143,9 @@ def _serve_scaleout(args) -> None:
 # serve's flags for ServerConfig's limits: (flag, type, field, help); the default is the field's
 _SERVER_LIMITS = (
     ("--max-body-bytes", int, "max_body_bytes", "larger request bodies get 413 (default: 1 MiB)"),
+    ("--max-adapter-upload-bytes", int, "max_adapter_upload_bytes", "an adapter's files sent in the body of "
+                                                                    "/v1/load_lora_adapter (multipart) up to this "
+                                                                    "size; 0 = uploads off"),
     ("--max-pending-requests", int, "max_pending_requests", "engine requests in flight at most; past it, 429 with "
                                                             "Retry-After"),
     ("--max-pending-tokens", int, "max_pending_tokens", "prompt tokens + max_tokens in flight at most; past it, 429"),

@@ -287,6 +287,9 @@ class ServerConfig:
     limits and shares; reloaded on SIGHUP. None: no tenants (the API key, if any, opens everything)."""
     allowed_adapter_dirs: tuple[str, ...] = ()
     """Runtime loads (/v1/load_lora_adapter) only from under these directories; none = runtime loads off."""
+    max_adapter_upload_bytes: int = 0
+    """An adapter's files sent in the body of /v1/load_lora_adapter (multipart: adapter_config.json and
+    adapter_model.safetensors) up to this many bytes; 0 = uploads off."""
     lora_resolver_dirs: tuple[str, ...] = ()
     """A `model` that names no registered adapter is loaded from DIR/<model> on its first request, if there."""
     lora_resolver_hf: bool = False
@@ -337,7 +340,8 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts_per_request", "max_pending_requests",
                      "max_pending_tokens"):
             _check_positive(name, getattr(self, name))
-        for name in ("max_resolves_per_client", "max_connections", "max_pending_per_client"):  # 0: no limit
+        for name in ("max_resolves_per_client", "max_connections", "max_pending_per_client",  # 0: no limit
+                     "max_adapter_upload_bytes"):  # (0: off)
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")

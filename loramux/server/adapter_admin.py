@@ -7,9 +7,15 @@ loaded name; loading the same path again succeeds, as MAX's load_adapter does), 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import BinaryIO
 
+import pydantic
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 
+from loramux.adapters.files import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.server import protocol as p
 from loramux.server.errors import HTTPError
@@ -41,6 +47,54 @@ def allowed_adapter_path(dirs: tuple[str, ...], path: str) -> str:
         raise HTTPError(400, f"adapter path {path!r} has adapter_model.bin but no adapter_model.safetensors (only "
                              "safetensors adapters are loaded at run time)")
     return real  # everything else about its files is checked by the engine, file by file
+
+
+async def load_request(raw: Request) -> p.LoadLoRAAdapterRequest:
+    """/v1/load_lora_adapter's JSON body (checked as FastAPI checks a body: the same 400)."""
+    try:
+        return p.LoadLoRAAdapterRequest.model_validate_json(await raw.body())
+    except pydantic.ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
+@dataclass
+class Upload:
+    """An adapter's files from the body of /v1/load_lora_adapter."""
+
+    name: str
+    config: bytes
+    weights: BinaryIO
+    pinned: bool
+    load_inplace: bool
+
+
+_FLAGS = {"true": True, "1": True, "false": False, "0": False, "": False}
+
+
+async def upload_form(raw: Request, limit: int) -> Upload:
+    """The multipart form of an upload: lora_name, optionally load_inplace and pinned (true / false), and the
+    two files as parts named adapter_config.json and adapter_model.safetensors. 400 naming what is wrong."""
+    if not limit:
+        raise HTTPError(400, "adapter uploads are off; start the server with --max-adapter-upload-bytes N")
+    form = await raw.form(max_files=2, max_fields=3, max_part_size=MAX_CONFIG_BYTES)
+    unknown = sorted(set(form) - {"lora_name", "load_inplace", "pinned", CONFIG_FILE, SAFETENSORS_FILE})
+    if unknown:
+        raise HTTPError(400, f"unknown form fields: {', '.join(unknown)} (an upload sends lora_name, load_inplace, "
+                             f"pinned, {CONFIG_FILE} and {SAFETENSORS_FILE})")
+    files = {key: form.get(key) for key in (CONFIG_FILE, SAFETENSORS_FILE)}
+    missing = [key for key, part in files.items() if isinstance(part, str) or part is None]
+    if missing:
+        raise HTTPError(400, f"the upload needs the file parts {CONFIG_FILE} and {SAFETENSORS_FILE}; "
+                             f"missing or not a file: {', '.join(missing)}")
+    flags = {key: str(form.get(key, "")).lower() for key in ("load_inplace", "pinned")}
+    bad = [key for key, value in flags.items() if value not in _FLAGS]
+    if bad:
+        raise HTTPError(400, f"{', '.join(bad)} must be true or false")
+    config = await files[CONFIG_FILE].read(MAX_CONFIG_BYTES + 1)
+    if len(config) > MAX_CONFIG_BYTES:
+        raise HTTPError(400, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    name = checked_name(str(form.get("lora_name") or ""))
+    return Upload(name, config, files[SAFETENSORS_FILE].file, _FLAGS[flags["pinned"]], _FLAGS[flags["load_inplace"]])
 
 
 def load_kind(request: p.LoadLoRAAdapterRequest, path: str, base_name: str, loaded_path: str | None) -> str:

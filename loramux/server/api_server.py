@@ -11,6 +11,7 @@ import hashlib
 import itertools
 import logging
 import os
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,7 @@ from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.engine.sequence import PROMPT_LOGPROBS_WEIGHT
 from loramux.server import protocol as p
+from loramux.server.adapter_admin import REPLACE, Upload, load_kind
 from loramux.server.admission import Admission, Ticket
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
@@ -33,6 +35,7 @@ from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
 from loramux.server.on_demand import OnDemand
 from loramux.server.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
+from loramux.server.uploads import Uploads, discard
 from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
                                  ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
@@ -86,6 +89,15 @@ def _kept(source: AdapterSource) -> bool:
     return not source.resolved or source.pinned
 
 
+def _uploads(config: ServerConfig, state_file: str | None) -> Uploads | None:
+    """Where uploaded adapters' files go (None: uploads are off): beside the registry, which keeps their paths
+    for the front ends and engines that come after this one."""
+    if not config.max_adapter_upload_bytes:
+        return None
+    root = os.path.join(os.path.dirname(state_file), "uploads") if state_file else tempfile.mkdtemp(prefix="loramux-uploads-")
+    return Uploads(root)
+
+
 class APIServer:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str],
                  state_file: str | None = None, restarts: int = 0):
@@ -96,6 +108,7 @@ class APIServer:
         self.grammars: GrammarChecker | None = None  # structured outputs are checked in worker processes
         self.registry = _registry(lora_modules)
         self.state_file, self.restarts = state_file, restarts
+        self.uploads = _uploads(config, state_file)
         if state_file is not None and os.path.isfile(state_file):
             with open(state_file, "rb") as f:
                 self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
@@ -407,6 +420,24 @@ class APIServer:
         self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved)
         self._save_registry()
 
+    async def upload_adapter(self, upload: Upload) -> str:
+        """An adapter whose files came in the request (server/uploads.py): written under the uploads directory,
+        then loaded from there as a runtime load is (every check of files; read back from there after host
+        eviction; loaded again by an engine restart). Its directory goes if it is refused. -> ADD or REPLACE"""
+        request = p.LoadLoRAAdapterRequest(lora_name=upload.name, lora_path="(upload)", pinned=upload.pinned,
+                                           load_inplace=upload.load_inplace)
+        source = self.registry.get(upload.name)
+        path = await asyncio.to_thread(self.uploads.save, upload.config, upload.weights)
+        try:
+            kind = load_kind(request, path, self.model_name, source.path if source else None)
+            await self.load_adapter(upload.name, path, upload.pinned, replace=kind == REPLACE,
+                                    allowed_dirs=(self.uploads.root,))
+        except BaseException:
+            discard(path)
+            raise
+        self.uploads.keep(upload.name, path)
+        return kind
+
     async def _install_resolved(self, name: str, found) -> None:
         """An adapter a resolver found (on_demand.py), read under the rule of the resolver's directories."""
         try:
@@ -426,6 +457,8 @@ class APIServer:
         if self.registry.get(name) is source:
             del self.registry[name]
             self._save_registry()
+            if self.uploads is not None:
+                self.uploads.forget(name)
         if result.status is LoRAStatus.UNLOAD_NAME_NONEXISTENT:
             raise HTTPError(404, result.message, "not_found_error")
 

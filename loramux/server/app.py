@@ -52,15 +52,20 @@ class BodyLimit:
     """ASGI middleware: counts a request's body as it arrives, so that a chunked body (no Content-Length)
     is held to the limit too; one with a Content-Length over it is refused before anything is read."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, upload_limit: int = 0):
+        """upload_limit: an adapter upload's (multipart, to /v1/load_lora_adapter), where it is higher."""
+        self.app, self.limit, self.upload_limit = app, limit, upload_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            message = f"the request body is {int(length)} bytes; the limit is {self.limit}"
+        headers = dict(scope["headers"])
+        limit = self.limit
+        if scope["path"] == "/v1/load_lora_adapter" and headers.get(b"content-type", b"").startswith(b"multipart/"):
+            limit = max(limit, self.upload_limit)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > limit:
+            message = f"the request body is {int(length)} bytes; the limit is {limit}"
             return await error_response(413, message)(scope, receive, send)
         seen = 0
 
@@ -68,8 +73,8 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise BodyTooLarge(self.limit)
+            if seen > limit:
+                raise BodyTooLarge(limit)
             return message
 
         await self.app(scope, counted, send)
@@ -180,7 +185,7 @@ class Auth:
 
 
 def _add_middleware(app: FastAPI, server: APIServer) -> None:
-    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=server.config.max_body_bytes, upload_limit=server.config.max_adapter_upload_bytes)
     # added last, so it runs first: 401 before 413
     app.add_middleware(Auth, key=server.config.api_key, tenants=lambda: server.tenants)
 
@@ -520,7 +525,15 @@ def _add_pause_routes(app: FastAPI, server: APIServer) -> None:
 
 def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/load_lora_adapter")
-    async def load(request: p.LoadLoRAAdapterRequest, raw: Request):
+    async def load(raw: Request):
+        """vLLM's JSON body ({lora_name, lora_path, load_inplace}; SGLang's pinned), or the adapter's files in
+        the body (multipart: lora_name, load_inplace, pinned, and the adapter_config.json and
+        adapter_model.safetensors parts; server/uploads.py)."""
+        if raw.headers.get("content-type", "").startswith("multipart/form-data"):
+            upload = await admin.upload_form(raw, server.config.max_adapter_upload_bytes)
+            check_admin(tenant_of(raw), upload.name)
+            return admin.loaded(upload.name, await server.upload_adapter(upload))
+        request = await admin.load_request(raw)
         name, tenant = admin.checked_name(request.lora_name), tenant_of(raw)
         check_admin(tenant, name)
         dirs = load_dirs(tenant, server.config.allowed_adapter_dirs)

@@ -1,0 +1,128 @@
+"""Adapters uploaded in the body of /v1/load_lora_adapter (multipart: lora_name, load_inplace, pinned, and the
+adapter_config.json and adapter_model.safetensors parts), as a trainer on another host pushes them: they answer as
+the same adapter loaded from files; load_inplace replaces the weights; a broken upload is refused as the same
+files are and leaves nothing behind; uploads are bounded and off unless the operator sets a size; an engine
+restart loads the uploaded adapter again; unloading removes its files."""
+import os
+import signal
+
+import httpx
+import pytest
+
+from loramux import SamplingParams
+from support.hostile_adapters import CONFIG, ST
+from support.serving import NO_KEEPALIVE, engine_pid, make_files, metric, offline_llm, start_server, stop, wait_until
+
+pytestmark = pytest.mark.slow
+PROMPT = "tell me about kites"
+LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return make_files(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def oracle(files):
+    """Each runtime adapter's greedy text, loaded from files in the offline engine."""
+    llm = offline_llm(files, files["runtime"])
+    names = list(files["runtime"])
+    outs = llm.generate([PROMPT] * len(names), SamplingParams(max_tokens=8, temperature=0), adapters=names)
+    return {name: out.text for name, out in zip(names, outs)}
+
+
+@pytest.fixture(scope="module")
+def server(files):
+    proc, url = start_server(files, "--max-adapter-upload-bytes", str(LIMIT))
+    yield proc, url
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server[1], timeout=120, limits=NO_KEEPALIVE) as c:
+        yield c
+
+
+def upload(http, name: str, path: str, **fields):
+    with open(os.path.join(path, CONFIG), "rb") as config, open(os.path.join(path, ST), "rb") as weights:
+        return http.post("/v1/load_lora_adapter", data={"lora_name": name, **fields},
+                         files={CONFIG: (CONFIG, config), ST: (ST, weights)})
+
+
+def text(http, model: str) -> str:
+    r = http.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_an_upload_answers_as_the_same_files_and_load_inplace_replaces_it(files, http, oracle):
+    runtime = files["runtime"]
+    r = upload(http, "pushed", runtime["new"])
+    assert r.status_code == 200 and "added" in r.text
+    assert text(http, "pushed") == oracle["new"]
+    again = upload(http, "pushed", runtime["v2"])
+    assert again.status_code == 400 and again.json()["error"]["code"] == "adapter_exists"
+    assert upload(http, "pushed", runtime["v2"], load_inplace="true").status_code == 200
+    assert text(http, "pushed") == oracle["v2"]
+
+
+def root_of(http, name: str) -> str:
+    return http.get(f"/v1/models/{name}").json()["root"]
+
+
+def test_a_broken_upload_is_refused_as_its_files_are_and_leaves_nothing(files, http, tmp_path):
+    assert upload(http, "probe", files["runtime"]["new"]).status_code == 200
+    uploads = os.path.dirname(root_of(http, "probe"))  # the server's directory of uploads
+    before = sorted(os.listdir(uploads))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / CONFIG).write_bytes(open(os.path.join(files["runtime"]["new"], CONFIG), "rb").read())
+    (broken / ST).write_bytes(open(os.path.join(files["runtime"]["new"], ST), "rb").read()[:300])  # torn
+    r = upload(http, "torn", str(broken))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_adapter"
+    assert "adapter_model.safetensors" in r.json()["error"]["message"]  # the engine's words for a torn file
+    assert "torn" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert sorted(os.listdir(uploads)) == before
+
+
+def test_uploads_are_bounded_and_checked(files, http):
+    big = http.post("/v1/load_lora_adapter", data={"lora_name": "big"},
+                    files={CONFIG: (CONFIG, b"{}"), ST: (ST, b"\0" * (LIMIT + 1))})
+    assert big.status_code == 413
+    missing = http.post("/v1/load_lora_adapter", data={"lora_name": "x"}, files={CONFIG: (CONFIG, b"{}")})
+    assert missing.status_code == 400 and ST in missing.json()["error"]["message"]
+    odd = http.post("/v1/load_lora_adapter", data={"lora_name": "x", "lora_path": "/etc"},
+                    files={CONFIG: (CONFIG, b"{}"), ST: (ST, b"")})
+    assert odd.status_code == 400 and "lora_path" in odd.json()["error"]["message"]
+    bad_name = upload(http, "../up", files["runtime"]["new"])
+    assert bad_name.status_code == 400 and bad_name.json()["error"]["code"] == "invalid_adapter_name"
+    json_load = http.post("/v1/load_lora_adapter", json={"lora_name": "byjson"})  # vLLM's JSON body: still checked
+    assert json_load.status_code == 400 and "lora_path" in json_load.json()["error"]["message"]
+
+
+def test_an_uploaded_adapter_comes_back_after_an_engine_restart_and_its_files_go_with_unload(files, server, http,
+                                                                                              oracle):
+    proc, url = server
+    assert upload(http, "kept", files["runtime"]["other"], pinned="true").status_code == 200
+    restarts = metric(url, "loramux:engine_restarts")
+    os.kill(engine_pid(proc.pid), signal.SIGKILL)
+    wait_until(lambda: metric(url, "loramux:engine_restarts") > restarts and http.get("/health").status_code == 200,
+               120, "the engine back")
+    assert "kept" in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    assert text(http, "kept") == oracle["other"]
+    path = root_of(http, "kept")
+    assert os.path.isfile(os.path.join(path, ST))
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "kept"}).status_code == 200
+    assert not os.path.exists(path)
+
+
+def test_uploads_are_off_unless_the_operator_sets_a_size(files):
+    proc, url = start_server(files)
+    try:
+        with httpx.Client(base_url=url, timeout=60, limits=NO_KEEPALIVE) as http:
+            r = upload(http, "nope", files["runtime"]["new"])
+            assert r.status_code == 400 and "--max-adapter-upload-bytes" in r.json()["error"]["message"]
+    finally:
+        stop(proc)
