@@ -20,13 +20,10 @@ from typing import NamedTuple
 import torch
 
 from loramux.adapters.checkpoint import config_from_tensors
+from loramux.adapters.file_names import CONFIG_FILE, MAX_CONFIG_BYTES, PICKLE_FILE, SAFETENSORS_FILE
 from loramux.adapters.peft_config import InvalidAdapterError
 
-CONFIG_FILE = "adapter_config.json"
-SAFETENSORS_FILE = "adapter_model.safetensors"
-PICKLE_FILE = "adapter_model.bin"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
-MAX_CONFIG_BYTES = 1 << 20  # a PEFT config is a few KB
 # No symlink followed at the last component (one put there after the path was resolved), and no wait on a FIFO.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 

@@ -6,6 +6,7 @@ loaded name; loading the same path again succeeds, as MAX's load_adapter does), 
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -15,7 +16,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
 
-from loramux.adapters.files import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
+from loramux.adapters.file_names import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.server import protocol as p
 from loramux.server.errors import HTTPError
@@ -52,7 +53,12 @@ def allowed_adapter_path(dirs: tuple[str, ...], path: str) -> str:
 async def load_request(raw: Request) -> p.LoadLoRAAdapterRequest:
     """/v1/load_lora_adapter's JSON body (checked as FastAPI checks a body: the same 400)."""
     try:
-        return p.LoadLoRAAdapterRequest.model_validate_json(await raw.body())
+        body = json.loads(await raw.body())  # (as FastAPI decodes a body: lone surrogates reach the model's checks)
+    except ValueError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", getattr(e, "pos", 0)),
+                                       "msg": "JSON decode error", "input": {}}]) from None
+    try:
+        return p.LoadLoRAAdapterRequest.model_validate(body)
     except pydantic.ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
 

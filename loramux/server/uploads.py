@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from typing import BinaryIO
 
-from loramux.adapters.files import CONFIG_FILE, SAFETENSORS_FILE
+from loramux.adapters.file_names import CONFIG_FILE, SAFETENSORS_FILE
 
 KEPT_PER_NAME = 2
 
