@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import secrets
 from dataclasses import dataclass, field
 
 MAX_NAME_LENGTH = 128
@@ -61,9 +62,16 @@ class AdapterRef:
 
     name: str
     id: int = field(default_factory=lambda: next(_load_ids))
+    rev: str = field(default_factory=lambda: secrets.token_hex(4), compare=False)
+    """The load's revision as users see it (random: unique across engine restarts too, where ids start again)."""
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def revision(self) -> str:
+        """name@rev: which load of which adapter answered (responses' system_fingerprint)."""
+        return f"{self.name}@{self.rev}"
 
 
 _load_ids = itertools.count(1)

@@ -321,9 +321,11 @@ class EngineCore:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._forget(seq)
-        cached = (seq.num_cached_tokens or 0) if seq.num_output_tokens == 1 else 0  # in its first output only
+        first = seq.num_output_tokens == 1
+        cached = (seq.num_cached_tokens or 0) if first else 0  # in its first output only, as the revision
+        revision = seq.adapter_ref.revision if first and seq.adapter_ref is not None else None
         return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
-                          prompt_logprobs=result.prompt_logprobs, num_cached_tokens=cached)
+                          prompt_logprobs=result.prompt_logprobs, num_cached_tokens=cached, revision=revision)
 
     def _ended(self, seq: Sequence, reason: str, error: str, status: int = 0) -> CoreOutput:
         """The output of a request the scheduler has already finished."""

@@ -31,6 +31,7 @@ class _Request:
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    revision: str | None = None
 
 
 def _copy(logprobs: Logprobs | None) -> Logprobs | None:
@@ -114,6 +115,7 @@ class LLMEngine:
         if out.prompt_logprobs is not None:
             request.prompt_logprobs = out.prompt_logprobs
         request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
+        request.revision = request.revision or out.revision
         reason = out.finish_reason
         # a stop token ends the text before it: it is kept in token_ids, left out of the text
         text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
@@ -127,7 +129,8 @@ class LLMEngine:
             return None
         return RequestOutput(out.request_id, request.prompt, request.prompt_token_ids, request.detokenizer.text,
                              list(request.token_ids), request.adapter, reason, delta, list(out.new_token_ids),
-                             out.error, _copy(request.logprobs), request.prompt_logprobs, request.num_cached_tokens)
+                             out.error, _copy(request.logprobs), request.prompt_logprobs, request.num_cached_tokens,
+                             request.revision)
 
     # ---- offline helpers -----------------------------------------------------------------------------
     def stream(self, prompts: Seq, params: Seq[SamplingParams], adapters: Seq[str | None]) -> Iterator[RequestOutput]:

@@ -28,6 +28,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     logprobs: Logprobs | None = None  # of new_token_ids, when the request asked for them
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1, once, in the request's first output
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held, in the request's first output
+    revision: str | None = None  # the adapter load it runs on (AdapterRef.revision), in its first output
 
     @property
     def finished(self) -> bool:
@@ -49,6 +50,7 @@ class RequestOutput:
     logprobs: Logprobs | None = None  # of token_ids so far (SamplingParams.logprobs set)
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1 (SamplingParams.prompt_logprobs set)
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's RequestOutput field)
+    revision: str | None = None  # the adapter load that produced it, name@rev (None: the base model)
 
     @property
     def finished(self) -> bool:

@@ -521,8 +521,9 @@ def work_tokens(request: AddRequest) -> int:
     return weight * len(request.prompt_token_ids) + request.params.max_tokens
 
 
-async def until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:
-    """Run `work`; cancel it if the client disconnects first (Starlette does not, for a plain response)."""
+async def until_disconnected(raw: Request, work, poll_s: float = 0.5):
+    """Run `work` and return what it returns; cancel it if the client disconnects first (Starlette does not,
+    for a plain response)."""
     task = asyncio.ensure_future(work)
     try:
         while not task.done():
@@ -530,7 +531,7 @@ async def until_disconnected(raw: Request, work, poll_s: float = 0.5) -> None:
             if not done and await raw.is_disconnected():
                 task.cancel()
                 break
-        await task
+        return await task
     except asyncio.CancelledError:
         if not task.done():
             task.cancel()

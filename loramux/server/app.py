@@ -231,12 +231,14 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
         if request.stream:
             return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw, discard=chunks.discard)
+        fingerprint = _fingerprint(c.revision for c in choices)
 
         def answer() -> dict:
             body = [chunks.choice(c) for c in choices]
-            return p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+            response = p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+            return {**response, "system_fingerprint": fingerprint}
 
-        return await json_off_the_loop(answer)
+        return await json_off_the_loop(answer, _revision_header(fingerprint))
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
@@ -245,25 +247,40 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
         if request.stream:
             return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw)
+        fingerprint = _fingerprint(c.revision for c in choices)
 
         def answer() -> dict:
             body = [chunks.choice(c) for c in choices]
             response = p.chat_response(chunks.rid, request.model, body, *_usage(choices, request.n))
+            response["system_fingerprint"] = fingerprint
             if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
                 response["prompt_logprobs"] = server.logprobs.vllm_prompt(choices[0].prompt_logprobs or Logprobs(),
                                                                           request.skip_special_tokens)
             return response
 
-        return await json_off_the_loop(answer)
+        return await json_off_the_loop(answer, _revision_header(fingerprint))
 
 
-async def json_off_the_loop(answer) -> Response:
+REVISION_HEADER = "x-adapter-revision"
+
+
+def _fingerprint(revisions) -> str | None:
+    """OpenAI's system_fingerprint: the adapter load that answered, name@rev (several, comma-separated, if a
+    reload in place came between a request's prompts); None for the base model."""
+    return ",".join(sorted({r for r in revisions if r})) or None
+
+
+def _revision_header(fingerprint: str | None) -> dict:
+    return {REVISION_HEADER: fingerprint} if fingerprint else {}
+
+
+async def json_off_the_loop(answer, headers: dict | None = None) -> Response:
     """A whole response, built and encoded in a worker thread: with logprobs of long prompts it is megabytes
     of JSON, and the event loop must keep serving every other client meanwhile."""
     def encode() -> bytes:
         return json.dumps(answer(), ensure_ascii=False, separators=(",", ":")).encode()
 
-    return Response(await run_in_threadpool(encode), media_type="application/json")
+    return Response(await run_in_threadpool(encode), media_type="application/json", headers=headers)
 
 
 def _usage(choices: list[Choice], n: int) -> tuple[int, int, int]:
@@ -408,7 +425,7 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
     stream = None
     try:
         stream = await server.client.generate(requests)
-        await until_disconnected(raw, _refused_before_start(stream))
+        first = await until_disconnected(raw, _refused_before_start(stream))
     except BaseException:
         if stream is not None:
             await stream.close()
@@ -416,6 +433,10 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
         raise
     choices = new_choices(requests, server.tokenizer, chunks.discard)
     timers = server.timers(choices)
+    fingerprint = first.revision if first is not None else None  # (every event carries it, as OpenAI's chunks)
+
+    def _event(data: dict) -> str:
+        return _sse_event({**data, "system_fingerprint": fingerprint} if "choices" in data else data)
 
     async def body() -> AsyncIterator[str]:
         error = None
@@ -445,18 +466,20 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
             yield _event(usage)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_revision_header(fingerprint))
 
 
-async def _refused_before_start(stream) -> None:
-    """HTTPError if the engine's first output for these requests refuses one (it never started)."""
+async def _refused_before_start(stream):
+    """The engine's first output for these requests (None if the stream ended); HTTPError if it refuses one (it
+    never started)."""
     first = await stream.peek()
     if first is not None and first.finish_reason == "error" and first.status and not first.new_token_ids:
         raise HTTPError(first.status, first.error or "the request was refused",
                         "not_found_error" if first.status == 404 else "invalid_request_error")
+    return first
 
 
-def _event(data: dict) -> str:
+def _sse_event(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 

@@ -68,6 +68,8 @@ def test_replace_serves_new_weights_and_running_requests_finish_on_the_old(setup
     base, llm, root = setup
     v1, v2 = (save_peft_adapter(base, root / f"v{i}", seed=10 + i, r=8) for i in (1, 2))
     assert llm.load_adapter_from_tensors("live", *files_of(v1))
+    revision = run(llm, "live")[0].revision  # which load answered: name@rev
+    assert revision.startswith("live@") and run(llm, None)[0].revision is None
     refused = llm.load_adapter_from_tensors("live", *files_of(v2))
     assert refused == LoRAStatus.LOAD_NAME_EXISTS and "replace" in refused.message
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -80,8 +82,9 @@ def test_replace_serves_new_weights_and_running_requests_finish_on_the_old(setup
     while engine.has_unfinished_requests():
         tokens += [o.token_ids for o in engine.step() if o.request_id == "running" and o.finished]
     assert tokens == [hf_greedy(base, v1, PROMPTS[0], 10)]
-    assert [o.token_ids for o in llm.generate(PROMPTS, params, adapters="live")] == \
-        [hf_greedy(base, v2, p, 10) for p in PROMPTS]
+    outputs = llm.generate(PROMPTS, params, adapters="live")
+    assert [o.token_ids for o in outputs] == [hf_greedy(base, v2, p, 10) for p in PROMPTS]
+    assert {o.revision for o in outputs} != {revision} and outputs[0].revision.startswith("live@")
 
 
 def _hostile(tensors: dict, config: dict) -> dict:

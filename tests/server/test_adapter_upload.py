@@ -2,8 +2,11 @@
 adapter_config.json and adapter_model.safetensors parts), as a trainer on another host pushes them: they answer as
 the same adapter loaded from files; load_inplace replaces the weights; a broken upload is refused as the same
 files are and leaves nothing behind; uploads are bounded and off unless the operator sets a size; an engine
-restart loads the uploaded adapter again; unloading removes its files."""
+restart loads the uploaded adapter again; unloading removes its files. Every answer names the adapter load that
+produced it (system_fingerprint)."""
+import json
 import os
+import re
 import signal
 
 import httpx
@@ -126,3 +129,23 @@ def test_uploads_are_off_unless_the_operator_sets_a_size(files):
             assert r.status_code == 400 and "--max-adapter-upload-bytes" in r.json()["error"]["message"]
     finally:
         stop(proc)
+
+
+def test_each_answer_names_the_adapter_load_that_produced_it(files, http):
+    """system_fingerprint (and the x-adapter-revision header), in whole answers and in every streamed event:
+    name@rev of the load that ran the request; a reload in place is a new revision; the base model has none."""
+    assert upload(http, "rev", files["runtime"]["new"]).status_code == 200
+    body = {"model": "rev", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    first = http.post("/v1/completions", json=body)
+    fingerprint = first.json()["system_fingerprint"]
+    assert re.fullmatch(r"rev@[0-9a-f]{8}", fingerprint) and first.headers["x-adapter-revision"] == fingerprint
+    chat = {"model": "rev", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=chat) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.headers["x-adapter-revision"] == fingerprint
+    assert len(events) > 2 and {e["system_fingerprint"] for e in events} == {fingerprint}
+    assert upload(http, "rev", files["runtime"]["v2"], load_inplace="true").status_code == 200
+    again = http.post("/v1/completions", json=body).json()["system_fingerprint"]
+    assert again.startswith("rev@") and again != fingerprint
+    base = http.post("/v1/completions", json={**body, "model": "tiny"})
+    assert base.json()["system_fingerprint"] is None and "x-adapter-revision" not in base.headers
