@@ -2,8 +2,8 @@
 # The whole GPU round in one call of at most ~8 minutes, from the repository root of a GPU machine:
 #   1. tests/test_cuda.py (graph or eager, Triton kernels, end to end against HF + PEFT)
 #   2. benchmarks/vs_vllm.py --device cuda --skip-vllm on the Llama-3.2-1B and Llama-3.1-8B shapes: 256 x (128 + 64)
-#      for base / single / mixed8 / mixed32, then batch 1 (1 x (128 + 128)); batch 1 of the first shape again
-#      with --enforce-eager (decode without CUDA graphs)
+#      for base / single / mixed8 / mixed32, then batch 1 (1 x (128 + 128)); on a GPU, batch 1 of the first
+#      shape again with --enforce-eager (decode without CUDA graphs)
 #   3. benchmarks/throughput.py --device cuda on the 1B shape: HF transformers + PEFT on the same device and
 #      mixed-adapter workload (the peer present there), with how many greedy rows equal PEFT's
 #   4. benchmarks/step_profile.py: one decode step under torch.profiler (top kernels, host against GPU time)
@@ -81,9 +81,10 @@ for shape in $SHAPES; do
     --requests 1 --prompt-len 128 --new-tokens 128 --repeats 1 --skip-vllm "${EXTRA[@]}"
 done
 first=${SHAPES%% *}
-# the same batch-1 run op by op: what the CUDA graphs take off a step
-step "batch1_eager_$first" 90 "$PY" benchmarks/vs_vllm.py --device "$DEVICE" --shape "$first" --workdir "$WORK" \
-  --requests 1 --prompt-len 128 --new-tokens 128 --repeats 1 --skip-vllm --enforce-eager "${EXTRA[@]}"
+if [ "$DEVICE" = cuda ]; then  # the same batch-1 run op by op: what the CUDA graphs take off a step
+  step "batch1_eager_$first" 90 "$PY" benchmarks/vs_vllm.py --device "$DEVICE" --shape "$first" --workdir "$WORK" \
+    --requests 1 --prompt-len 128 --new-tokens 128 --repeats 1 --skip-vllm --enforce-eager "${EXTRA[@]}"
+fi
 step "peft_$first" 120 "$PY" benchmarks/throughput.py --device "$DEVICE" --model "$WORK/$first/model" \
   --requests 256 --prompt-len 128 --new-tokens 64 --dtypes bfloat16 --repeats 1 "${EXTRA[@]}"
 step "profile_$first" 60 "$PY" benchmarks/step_profile.py --device "$DEVICE" --model "$WORK/$first/model" \

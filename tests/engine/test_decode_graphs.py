@@ -17,7 +17,7 @@ from loramux.ops import lora_triton
 
 pytestmark = pytest.mark.skipif(not lora_triton.available("cpu"), reason="needs triton and TRITON_INTERPRET=1")
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 # Tensor methods that read values back to the host: on a GPU, each one waits for the device
 _READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "numpy", "cpu", "nonzero")
 

@@ -1,9 +1,9 @@
 """Adapters uploaded in the body of /v1/load_lora_adapter (multipart: lora_name, load_inplace, pinned, and the
 adapter_config.json and adapter_model.safetensors parts), as a trainer on another host pushes them: they answer as
 the same adapter loaded from files; load_inplace replaces the weights; a broken upload is refused as the same
-files are and leaves nothing behind; uploads are bounded and off unless the operator sets a size; an engine
-restart loads the uploaded adapter again; unloading removes its files. Every answer names the adapter load that
-produced it (system_fingerprint)."""
+files are and leaves nothing behind; uploads are bounded (and off unless the operator sets a size:
+tests/server/test_adapters_on_demand.py); an engine restart loads the uploaded adapter again; unloading removes
+its files. Every answer names the adapter load that produced it (system_fingerprint)."""
 import json
 import os
 import re
@@ -119,16 +119,6 @@ def test_an_uploaded_adapter_comes_back_after_an_engine_restart_and_its_files_go
     assert os.path.isfile(os.path.join(path, ST))
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "kept"}).status_code == 200
     assert not os.path.exists(path)
-
-
-def test_uploads_are_off_unless_the_operator_sets_a_size(files):
-    proc, url = start_server(files)
-    try:
-        with httpx.Client(base_url=url, timeout=60, limits=NO_KEEPALIVE) as http:
-            r = upload(http, "nope", files["runtime"]["new"])
-            assert r.status_code == 400 and "--max-adapter-upload-bytes" in r.json()["error"]["message"]
-    finally:
-        stop(proc)
 
 
 def test_each_answer_names_the_adapter_load_that_produced_it(files, http):

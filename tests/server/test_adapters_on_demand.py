@@ -157,3 +157,12 @@ def test_a_pinned_resolved_adapter_comes_back_pinned_after_a_restart_and_stays_o
     assert "cold" not in models(http)
     assert complete(http, "cold", PROMPTS[5]).json()["choices"][0]["text"] == oracle[PROMPTS[5], "cold"]
     assert server_log(proc).count("adapter 'cold' resolved to") == resolved + 1
+
+
+def test_adapter_uploads_are_off_unless_the_operator_sets_a_size(files, http):
+    path = files["on_demand"]["cold"]
+    with open(os.path.join(path, "adapter_config.json"), "rb") as config, \
+            open(os.path.join(path, "adapter_model.safetensors"), "rb") as weights:
+        r = http.post("/v1/load_lora_adapter", data={"lora_name": "up"},
+                      files={"adapter_config.json": config, "adapter_model.safetensors": weights})
+    assert r.status_code == 400 and "--max-adapter-upload-bytes" in r.json()["error"]["message"]
