@@ -546,6 +546,19 @@ def _add_pause_routes(app: FastAPI, server: APIServer) -> None:
         return {"is_paused": await server.is_paused()}
 
 
+async def _load_from_path(server: APIServer, request: p.LoadLoRAAdapterRequest, tenant) -> Response:
+    """A runtime load from a directory under --allowed-adapter-dir (or the tenant's adapter_dir)."""
+    name = admin.checked_name(request.lora_name)
+    check_admin(tenant, name)
+    dirs = load_dirs(tenant, server.config.allowed_adapter_dirs)
+    path = admin.allowed_adapter_path(dirs, request.lora_path)
+    source = server.registry.get(name)
+    kind = admin.load_kind(request, path, server.model_name, source.path if source else None)
+    await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
+                              allowed_dirs=None if tenant is None else dirs)
+    return admin.loaded(name, kind)
+
+
 def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/load_lora_adapter")
     async def load(raw: Request):
@@ -556,16 +569,7 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
             upload = await admin.upload_form(raw, server.config.max_adapter_upload_bytes)
             check_admin(tenant_of(raw), upload.name)
             return admin.loaded(upload.name, await server.upload_adapter(upload))
-        request = await admin.load_request(raw)
-        name, tenant = admin.checked_name(request.lora_name), tenant_of(raw)
-        check_admin(tenant, name)
-        dirs = load_dirs(tenant, server.config.allowed_adapter_dirs)
-        path = admin.allowed_adapter_path(dirs, request.lora_path)
-        source = server.registry.get(name)
-        kind = admin.load_kind(request, path, server.model_name, source.path if source else None)
-        await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
-                                  allowed_dirs=None if tenant is None else dirs)
-        return admin.loaded(name, kind)
+        return await _load_from_path(server, await admin.load_request(raw), tenant_of(raw))
 
     @app.post("/v1/unload_lora_adapter")
     async def unload(request: p.UnloadLoRAAdapterRequest, raw: Request):
