@@ -27,7 +27,6 @@ from loramux.models.llama import head_dim_of
 from loramux.models.moe import FusedExperts
 from loramux.ops import (LoRAMapping, attention_cpu, bind_ops, select_attention_ops, select_moe_backend,
                          select_pointwise_backend, select_quant_backend)
-from loramux.ops.mapping import segments_of
 
 logger = logging.getLogger(__name__)
 
@@ -262,17 +261,22 @@ class ModelRunner:
         inputs = self.decode_inputs.views(rows, blocks)
         meta = AttentionMetadata(False, inputs.cache_rows, block_tables=inputs.block_tables,
                                  context_lens=inputs.context_lens, block_size=self.block_size)
-        if self.slots is None or (slots is not None and all(s < 0 for s in slots)):
-            return self.model(inputs.ids, inputs.positions, meta)
-        mapping = LoRAMapping(inputs.token_slots, host_slots=slots)
-        with self.slots.mapping(mapping):
-            return self.model(inputs.ids, inputs.positions, meta)
+        base = self.slots is None or (slots is not None and all(s < 0 for s in slots))
+        mapping = None if base else LoRAMapping(inputs.token_slots, host_slots=slots)
+        return self._run_model(inputs.ids, inputs.positions, meta, mapping)
 
     def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
-        if self.slots is None or all(s < 0 for s in slots):
+        mapping = None
+        if self.slots is not None and any(s >= 0 for s in slots):
+            token_slots = [slot for slot, n in zip(slots, token_counts) for _ in range(n)]
+            mapping = LoRAMapping.from_slots(token_slots, self.device)
+        return self._run_model(input_ids, positions, meta, mapping)
+
+    def _run_model(self, input_ids, positions, meta, mapping: LoRAMapping | None) -> torch.Tensor:
+        """The forward pass, every LoRA layer on `mapping` (None: the base model alone)."""
+        if mapping is None:
             return self.model(input_ids, positions, meta)
-        token_slots = [slot for slot, n in zip(slots, token_counts) for _ in range(n)]
-        with self.slots.mapping(LoRAMapping.from_slots(token_slots, self.device)):
+        with self.slots.mapping(mapping):
             return self.model(input_ids, positions, meta)
 
     def _tensor(self, values) -> torch.Tensor:

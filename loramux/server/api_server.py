@@ -427,9 +427,10 @@ class APIServer:
         request = p.LoadLoRAAdapterRequest(lora_name=upload.name, lora_path="(upload)", pinned=upload.pinned,
                                            load_inplace=upload.load_inplace)
         source = self.registry.get(upload.name)
+        # refused before any file is written: the base model's name, a loaded name without load_inplace
+        kind = load_kind(request, request.lora_path, self.model_name, source.path if source else None)
         path = await asyncio.to_thread(self.uploads.save, upload.config, upload.weights)
         try:
-            kind = load_kind(request, path, self.model_name, source.path if source else None)
             await self.load_adapter(upload.name, path, upload.pinned, replace=kind == REPLACE,
                                     allowed_dirs=(self.uploads.root,))
         except BaseException:
