@@ -42,6 +42,9 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     adapters.add_argument("--lora-load-timeout", type=float, default=60.0, metavar="SECONDS",
                           help="how long a pinned load waits for host memory and a device slot held by requests in "
                                "use (unpinned loads never wait: they are read into host memory on use)")
+    adapters.add_argument("--lora-keep-revisions", type=int, default=1, metavar="N",
+                          help="revisions of each adapter name kept addressable as name@rev (1: only the current "
+                               "one); a reload in place keeps the N - 1 before it, for rollouts still on them")
     adapters.add_argument("--lora-dtype", default="auto", choices=LORA_DTYPES,
                           help="the LoRA weights' dtype (default: the activations'); bfloat16 on a float32 model (a "
                                "GGUF's default) halves what an adapter costs a decode step at batch 1")
@@ -91,7 +94,7 @@ def _engine_config(args, usage: str) -> EngineConfig:
                       max_lora_rank=args.max_lora_rank, target_modules=targets,
                       max_module_copies_bytes=args.max_module_copies_bytes,
                       max_cpu_lora_bytes=args.max_cpu_lora_bytes, lora_dtype=args.lora_dtype,
-                      load_timeout_s=args.lora_load_timeout)
+                      load_timeout_s=args.lora_load_timeout, keep_revisions=args.lora_keep_revisions)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     grammar = GrammarLimits(**{field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _GRAMMAR_LIMITS})
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,

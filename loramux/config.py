@@ -46,6 +46,12 @@ class LoRAConfig:
     as bfloat16 with a warning, as the model's dtype does. Embedding and expert LoRA keep the activations'
     dtype."""
 
+    keep_revisions: int = 1
+    """Revisions of a name kept addressable (`name@rev`): 1 = only the current one. With N > 1, a reload in place
+    keeps the N - 1 loads before it (in host memory as any adapter, LRU, counted against the host tier; read
+    back from their files if evicted), so rollouts still running or replayed on an older revision can address
+    it; an unload removes them all. A load whose files changed on disk is not kept (its files are gone)."""
+
     load_timeout_s: float = 60.0
     """A pinned load (or a pinned adapter's reload in place) needs host memory and a device slot now: while
     requests in use hold them it waits, this long at most, then fails saying so. Unpinned loads never wait:
@@ -53,6 +59,7 @@ class LoRAConfig:
 
     def __post_init__(self) -> None:
         _check_positive("max_loras", self.max_loras)
+        _check_positive("keep_revisions", self.keep_revisions)
         if not isinstance(self.load_timeout_s, (int, float)) or not self.load_timeout_s > 0:
             raise ValueError(f"load_timeout_s must be a number of seconds > 0, got {self.load_timeout_s!r}")
         if self.max_cpu_loras is None:

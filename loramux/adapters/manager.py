@@ -82,9 +82,18 @@ class LoRAManager:
         return self.store.unpin(name)
 
     # ---- identities and slots --------------------------------------------------------------------
-    def resolve(self, name: str) -> AdapterRef:
-        """The identity a request for `name` starts on now (LookupError if no adapter has that name)."""
-        return self.store.resolve(name)
+    def resolve(self, model: str) -> AdapterRef:
+        """The identity a request for `model` starts on now: a loaded name, or `name@rev` for one of its kept
+        revisions (LoRAConfig.keep_revisions); LookupError if neither."""
+        return self.store.resolve(model)
+
+    def lookup(self, model: str) -> AdapterRef | None:
+        """resolve(), or None."""
+        return self.store.lookup(model)
+
+    def revisions(self, name: str) -> list[AdapterRef]:
+        """`name`'s earlier revisions still addressable as name@rev (AdapterRef.revision), oldest first."""
+        return self.store.revisions(name)
 
     def identity(self, name: str) -> AdapterRef | None:
         """`name`'s current identity, or None."""
@@ -207,6 +216,12 @@ class LoRAManager:
         """Every loaded adapter's directory (None for adapters added from tensors)."""
         sources = {name: self.store.source(self.store.current(name)) for name in self.store.names}
         return {name: source.path if source else None for name, source in sources.items()}
+
+    @property
+    def kept_revisions(self) -> dict[str, list[str]]:
+        """name -> its earlier revisions still addressable (name@rev, oldest first), for the names that have any."""
+        kept = {name: [ref.revision for ref in self.store.revisions(name)] for name in self.store.names}
+        return {name: revisions for name, revisions in kept.items() if revisions}
 
     @property
     def pinned(self) -> list[str]:

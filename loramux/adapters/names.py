@@ -75,3 +75,11 @@ class AdapterRef:
 
 
 _load_ids = itertools.count(1)
+_REVISION = re.compile(r"(.+)@([0-9a-f]{8})")
+
+
+def split_revision(model: str) -> tuple[str, str] | None:
+    """"name@rev" -> (name, rev) where rev is a load's 8 hex digits (AdapterRef.rev); None for any other string.
+    A loaded name is looked up as itself first, so a name that happens to end so is never shadowed."""
+    match = _REVISION.fullmatch(model)
+    return (match[1], match[2]) if match else None

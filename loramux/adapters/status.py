@@ -25,6 +25,9 @@ class LoRAResult:
 
     status: LoRAStatus
     message: str = ""
+    revision: str = ""
+    """A successful load's identity as users see it, name@rev (AdapterRef.revision): the revision requests for
+    the name run on from now, addressable as such while it is kept."""
 
     def __eq__(self, other) -> bool:
         if isinstance(other, LoRAStatus):

@@ -20,7 +20,7 @@ import torch
 from loramux.adapters.cache import AdapterCache, CacheBusyError, CacheFullError, Changes
 from loramux.adapters.checkpoint import AdapterWeights, build_adapter
 from loramux.adapters.files import AdapterPathError, Signature, read_adapter, signature, unchanged
-from loramux.adapters.names import AdapterRef
+from loramux.adapters.names import AdapterRef, split_revision
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.slots import AdapterSlots
 from loramux.adapters.status import LoRAResult, LoRAStatus
@@ -70,6 +70,7 @@ class AdapterStore:
     def __init__(self, cache: AdapterCache, slots: AdapterSlots, config: LoRAConfig):
         self.cache, self.slots, self.config = cache, slots, config
         self._current: dict[str, AdapterRef] = {}  # name -> the identity requests starting now get
+        self._kept: dict[str, list[AdapterRef]] = {}  # name -> its earlier revisions still addressable, oldest first
         self._retiring: set[AdapterRef] = set()  # no name points to them; removed once no request uses them
         self._weights: dict[AdapterRef, AdapterWeights] = {}  # the host tier
         self._sources: dict[AdapterRef, Source] = {}  # the disk tier (none for adapters built from tensors)
@@ -84,12 +85,28 @@ class AdapterStore:
     def current(self, name: str) -> AdapterRef | None:
         return self._current.get(name)
 
-    def resolve(self, name: str) -> AdapterRef:
-        """The identity requests for `name` start on now; LookupError if no adapter has that name."""
-        ref = self._current.get(name)
+    def lookup(self, model: str) -> AdapterRef | None:
+        """The identity a request's `model` names: a loaded name's current one, or `name@rev`, a revision of
+        it still kept (LoRAConfig.keep_revisions; the current one's rev too); None if neither."""
+        ref = self._current.get(model)
+        revision = split_revision(model) if ref is None else None
+        if revision is None:
+            return ref
+        name, rev = revision
+        current = self._current.get(name)
+        kept = self._kept.get(name, []) + ([current] if current is not None else [])
+        return next((r for r in kept if r.rev == rev), None)
+
+    def resolve(self, model: str) -> AdapterRef:
+        """lookup(), or LookupError saying the model does not exist."""
+        ref = self.lookup(model)
         if ref is None:
-            raise LookupError(f"The model `{name}` does not exist.")
+            raise LookupError(f"The model `{model}` does not exist.")
         return ref
+
+    def revisions(self, name: str) -> list[AdapterRef]:
+        """The earlier revisions of `name` still addressable as name@rev, oldest first (not the current one)."""
+        return list(self._kept.get(name, ()))
 
     @property
     def names(self) -> list[str]:
@@ -169,14 +186,15 @@ class AdapterStore:
         return self.install(name, source, weights, replace, pinned)
 
     def install(self, name: str, source: Source, weights: AdapterWeights | None, replace: bool = False,
-                pinned: bool = False, *, park_past_pins: bool = False) -> LoRAResult:
+                pinned: bool = False, *, park_past_pins: bool = False, keep_old: bool = True) -> LoRAResult:
         """A read adapter becomes `name`'s new identity (between steps); weights None: nothing was read.
-        park_past_pins: parked also when pinned adapters fill host memory (a version its requests wait for)."""
+        park_past_pins: parked also when pinned adapters fill host memory (a version its requests wait for).
+        keep_old: a replaced identity may stay addressable as an earlier revision (not when its files changed)."""
         old = self._current.get(name)
         if old is not None and not replace and weights is not None and self._changed(old, source, weights):
             logger.warning("adapter %r changed on disk since it was loaded (%s): loading it again as a new version",
                            name, source.path)
-            replace = True
+            replace, keep_old = True, False
         if old is not None and not replace:
             return self._load_again(old, source, pinned)
         ref = AdapterRef(name)
@@ -187,8 +205,10 @@ class AdapterStore:
             result = self._pin_or_drop(ref, old)
         if not result:
             return result
-        self._publish(ref, old)
-        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} reloaded in place") if old else result
+        self._publish(ref, old, keep_old)
+        if old is not None:
+            result = LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} reloaded in place")
+        return replaced(result, revision=ref.revision)
 
     def _changed(self, ref: AdapterRef, source: Source, weights: AdapterWeights) -> bool:
         """A load of `ref`'s own files read them again (they looked changed): whether they hold something else.
@@ -211,7 +231,7 @@ class AdapterStore:
             return self.pin(ref.name)
         if self.cache.in_host(ref):
             self.cache.add(ref)  # a use: it becomes the most recently used
-        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} is already loaded from that path")
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} is already loaded from that path", ref.revision)
 
     def _pin_or_drop(self, ref: AdapterRef, old: AdapterRef | None) -> LoRAResult:
         """Pin a just-loaded identity (taking over the pin of the one it replaces), or remove it again and
@@ -263,12 +283,38 @@ class AdapterStore:
         if not result:
             return result
         self._publish(new, None)
-        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {new_name!r} loaded as a clone of {name!r}")
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {new_name!r} loaded as a clone of {name!r}", new.revision)
 
-    def _publish(self, ref: AdapterRef, old: AdapterRef | None) -> None:
+    def _publish(self, ref: AdapterRef, old: AdapterRef | None, keep_old: bool = False) -> None:
+        """`ref` becomes its name's current identity; `old`, the one it replaces, is kept as an earlier revision
+        (up to keep_revisions - 1 of them, the oldest retiring first) or retires."""
         self._current[ref.name] = ref
-        if old is not None:
+        if old is None:
+            return
+        kept = self._kept.setdefault(ref.name, [])
+        if keep_old and self.config.keep_revisions > 1 and self._keepable(old, self._sources.get(ref)):
+            self.cache.unpin(old)  # a pin belongs to the name
+            kept.append(old)
+        else:
             self._retire_later(old)
+        while len(kept) > self.config.keep_revisions - 1:
+            self._retire_later(kept.pop(0))
+        if not kept:
+            del self._kept[ref.name]
+
+    def _keepable(self, old: AdapterRef, new_source: Source | None) -> bool:
+        """Whether `old` can stay an earlier revision beside a new load from `new_source`. Reloaded from its own
+        files, it has no disk copy left (they hold the new weights now): it stays only from host memory, and
+        is never dropped from there (as a pushed adapter) until it leaves the kept revisions."""
+        source = self._sources.get(old)
+        if source is None or new_source is None or not source.same_place(new_source):
+            return True
+        if not self.cache.in_host(old):
+            return False
+        self.cache.add(old, on_disk=False)
+        for record in (self._sources, self._digests, self._signatures):
+            record.pop(old, None)
+        return True
 
     def _guarded_install(self, ref: AdapterRef, weights: AdapterWeights, source: Source | None,
                          park: bool = True, past_pins: bool = False) -> LoRAResult:
@@ -315,8 +361,9 @@ class AdapterStore:
     def _check_copies_budget(self, name: str, weights: AdapterWeights) -> None:
         """Every loaded adapter's whole-module copies, in host memory or evicted to disk, fit the budget together
         (checked when an adapter is loaded, not when an evicted one comes back). A name's other identities
-        (the one a reload replaces) do not count: they go."""
-        held = sum(nbytes for ref, nbytes in self._copies_bytes.items() if ref.name != name)
+        (the one a reload replaces) do not count, unless kept as earlier revisions: they go."""
+        kept = self._kept.get(name, ())
+        held = sum(nbytes for ref, nbytes in self._copies_bytes.items() if ref.name != name or ref in kept)
         if weights.copies and held + weights.copies_nbytes > self.config.max_module_copies_bytes:
             raise InvalidAdapterError(
                 f"adapter {name!r} saves whole modules ({', '.join(weights.copies)}: {weights.copies_nbytes} bytes); "
@@ -330,6 +377,8 @@ class AdapterStore:
         ref = self._current.pop(name, None)
         if ref is None:
             return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
+        for earlier in self._kept.pop(name, []):
+            self._retire_later(earlier)
         self._retire_later(ref)
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} unloaded")
 
@@ -362,7 +411,7 @@ class AdapterStore:
             return LoRAResult(LoRAStatus.LOAD_BUSY, f"cannot pin adapter {name!r} yet: {e}")
         except (CacheFullError, InvalidAdapterError, AdapterPathError, AdapterChangedError) as e:
             return LoRAResult(LoRAStatus.PIN_ERROR, str(e))
-        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned")
+        return LoRAResult(LoRAStatus.SUCCESS, f"adapter {name!r} pinned", ref.revision)
 
     def unpin(self, name: str) -> LoRAResult:
         """Let the adapter be evicted again (it stays loaded, and in its slot until the LRU needs it)."""
@@ -430,7 +479,7 @@ class AdapterStore:
             return LoRAResult(LoRAStatus.LOAD_ERROR, f"adapter {ref.name!r} changed on disk since it was loaded")
         logger.warning("adapter %r changed on disk since it was loaded (%s): loading it again as a new version",
                        ref.name, self._sources[ref].path)
-        return self.install(ref.name, self._sources[ref], weights, replace=True, park_past_pins=True)
+        return self.install(ref.name, self._sources[ref], weights, replace=True, park_past_pins=True, keep_old=False)
 
     def restore(self, ref: AdapterRef, weights: AdapterWeights) -> None:
         """Put read-back weights in host memory (CacheFullError if nothing can make room now). A no-op if the

@@ -94,7 +94,7 @@ class EngineCore:
             lora = self.config.lora
             self.loader = AdapterLoader(self.adapters.store, max_prefetch=(lora.max_cpu_loras - lora.max_loras) // 2,
                                         load_timeout_s=lora.load_timeout_s)
-            self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.identity,
+            self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.lookup,
                                        self.loader.readiness)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),

@@ -90,8 +90,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None = None,
                  current: Callable[[str], Hashable | None] | None = None,
                  ready: Callable[[Hashable, bool], Readiness] | None = None):
-        """adapters: the engine's AdapterCache (None: base model only); current(name): the identity requests
-        for `name` start on now, None once it is unloaded (the adapter store's); ready(identity, first): where
+        """adapters: the engine's AdapterCache (None: base model only); current(model): the identity requests
+        for `model` (a name, or name@rev) start on now, None once it is gone (the adapter store's lookup); ready(identity, first): where
         it stands — if not in host memory, its read starts, off the step loop (first: for the head of the
         queue, past any prefetch limit; the engine's AdapterLoader.readiness; None: always ready)."""
         self.block_manager = block_manager

@@ -131,9 +131,10 @@ def not_found(name: str) -> HTTPError:
     return HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
 
 
-def loaded(name: str, kind: str) -> PlainTextResponse:
+def loaded(name: str, kind: str, headers: dict | None = None) -> PlainTextResponse:
+    """vLLM's text; headers: the load's revision (x-adapter-revision), which requests may address."""
     verb = f"{kind} successfully" if kind != AGAIN else "is already loaded from that path"
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' {verb}.")
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' {verb}.", headers=headers)
 
 
 def removed(name: str) -> PlainTextResponse:

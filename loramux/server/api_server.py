@@ -19,7 +19,7 @@ import msgspec
 
 from fastapi import Request
 
-from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
+from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg, split_revision
 from loramux.adapters.status import LoRAStatus
 from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
@@ -89,13 +89,14 @@ def _kept(source: AdapterSource) -> bool:
     return not source.resolved or source.pinned
 
 
-def _uploads(config: ServerConfig, state_file: str | None) -> Uploads | None:
+def _uploads(config: ServerConfig, state_file: str | None, keep_revisions: int) -> Uploads | None:
     """Where uploaded adapters' files go (None: uploads are off): beside the registry, which keeps their paths
-    for the front ends and engines that come after this one."""
+    for the front ends and engines that come after this one. A name keeps the files of its kept revisions
+    and of one more (requests running on the revision that just left may still read it back)."""
     if not config.max_adapter_upload_bytes:
         return None
     root = os.path.join(os.path.dirname(state_file), "uploads") if state_file else tempfile.mkdtemp(prefix="loramux-uploads-")
-    return Uploads(root)
+    return Uploads(root, keep_revisions + 1)
 
 
 class APIServer:
@@ -108,7 +109,8 @@ class APIServer:
         self.grammars: GrammarChecker | None = None  # structured outputs are checked in worker processes
         self.registry = _registry(lora_modules)
         self.state_file, self.restarts = state_file, restarts
-        self.uploads = _uploads(config, state_file)
+        self.keep_revisions = engine_config.lora.keep_revisions if engine_config.lora else 1
+        self.uploads = _uploads(config, state_file, self.keep_revisions)
         if state_file is not None and os.path.isfile(state_file):
             with open(state_file, "rb") as f:
                 self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
@@ -249,11 +251,14 @@ class APIServer:
     async def resolve(self, model: str, client: str = "?", tenant: Tenant | None = None) -> str | None:
         """The adapter a `model` field names (None = the base model), loaded first if a resolver has it and it
         is not registered (client: who asks, for on-demand's per-client cap); 404 for anything else, and for a
-        name outside the tenant's patterns (resolvers are never asked for one)."""
-        check_use(tenant, model)
+        name outside the tenant's patterns (resolvers are never asked for one). `name@rev` of a registered name
+        is a revision of it: the engine knows which it keeps (404 from there if not this one)."""
+        revision = split_revision(model) if model not in self.registry else None
+        name = revision[0] if revision is not None and revision[0] in self.registry else model
+        check_use(tenant, name)
         if model == self.model_name:
             return None
-        if model not in self.registry:
+        if name not in self.registry:
             await self.on_demand.load(model, self.model_root, client)
         return model
 
@@ -404,10 +409,10 @@ class APIServer:
 
     # ---- adapters ---------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False,
-                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False) -> None:
+                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False) -> str:
         """allowed_dirs: the directories its files must resolve into (None: --allowed-adapter-dir; (): any, as
         for --lora-modules at start). The registry records what the engine answers (a reload in place keeps
-        the pin of the adapter it replaces)."""
+        the pin of the adapter it replaces). -> the load's revision, name@rev."""
         dirs = self.config.allowed_adapter_dirs if allowed_dirs is None else tuple(allowed_dirs)
         started = time.monotonic()
         result = await self._control(LoadAdapter(0, name, path, dirs, pinned, replace))
@@ -419,11 +424,13 @@ class APIServer:
         self.metrics.load_seconds.labels("resolver" if resolved else "runtime").observe(time.monotonic() - started)
         self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved)
         self._save_registry()
+        return result.revision
 
-    async def upload_adapter(self, upload: Upload) -> str:
+    async def upload_adapter(self, upload: Upload) -> tuple[str, str]:
         """An adapter whose files came in the request (server/uploads.py): written under the uploads directory,
         then loaded from there as a runtime load is (every check of files; read back from there after host
-        eviction; loaded again by an engine restart). Its directory goes if it is refused. -> ADD or REPLACE"""
+        eviction; loaded again by an engine restart). Its directory goes if it is refused. -> (ADD or REPLACE, the
+        load's revision)"""
         request = p.LoadLoRAAdapterRequest(lora_name=upload.name, lora_path="(upload)", pinned=upload.pinned,
                                            load_inplace=upload.load_inplace)
         source = self.registry.get(upload.name)
@@ -431,13 +438,13 @@ class APIServer:
         kind = load_kind(request, request.lora_path, self.model_name, source.path if source else None)
         path = await asyncio.to_thread(self.uploads.save, upload.config, upload.weights)
         try:
-            await self.load_adapter(upload.name, path, upload.pinned, replace=kind == REPLACE,
-                                    allowed_dirs=(self.uploads.root,))
+            revision = await self.load_adapter(upload.name, path, upload.pinned, replace=kind == REPLACE,
+                                               allowed_dirs=(self.uploads.root,))
         except BaseException:
             discard(path)
             raise
         self.uploads.keep(upload.name, path)
-        return kind
+        return kind, revision
 
     async def _install_resolved(self, name: str, found) -> None:
         """An adapter a resolver found (on_demand.py), read under the rule of the resolver's directories."""
@@ -473,6 +480,13 @@ class APIServer:
             raise HTTPError(400, result.message)
         self.registry[name] = msgspec.structs.replace(self.registry[name], pinned=result.pinned)
         self._save_registry()
+
+    async def kept_revisions(self) -> dict[str, list[str]]:
+        """name -> its earlier revisions the engine keeps (name@rev), asked between its steps; none to ask for
+        with --lora-keep-revisions 1."""
+        if self.keep_revisions == 1:
+            return {}
+        return (await self.client.stats(timeout=30)).revisions
 
     async def reset_prefix_cache(self) -> None:
         self.require_engine()

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loramux.adapters.names import split_revision
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import adapter_admin as admin
 from loramux.server import protocol as p
@@ -500,17 +501,26 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
         allowed = allows(tenant_of(raw))
         base = p.model_card(server.model_name, server.model_root, None, server.max_model_len)
         adapters = [(name, source.path) for name, source in server.registry.items() if allowed(name)]
+        revisions = await server.kept_revisions()
+        cards = [card for name, path in adapters for card in p.adapter_cards(name, path, server.model_name,
+                                                                           revisions.get(name, ()))]
         show_base = allowed(server.model_name)  # a tenant sees the base model only where its patterns list it
-        return await json_off_the_loop(lambda: p.model_list(base if show_base else None, adapters, server.model_name))
+        return await json_off_the_loop(lambda: p.model_list(base if show_base else None, cards))
 
     @app.get("/v1/models/{model_id:path}")  # adapter names may hold "/" (org/adapter)
     async def model(model_id: str, raw: Request):
         server.require_engine()
-        check_use(tenant_of(raw), model_id)
+        revision = split_revision(model_id) if model_id not in server.registry else None
+        name = revision[0] if revision else model_id
+        check_use(tenant_of(raw), name)
         if model_id == server.model_name:
             return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
-        if model_id in server.registry:
-            return p.model_card(model_id, server.registry[model_id].path, server.model_name)
+        if name in server.registry:
+            cards = p.adapter_cards(name, server.registry[name].path, server.model_name,
+                                    (await server.kept_revisions()).get(name, ()))
+            card = next((c for c in cards if c["id"] == model_id), None)
+            if card is not None:
+                return card
         raise model_not_found(model_id)
 
     @app.post("/tokenize")
@@ -554,9 +564,9 @@ async def _load_from_path(server: APIServer, request: p.LoadLoRAAdapterRequest, 
     path = admin.allowed_adapter_path(dirs, request.lora_path)
     source = server.registry.get(name)
     kind = admin.load_kind(request, path, server.model_name, source.path if source else None)
-    await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
-                              allowed_dirs=None if tenant is None else dirs)
-    return admin.loaded(name, kind)
+    revision = await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
+                                         allowed_dirs=None if tenant is None else dirs)
+    return admin.loaded(name, kind, _revision_header(revision))
 
 
 def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
@@ -568,7 +578,8 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
         if raw.headers.get("content-type", "").startswith("multipart/form-data"):
             upload = await admin.upload_form(raw, server.config.max_adapter_upload_bytes)
             check_admin(tenant_of(raw), upload.name)
-            return admin.loaded(upload.name, await server.upload_adapter(upload))
+            kind, revision = await server.upload_adapter(upload)
+            return admin.loaded(upload.name, kind, _revision_header(revision))
         return await _load_from_path(server, await admin.load_request(raw), tenant_of(raw))
 
     @app.post("/v1/unload_lora_adapter")

@@ -223,7 +223,7 @@ class EngineCoreProc:
     def _result(self, control_id: int, name: str, result) -> AdapterResult:
         adapters = self.core.adapters
         pinned = adapters is not None and name in adapters.pinned
-        return AdapterResult(control_id, result.status, result.message, pinned)
+        return AdapterResult(control_id, result.status, result.message, pinned, result.revision)
 
     def _unload(self, msg: UnloadAdapter) -> AdapterResult | None:
         ref = self.core.adapters.identity(msg.name) if self.core.adapters is not None else None
@@ -309,4 +309,5 @@ class EngineCoreProc:
             lora_slot_bytes=adapters.slot_bytes if adapters is not None else 0,
             lora_host_bytes=adapters.host_bytes if adapters is not None else 0, finished=dict(core.num_finished),
             prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits,
-            paused=self.paused, resident=adapters.resident if adapters is not None else {})
+            paused=self.paused, resident=adapters.resident if adapters is not None else {},
+            revisions=adapters.kept_revisions if adapters is not None else {})

@@ -443,10 +443,15 @@ def chat_chunk(rid: str, model: str, index: int, delta: dict, finish_reason: str
                          "finish_reason": finish_reason}]}
 
 
-def model_list(base: dict | None, adapters, base_name: str) -> dict:
-    """/v1/models: the base model's card (None: not shown), then one per (name, path) of `adapters`."""
-    cards = [model_card(name, path, base_name) for name, path in adapters]
+def model_list(base: dict | None, cards: list[dict]) -> dict:
+    """/v1/models: the base model's card (None: not shown), then the adapters' cards."""
     return {"object": "list", "data": ([base] if base is not None else []) + cards}
+
+
+def adapter_cards(name: str, path: str, base_name: str, revisions=()) -> list[dict]:
+    """An adapter's card (its parent: the base model), then one per earlier revision it keeps, name@rev, whose
+    parent is the name (vLLM's card fields; root: where the name loads from now)."""
+    return [model_card(name, path, base_name)] + [model_card(revision, path, name) for revision in revisions]
 
 
 def model_card(name: str, root: str, parent: str | None, max_model_len: int | None = None) -> dict:

@@ -182,9 +182,9 @@ class Ingress:
     async def models(self, raw: Request) -> Response:
         base, entries, allowed = await self._base(), await self.registry.all.remote(), allows(tenant_of(raw))
         card = p.model_card(base["model_name"], base["model_root"], None, base["max_model_len"])
-        adapters = [(name, e.path) for name, e in entries.items() if allowed(name)]
+        adapters = [p.model_card(name, e.path, base["model_name"]) for name, e in entries.items() if allowed(name)]
         card = card if allowed(base["model_name"]) else None
-        return await json_off_the_loop(lambda: p.model_list(card, adapters, base["model_name"]))
+        return await json_off_the_loop(lambda: p.model_list(card, adapters))
 
     async def model(self, model_id: str, raw: Request) -> dict:
         check_use(tenant_of(raw), model_id)

@@ -3,9 +3,9 @@ adapter_model.safetensors parts). Their files are written under one directory th
 there as a runtime load is: every check of adapter files applies to them, an adapter evicted from host memory is
 read back from them, and an engine restart loads them again (the registry keeps their path).
 
-Each upload is a directory of its own. A name keeps the directories of its current and its previous upload
-(requests still running on the previous identity may read it back); older ones go at the next upload of the
-name, all of them when it is unloaded.
+Each upload is a directory of its own. A name keeps the directories of its current upload, of the earlier
+revisions the engine keeps, and of one more (requests still running on the revision that just left may read it
+back); older ones go at the next upload of the name, all of them when it is unloaded.
 """
 from __future__ import annotations
 
@@ -16,13 +16,11 @@ from typing import BinaryIO
 
 from loramux.adapters.file_names import CONFIG_FILE, SAFETENSORS_FILE
 
-KEPT_PER_NAME = 2
-
-
 class Uploads:
-    def __init__(self, root: str):
+    def __init__(self, root: str, kept_per_name: int = 2):
         os.makedirs(root, mode=0o700, exist_ok=True)
         self.root = os.path.realpath(root)
+        self.kept_per_name = kept_per_name
         self._dirs: dict[str, list[str]] = {}  # name -> its upload directories, oldest first
 
     def save(self, config: bytes, weights: BinaryIO) -> str:
@@ -35,10 +33,10 @@ class Uploads:
         return path
 
     def keep(self, name: str, path: str) -> None:
-        """`path` is `name`'s current upload; all but its newest KEPT_PER_NAME go."""
+        """`path` is `name`'s current upload; all but its newest kept_per_name go."""
         dirs = self._dirs.setdefault(name, [])
         dirs.append(path)
-        while len(dirs) > KEPT_PER_NAME:
+        while len(dirs) > self.kept_per_name:
             discard(dirs.pop(0))
 
     def forget(self, name: str) -> None:

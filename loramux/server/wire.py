@@ -137,6 +137,7 @@ class AdapterResult(msgspec.Struct, tag="adapter_result"):
     status: LoRAStatus
     message: str = ""
     pinned: bool = False
+    revision: str = ""  # a load's name@rev (LoRAResult.revision)
 
 
 class EngineStats(msgspec.Struct, tag="engine_stats"):
@@ -163,6 +164,7 @@ class EngineStats(msgspec.Struct, tag="engine_stats"):
     prefix_cache_hits: int = 0  # and found there
     paused: bool = False  # Pause: no step runs until Resume
     resident: dict[str, list[str]] = {}  # tier ("host", "device") -> adapter names there (LoRAManager.resident)
+    revisions: dict[str, list[str]] = {}  # name -> its earlier revisions still addressable, name@rev, oldest first
 
 
 class ControlFailed(msgspec.Struct, tag="control_failed"):

@@ -3,7 +3,8 @@ adapter_config.json and adapter_model.safetensors parts), as a trainer on anothe
 the same adapter loaded from files; load_inplace replaces the weights; a broken upload is refused as the same
 files are and leaves nothing behind; uploads are bounded (and off unless the operator sets a size:
 tests/server/test_adapters_on_demand.py); an engine restart loads the uploaded adapter again; unloading removes
-its files. Every answer names the adapter load that produced it (system_fingerprint)."""
+its files. Every answer names the adapter load that produced it (system_fingerprint), and with
+--lora-keep-revisions an earlier revision stays addressable as name@rev."""
 import json
 import os
 import re
@@ -37,7 +38,7 @@ def oracle(files):
 
 @pytest.fixture(scope="module")
 def server(files):
-    proc, url = start_server(files, "--max-adapter-upload-bytes", str(LIMIT))
+    proc, url = start_server(files, "--max-adapter-upload-bytes", str(LIMIT), "--lora-keep-revisions", "2")
     yield proc, url
     stop(proc)
 
@@ -139,3 +140,26 @@ def test_each_answer_names_the_adapter_load_that_produced_it(files, http):
     assert again.startswith("rev@") and again != fingerprint
     base = http.post("/v1/completions", json={**body, "model": "tiny"})
     assert base.json()["system_fingerprint"] is None and "x-adapter-revision" not in base.headers
+
+
+def test_an_earlier_revision_is_addressable_while_kept(files, http, oracle):
+    """--lora-keep-revisions 2: the bare name serves the newest load, name@rev the one before it (its card in
+    /v1/models has the name as parent); a third load drops the first; an unload takes every revision."""
+    runtime = files["runtime"]
+    first = upload(http, "canary", runtime["new"]).headers["x-adapter-revision"]
+    second = upload(http, "canary", runtime["v2"], load_inplace="true").headers["x-adapter-revision"]
+    assert first != second and first.startswith("canary@")
+    old = http.post("/v1/completions", json={"model": first, "prompt": PROMPT, "max_tokens": 8, "temperature": 0})
+    assert old.json()["choices"][0]["text"] == oracle["new"] and old.json()["system_fingerprint"] == first
+    assert text(http, "canary") == text(http, second) == oracle["v2"]
+    cards = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert cards[first]["parent"] == "canary" and second not in cards  # the current one is the name's own card
+    assert http.get(f"/v1/models/{first}").json()["id"] == first
+    third = http.post("/v1/load_lora_adapter", json={"lora_name": "canary", "lora_path": runtime["other"],
+                                                     "load_inplace": True})
+    assert third.status_code == 200 and third.headers["x-adapter-revision"] not in (first, second)
+    gone = http.post("/v1/completions", json={"model": first, "prompt": PROMPT, "max_tokens": 2})
+    assert gone.status_code == 404 and http.get(f"/v1/models/{first}").status_code == 404
+    assert text(http, second) == oracle["v2"] and text(http, "canary") == oracle["other"]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "canary"}).status_code == 200
+    assert http.post("/v1/completions", json={"model": second, "prompt": PROMPT, "max_tokens": 2}).status_code == 404
