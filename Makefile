@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# Two workers, a test module each at a time (its module-scoped servers and models stay in one process): the
+# suite spends much of its time waiting on servers and subprocesses, so two share the 2 cores CI has.
 test: venv
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # The embedded default (SmolLM2-135M-Instruct) and the three demo adapters on 127.0.0.1:8000.
 DEMO := examples/adapters

@@ -122,11 +122,10 @@ def test_a_frozen_engine_makes_health_fail_and_is_killed_after_the_kill_timeout(
         stop(proc)
 
 
-def test_the_engine_goes_away_with_a_killed_server_and_cleans_up(files):
-    existing = set(glob.glob("/tmp/loramux-ipc-*"))
-    proc, url = start_server(files)
+def test_the_engine_goes_away_with_a_killed_server_and_cleans_up(files, tmp_path):
+    proc, url = start_server(files, env={"TMPDIR": str(tmp_path)})  # its IPC directory apart from other servers'
     pid = engine_pid(proc.pid)
-    ipc_dirs = set(glob.glob("/tmp/loramux-ipc-*")) - existing
+    ipc_dirs = set(glob.glob(f"{tmp_path}/loramux-ipc-*"))
     assert len(ipc_dirs) == 1
     proc.kill()
     proc.wait(10)

@@ -1,5 +1,7 @@
 """Running `loramux serve` in tests: a tiny checkpoint with adapters, a server subprocess on a free port."""
+import itertools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,10 +17,29 @@ CHAT_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %
 MAX_MODEL_LEN = 64
 
 
+def _port_range() -> range:
+    """This test process's ports: below the kernel's ephemeral range (its bind(0) picks never land here) and
+    apart from every other pytest-xdist worker's, so two workers never probe the same port and one server's
+    /health can never be another's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    return range(20000 + 1000 * index, 21000 + 1000 * index)
+
+
+_PORTS = _port_range()
+_next_port = itertools.count(random.randrange(len(_PORTS)))  # random start: suite runs side by side differ too
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(len(_PORTS)):
+        port = _PORTS[next(_next_port) % len(_PORTS)]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def make_files(tmp_path_factory, **model_overrides):
@@ -52,7 +73,7 @@ def offline_llm(files, adapters: dict[str, str], max_model_len: int = MAX_MODEL_
     return llm
 
 
-def start_server(files, *extra) -> tuple[subprocess.Popen, str]:
+def start_server(files, *extra, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     modules = [f"{name}={path}" for name, path in files["served"].items()]
     cmd = [sys.executable, "-m", "loramux", "serve", "--model", files["model"], "--port", str(port),
@@ -60,7 +81,8 @@ def start_server(files, *extra) -> tuple[subprocess.Popen, str]:
            "--served-model-name", "tiny", "--allowed-adapter-dir", files["allowed"], "--log-level", "warning",
            "--lora-modules", *modules, *extra]
     log = open(os.path.join(files["root"], f"server-{port}.log"), "w+")  # a file: a full pipe would block the server
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True,
+                            env=None if env is None else {**os.environ, **env})
     proc.log = log
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
