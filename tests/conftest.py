@@ -5,6 +5,9 @@ import copy
 import os
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test`'s workers share the cores: one thread each (and the servers
+    os.environ["OMP_NUM_THREADS"] = "1"  # they start), or two processes' OpenMP threads spin against each other
 import torch
 
 if not torch.cuda.is_available():  # Triton's kernels run on CPU tensors in its interpreter (set before triton loads)
@@ -26,6 +29,18 @@ def tiny_qwen2(seed: int = 0, **overrides):
 
 
 MODEL_FACTORIES = {"llama": tiny_llama, "qwen2": tiny_qwen2}
+
+# The longest modules (30 s to 2 min each on 2 cores), handed out first so that `make test`'s two workers finish
+# together rather than one running the longest alone at the end. Only the order changes.
+LONGEST_FIRST = ("server/test_supervision.py", "server/test_scaleout.py", "test_benchmark.py", "engine/test_llm.py",
+                 "server/test_lm_eval.py", "engine/test_moe_lora.py", "models/test_quantized.py",
+                 "examples/test_examples.py", "server/test_server.py", "server/test_remote_adapters.py")
+
+
+def pytest_collection_modifyitems(items):
+    here = os.path.dirname(__file__)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.relpath(str(item.path), here), len(rank)))
 
 
 def backend_params(backends, cpu_available) -> list:
