@@ -8,6 +8,7 @@ import runpy
 import sys
 
 from loramux.adapters.names import parse_adapter_arg
+from loramux.adapters.remote import check_uri
 from loramux.config import LORA_DTYPES, EngineConfig, GrammarLimits, LoRAConfig, ServerConfig
 from loramux.logs import log_to_stderr
 
@@ -149,6 +150,10 @@ _SERVER_LIMITS = (
     ("--max-adapter-upload-bytes", int, "max_adapter_upload_bytes", "an adapter's files sent in the body of "
                                                                     "/v1/load_lora_adapter (multipart) up to this "
                                                                     "size; 0 = uploads off"),
+    ("--max-adapter-download-bytes", int, "max_adapter_download_bytes", "a remote adapter's files together at most "
+                                                                        "this size (default: 1 GiB)"),
+    ("--adapter-download-timeout", float, "adapter_download_timeout", "seconds a remote adapter's fetch may take "
+                                                                      "(default: 300)"),
     ("--max-pending-requests", int, "max_pending_requests", "engine requests in flight at most; past it, 429 with "
                                                             "Retry-After"),
     ("--max-pending-tokens", int, "max_pending_tokens", "prompt tokens + max_tokens in flight at most; past it, 429"),
@@ -186,10 +191,14 @@ def _server_config(args) -> ServerConfig:
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
                           api_key=args.api_key, tenants_file=args.tenants, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
                           lora_resolver_dirs=tuple(args.lora_resolver_dir), lora_resolver_hf=args.lora_resolver_hf,
-                          lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser, **limits)
+                          lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser,
+                          allowed_adapter_uris=tuple(args.allowed_adapter_uri),
+                          lora_resolver_uris=tuple(args.lora_resolver_uri), **limits)
     from loramux.server.on_demand import build_resolvers
 
     build_resolvers(config)  # a directory that is not one, a plugin that does not import: ValueError naming it
+    for prefix in config.allowed_adapter_uris:
+        check_uri(prefix, (prefix,))  # a scheme no backend serves: ValueError naming it
     return config
 
 
@@ -208,9 +217,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                              "its limits and fair share (docs/server.md, Tenants); reloaded on SIGHUP")
     access.add_argument("--allowed-adapter-dir", nargs="*", default=[], metavar="DIR",
                         help="directories /v1/load_lora_adapter may load from (none: runtime loads are off)")
+    access.add_argument("--allowed-adapter-uri", action="append", default=[], metavar="PREFIX",
+                        help="URI prefixes /v1/load_lora_adapter may load from too (s3://bucket/dir, gs://..., "
+                             "https://host/path, hf://org; repeatable): fetched into a local cache first")
     on_demand.add_argument("--lora-resolver-dir", action="append", default=[], metavar="DIR",
                            help="adapters on demand: a `model` that names no registered adapter is loaded from DIR/<model> "
                                 "on its first request (repeatable; asked in order)")
+    on_demand.add_argument("--lora-resolver-uri", action="append", default=[], metavar="PREFIX",
+                           help="adapters on demand from a store: PREFIX/<model>/ (s3://, gs://, http(s)://, hf://; "
+                                "repeatable), fetched into a local cache on the first request")
     on_demand.add_argument("--lora-resolver-hf", action="store_true",
                            help="adapters on demand from the local Hugging Face cache (a Hub id, org/name), downloaded there "
                                 "first unless HF_HUB_OFFLINE=1")

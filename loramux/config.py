@@ -294,11 +294,20 @@ class ServerConfig:
     limits and shares; reloaded on SIGHUP. None: no tenants (the API key, if any, opens everything)."""
     allowed_adapter_dirs: tuple[str, ...] = ()
     """Runtime loads (/v1/load_lora_adapter) only from under these directories; none = runtime loads off."""
+    allowed_adapter_uris: tuple[str, ...] = ()
+    """Runtime loads from these URI prefixes too (s3://bucket/dir, gs://, https://host/path, hf://org): fetched
+    into a local cache (adapters/remote.py); none = loads from URIs off."""
+    max_adapter_download_bytes: int = 1 << 30
+    """A remote adapter's two files together at most this many bytes."""
+    adapter_download_timeout: float = 300.0
+    """Seconds a remote adapter's fetch may take, at most."""
     max_adapter_upload_bytes: int = 0
     """An adapter's files sent in the body of /v1/load_lora_adapter (multipart: adapter_config.json and
     adapter_model.safetensors) up to this many bytes; 0 = uploads off."""
     lora_resolver_dirs: tuple[str, ...] = ()
     """A `model` that names no registered adapter is loaded from DIR/<model> on its first request, if there."""
+    lora_resolver_uris: tuple[str, ...] = ()
+    """... or from PREFIX/<model>/ in a store (s3://, gs://, http(s)://, hf://), fetched as allowed_adapter_uris are."""
     lora_resolver_hf: bool = False
     """... or from the local Hugging Face cache (a Hub id, org/name; downloaded first unless HF_HUB_OFFLINE)."""
     lora_resolvers: tuple[str, ...] = ()
@@ -340,12 +349,13 @@ class ServerConfig:
     None: "auto" is refused ("required" and named functions work without one)."""
 
     def __post_init__(self) -> None:
-        for name in ("allowed_adapter_dirs", "lora_resolver_dirs", "lora_resolvers"):
+        for name in ("allowed_adapter_dirs", "lora_resolver_dirs", "lora_resolvers", "allowed_adapter_uris",
+                     "lora_resolver_uris"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in ("max_body_bytes", "max_n", "max_stop", "max_prompts_per_request", "max_pending_requests",
-                     "max_pending_tokens"):
+                     "max_pending_tokens", "max_adapter_download_bytes"):
             _check_positive(name, getattr(self, name))
         for name in ("max_resolves_per_client", "max_connections", "max_pending_per_client",  # 0: no limit
                      "max_adapter_upload_bytes"):  # (0: off)
@@ -355,7 +365,8 @@ class ServerConfig:
         _check_positive("max_connections_per_client", self.max_connections_per_client)
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout must be > 0 seconds, got {self.header_timeout!r}")
-        for name in ("shutdown_timeout", "engine_start_timeout", "engine_unresponsive_s", "engine_kill_s"):
+        for name in ("shutdown_timeout", "engine_start_timeout", "engine_unresponsive_s", "engine_kill_s",
+                     "adapter_download_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.engine_kill_s <= self.engine_unresponsive_s:

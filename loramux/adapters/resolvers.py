@@ -4,7 +4,8 @@ plugins; LoRAX's "any adapter, loaded on the first request"). No torch.
 A resolver is any object with `resolve(base_model: str, name: str) -> str | None`: a local directory that holds
 the adapter (fetched there first if it has to be: it is called off the step loop, in a thread, and may be
 slow), or None when it does not know the name. The server asks its resolvers in order, built-ins first:
-`--lora-resolver-dir DIR` (DirectoryResolver), `--lora-resolver-hf` (HFCacheResolver), then plugins, given as
+`--lora-resolver-dir DIR` (DirectoryResolver), `--lora-resolver-uri PREFIX` (remote.URIResolver: a store),
+`--lora-resolver-hf` (HFCacheResolver), then plugins, given as
 `--lora-resolver module:attribute` or found in the entry-point group `loramux.lora_resolvers`. A plugin's
 attribute is a resolver, or a class or function that makes one when called with no arguments.
 
@@ -119,9 +120,14 @@ def from_entry_points() -> list[LoRAResolver]:
     return [_made(point.load(), f"entry point {point.name}") for point in entry_points(group=ENTRY_POINT_GROUP)]
 
 
-def build(dirs: list[str] = (), hf_cache: bool = False, specs: list[str] = (), plugins: bool = True) -> list:
-    """The server's resolvers, in the order they are asked."""
+def build(dirs: list[str] = (), hf_cache: bool = False, specs: list[str] = (), plugins: bool = True,
+          uris: list[str] = (), cache=None) -> list:
+    """The server's resolvers, in the order they are asked. uris: store prefixes (remote.URIResolver), fetched
+    into `cache` (a remote.RemoteCache)."""
+    from loramux.adapters.remote import URIResolver
+
     resolvers: list = [DirectoryResolver(d) for d in dirs]
+    resolvers += [URIResolver(uri, cache) for uri in uris]
     if hf_cache:
         resolvers.append(HFCacheResolver())
     resolvers += [from_spec(s) for s in specs]

@@ -20,12 +20,13 @@ import msgspec
 from fastapi import Request
 
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg, split_revision
+from loramux.adapters.remote import RemoteAdapterError, RemoteStoreError, check_uri
 from loramux.adapters.status import LoRAStatus
 from loramux.config import EngineConfig, ServerConfig
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.engine.sequence import PROMPT_LOGPROBS_WEIGHT
 from loramux.server import protocol as p
-from loramux.server.adapter_admin import REPLACE, Upload, load_kind
+from loramux.server.adapter_admin import AGAIN, REPLACE, Upload, load_kind
 from loramux.server.admission import Admission, Ticket
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
@@ -33,7 +34,7 @@ from loramux.server.choices import Choice, new_choices, run_choices
 from loramux.server.grammar_checker import GrammarChecker, GrammarSource
 from loramux.server.logprobs import LogprobFormatter
 from loramux.server.metrics import Metrics, RequestTimer
-from loramux.server.on_demand import OnDemand
+from loramux.server.on_demand import OnDemand, remote_cache
 from loramux.server.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
 from loramux.server.uploads import Uploads, discard
 from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
@@ -116,7 +117,8 @@ class APIServer:
                 self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
         supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
         self.client = EngineClient(engine_config, self._preloaded, self._on_ready, supervision)
-        self.on_demand = OnDemand(config, self._install_resolved)
+        self.remote = remote_cache(config, os.path.join(os.path.dirname(state_file), "remote") if state_file else None)
+        self.on_demand = OnDemand(config, self._install_resolved, self.remote)
         self.metrics = Metrics()
         self.admission = Admission(config.max_pending_requests, config.max_pending_tokens,
                                    config.max_pending_per_client)
@@ -409,7 +411,7 @@ class APIServer:
 
     # ---- adapters ---------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False,
-                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False) -> str:
+                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False, uri: str = "") -> str:
         """allowed_dirs: the directories its files must resolve into (None: --allowed-adapter-dir; (): any, as
         for --lora-modules at start). The registry records what the engine answers (a reload in place keeps
         the pin of the adapter it replaces). -> the load's revision, name@rev."""
@@ -422,9 +424,41 @@ class APIServer:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
         self.metrics.load_seconds.labels("resolver" if resolved else "runtime").observe(time.monotonic() - started)
-        self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved)
+        self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved, uri)
         self._save_registry()
         return result.revision
+
+    async def load_from_uri(self, request: p.LoadLoRAAdapterRequest) -> tuple[str, str]:
+        """A runtime load from a store (--allowed-adapter-uri): fetched into the local cache off the event loop,
+        then loaded from there as a directory is. The same URI again fetches what the store holds now: if it
+        changed, that is a new version of the name (a reload in place). -> (ADD, REPLACE or AGAIN, revision)"""
+        name, source = request.lora_name, self.registry.get(request.lora_name)
+        try:
+            uri = check_uri(request.lora_path, self.config.allowed_adapter_uris)
+        except RemoteAdapterError as e:
+            raise HTTPError(400, str(e), code="invalid_adapter_uri") from e
+        same = source is not None and source.uri == uri
+        kind = load_kind(request, uri, self.model_name, None if source is None or same else source.uri or source.path)
+        local = await self._fetch(uri)
+        if same:
+            kind = AGAIN if local == source.path else REPLACE  # (a changed object is a new version)
+        revision = await self.load_adapter(name, local, request.pinned, replace=kind == REPLACE,
+                                           allowed_dirs=(self.remote.root,), uri=uri)
+        return kind, revision
+
+    async def _fetch(self, uri: str) -> str:
+        """The local copy of a remote adapter (adapters/remote.py): 400 if it cannot be used, 502 if the store
+        fails, 504 past --adapter-download-timeout."""
+        timeout = self.config.adapter_download_timeout
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.remote.fetch, uri), timeout)
+        except RemoteAdapterError as e:
+            raise HTTPError(400, str(e), code="invalid_adapter") from e
+        except RemoteStoreError as e:
+            raise HTTPError(502, str(e), "server_error", "adapter_store_failed") from e
+        except TimeoutError:
+            raise HTTPError(504, f"fetching adapter {uri!r} took over {timeout:g} s (--adapter-download-timeout)",
+                            "server_error", "adapter_store_timeout") from None
 
     async def upload_adapter(self, upload: Upload) -> tuple[str, str]:
         """An adapter whose files came in the request (server/uploads.py): written under the uploads directory,

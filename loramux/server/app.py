@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loramux.adapters.names import split_revision
+from loramux.adapters.remote import is_uri
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import adapter_admin as admin
 from loramux.server import protocol as p
@@ -500,7 +501,7 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
         server.require_engine()
         allowed = allows(tenant_of(raw))
         base = p.model_card(server.model_name, server.model_root, None, server.max_model_len)
-        adapters = [(name, source.path) for name, source in server.registry.items() if allowed(name)]
+        adapters = [(name, source.uri or source.path) for name, source in server.registry.items() if allowed(name)]
         revisions = await server.kept_revisions()
         cards = [card for name, path in adapters for card in p.adapter_cards(name, path, server.model_name,
                                                                            revisions.get(name, ()))]
@@ -516,7 +517,8 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
         if model_id == server.model_name:
             return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
         if name in server.registry:
-            cards = p.adapter_cards(name, server.registry[name].path, server.model_name,
+            source = server.registry[name]
+            cards = p.adapter_cards(name, source.uri or source.path, server.model_name,
                                     (await server.kept_revisions()).get(name, ()))
             card = next((c for c in cards if c["id"] == model_id), None)
             if card is not None:
@@ -557,9 +559,16 @@ def _add_pause_routes(app: FastAPI, server: APIServer) -> None:
 
 
 async def _load_from_path(server: APIServer, request: p.LoadLoRAAdapterRequest, tenant) -> Response:
-    """A runtime load from a directory under --allowed-adapter-dir (or the tenant's adapter_dir)."""
+    """A runtime load from a directory under --allowed-adapter-dir (or the tenant's adapter_dir), or from a store
+    under --allowed-adapter-uri (the operator's only)."""
     name = admin.checked_name(request.lora_name)
     check_admin(tenant, name)
+    if is_uri(request.lora_path):
+        if tenant is not None:
+            raise HTTPError(403, "loads from a URI are the operator's (--allowed-adapter-uri); a tenant loads from its "
+                                 "adapter_dir", "permission_error")
+        kind, revision = await server.load_from_uri(request)
+        return admin.loaded(name, kind, _revision_header(revision))
     dirs = load_dirs(tenant, server.config.allowed_adapter_dirs)
     path = admin.allowed_adapter_path(dirs, request.lora_path)
     source = server.registry.get(name)

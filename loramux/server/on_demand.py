@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loramux.adapters import resolvers
+from loramux.adapters.remote import RemoteAdapterError, RemoteCache
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.config import ServerConfig
 from loramux.server.errors import HTTPError, model_not_found
@@ -45,10 +46,18 @@ RESOLVE_THREADS = 64
 Install = Callable[[str, resolvers.Resolved], Awaitable[None]]
 
 
-def build_resolvers(config: ServerConfig) -> list:
-    """The server's resolvers (ValueError naming a bad --lora-resolver-dir or --lora-resolver)."""
+def build_resolvers(config: ServerConfig, cache: RemoteCache | None = None) -> list:
+    """The server's resolvers (ValueError naming a bad --lora-resolver-dir, --lora-resolver-uri or
+    --lora-resolver); cache: where --lora-resolver-uri adapters are fetched to (None: a cache of their own)."""
+    cache = cache or remote_cache(config, None)
     return resolvers.build(config.lora_resolver_dirs, config.lora_resolver_hf, config.lora_resolvers,
-                           plugins=config.lora_resolver_plugins)
+                           plugins=config.lora_resolver_plugins, uris=config.lora_resolver_uris, cache=cache)
+
+
+def remote_cache(config: ServerConfig, root: str | None) -> RemoteCache:
+    """Where adapters from stores are fetched to, under the server's download limits (root None: a temporary
+    directory, made on first use)."""
+    return RemoteCache(root, config.max_adapter_download_bytes, config.adapter_download_timeout)
 
 
 class _Failures:
@@ -93,9 +102,10 @@ class _Gate:
 
 
 class OnDemand:
-    def __init__(self, config: ServerConfig, install: Install):
-        """install(name, resolved): load and register it (HTTPError with the refusal if it does not load)."""
-        self.resolvers = build_resolvers(config)
+    def __init__(self, config: ServerConfig, install: Install, cache: RemoteCache | None = None):
+        """install(name, resolved): load and register it (HTTPError with the refusal if it does not load).
+        cache: where adapters from stores go (build_resolvers)."""
+        self.resolvers = build_resolvers(config, cache)
         self._install = install
         self._pending: dict[str, asyncio.Future] = {}
         self.failed = _Failures()
@@ -148,6 +158,8 @@ class OnDemand:
         try:
             found = await asyncio.get_running_loop().run_in_executor(
                 self._pool, resolvers.resolve, self.resolvers, base_model, name)
+        except RemoteAdapterError as e:  # a store's adapter that cannot be used (too large, not as it said)
+            raise HTTPError(400, f"adapter '{name}': {e}", code="invalid_adapter") from e
         except Exception as e:  # a resolver that fails, or answers a directory with no adapter in it
             logger.error("resolving adapter %r failed: %s", name, e)
             raise HTTPError(502, f"resolving adapter '{name}' failed: {e}", "server_error") from e
