@@ -28,6 +28,7 @@ from loramux.engine.sequence import PROMPT_LOGPROBS_WEIGHT
 from loramux.server import protocol as p
 from loramux.server.adapter_admin import AGAIN, REPLACE, Upload, load_kind
 from loramux.server.admission import Admission, Ticket
+from loramux.server.aliases import Alias, Aliases, make_alias, target_name
 from loramux.server.errors import HTTPError, model_not_found
 from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.choices import Choice, new_choices, run_choices
@@ -117,6 +118,8 @@ class APIServer:
                 self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
         supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
         self.client = EngineClient(engine_config, self._preloaded, self._on_ready, supervision)
+        state_dir = os.path.dirname(state_file) if state_file else None
+        self.aliases = Aliases(os.path.join(state_dir, "aliases.json") if state_dir else None)
         self.remote = remote_cache(config, os.path.join(os.path.dirname(state_file), "remote") if state_file else None)
         self.on_demand = OnDemand(config, self._install_resolved, self.remote)
         self.metrics = Metrics()
@@ -250,11 +253,18 @@ class APIServer:
         return self.client.health()
 
     # ---- requests -------------------------------------------------------------------------------
-    async def resolve(self, model: str, client: str = "?", tenant: Tenant | None = None) -> str | None:
+    async def resolve(self, model: str, client: str = "?", tenant: Tenant | None = None,
+                      pick: str | None = None) -> str | None:
         """The adapter a `model` field names (None = the base model), loaded first if a resolver has it and it
         is not registered (client: who asks, for on-demand's per-client cap); 404 for anything else, and for a
         name outside the tenant's patterns (resolvers are never asked for one). `name@rev` of a registered name
-        is a revision of it: the engine knows which it keeps (404 from there if not this one)."""
+        is a revision of it: the engine knows which it keeps (404 from there if not this one). A weighted
+        alias's name is one of its targets, picked by `pick` (aliases.py)."""
+        alias = self.aliases.get(model)
+        if alias is not None:
+            check_use(tenant, model)
+            model = alias.pick(pick)
+            self.metrics.alias_requests.labels(alias.name, model).inc()
         revision = split_revision(model) if model not in self.registry else None
         name = revision[0] if revision is not None and revision[0] in self.registry else model
         check_use(tenant, name)
@@ -272,7 +282,8 @@ class APIServer:
             raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
         self.require_engine()
         self._check_counts(request)
-        adapter = await self.resolve(request.model, client, tenant)
+        pick = request.user if request.user is not None else None if request.seed is None else str(request.seed)
+        adapter = await self.resolve(request.model, client, tenant, pick)
         if tenant is not None and "priority" not in request.model_fields_set:
             request = request.model_copy(update={"priority": tenant.priority})
         origin = {"tenant": tenant.name if tenant else None, "share": share_of(client),
@@ -514,6 +525,22 @@ class APIServer:
             raise HTTPError(400, result.message)
         self.registry[name] = msgspec.structs.replace(self.registry[name], pinned=result.pinned)
         self._save_registry()
+
+    def set_alias(self, name: str, targets: dict) -> Alias:
+        """A weighted alias (aliases.py), replacing one of that name: 400 for a bad one, or for a target that
+        is neither the base model nor a loaded adapter (or a revision of one)."""
+        try:
+            alias = make_alias(name, targets)
+        except ValueError as e:
+            raise HTTPError(400, str(e), code="invalid_alias") from e
+        if name == self.model_name:
+            raise HTTPError(400, f"'{name}' is the base model's name; an alias cannot take it", code="invalid_alias")
+        unknown = [t for t, _ in alias.targets if t != self.model_name and target_name(t) not in self.registry]
+        if unknown:
+            raise HTTPError(400, f"alias {name!r}: no adapter is loaded for {', '.join(map(repr, unknown))}",
+                            code="invalid_alias")
+        self.aliases.set(alias)
+        return alias
 
     async def kept_revisions(self) -> dict[str, list[str]]:
         """name -> its earlier revisions the engine keeps (name@rev), asked between its steps; none to ask for

@@ -31,6 +31,7 @@ from loramux.server.admission import TooBusy
 from loramux.server.connections import ConnectionGuard, default_max_connections, guarded_protocol
 from loramux.server.engine_client import EngineDeadError
 from loramux.server.errors import HTTPError, model_not_found
+from loramux.server.aliases import target_name
 from loramux.server.api_server import APIServer, ShuttingDown, client_of, tenant_of, until_disconnected
 from loramux.server.tenants import Tenants, allows, check_admin, check_use, load_dirs
 from loramux.logprobs import Logprobs
@@ -113,6 +114,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     _add_generation_routes(app, server)
     _add_model_routes(app, server)
     _add_admin_routes(app, server)
+    _add_alias_routes(app, server)
     _add_pause_routes(app, server)
     return app
 
@@ -505,6 +507,8 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
         revisions = await server.kept_revisions()
         cards = [card for name, path in adapters for card in p.adapter_cards(name, path, server.model_name,
                                                                            revisions.get(name, ()))]
+        cards += [p.model_card(a.name, ",".join(t for t, _ in a.targets), server.model_name)
+                  for a in server.aliases.all() if a.name not in server.registry and allowed(a.name)]
         show_base = allowed(server.model_name)  # a tenant sees the base model only where its patterns list it
         return await json_off_the_loop(lambda: p.model_list(base if show_base else None, cards))
 
@@ -516,6 +520,8 @@ def _add_model_routes(app: FastAPI, server: APIServer) -> None:
         check_use(tenant_of(raw), name)
         if model_id == server.model_name:
             return p.model_card(server.model_name, server.model_root, None, server.max_model_len)
+        if (alias := server.aliases.get(model_id)) is not None and model_id not in server.registry:
+            return p.model_card(model_id, ",".join(t for t, _ in alias.targets), server.model_name)
         if name in server.registry:
             source = server.registry[name]
             cards = p.adapter_cards(name, source.uri or source.path, server.model_name,
@@ -576,6 +582,31 @@ async def _load_from_path(server: APIServer, request: p.LoadLoRAAdapterRequest, 
     revision = await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
                                          allowed_dirs=None if tenant is None else dirs)
     return admin.loaded(name, kind, _revision_header(revision))
+
+
+def _add_alias_routes(app: FastAPI, server: APIServer) -> None:
+    """Weighted aliases (server/aliases.py): set or replace one, list them, remove one. Admin routes: a tenant
+    needs `admin` and the alias's name and every target's adapter in its patterns."""
+    @app.post("/v1/lora_aliases")
+    async def set_alias(request: p.LoRAAliasRequest, raw: Request):
+        tenant = tenant_of(raw)
+        for name in (request.name, *map(target_name, request.targets)):
+            check_admin(tenant, name)
+        alias = server.set_alias(request.name, request.targets)
+        return p.alias_card(alias.name, alias.targets)
+
+    @app.get("/v1/lora_aliases")
+    async def list_aliases(raw: Request):
+        allowed = allows(tenant_of(raw))
+        return {"object": "list", "data": [p.alias_card(a.name, a.targets) for a in server.aliases.all()
+                                           if allowed(a.name)]}
+
+    @app.delete("/v1/lora_aliases/{name:path}")
+    async def remove_alias(name: str, raw: Request):
+        check_admin(tenant_of(raw), name)
+        if not server.aliases.remove(name):
+            raise HTTPError(404, f"no alias named {name!r}", "not_found_error")
+        return {"name": name, "deleted": True}
 
 
 def _add_admin_routes(app: FastAPI, server: APIServer) -> None:

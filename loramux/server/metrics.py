@@ -77,6 +77,8 @@ class Metrics:
                                      "requests (every choice; what tpm_limit counts)", ["tenant"], registry=r)
         self.tenant_rejected = Counter("loramux:tenant_rejected", "A tenant's requests refused with 429, by the limit "
                                        "they hit", ["tenant", "limit"], registry=r)
+        self.alias_requests = Counter("loramux:lora_alias_requests", "HTTP requests for a weighted alias, by the "
+                                      "target each was sent to", ["alias", "target"], registry=r)
         self.engine_restarts = Gauge("loramux:engine_restarts", "Times the engine process was restarted", registry=r)
         self.frontend_restarts = Gauge("loramux:frontend_restarts", "Times the HTTP front end process died and "
                                        "was replaced (with a new engine, and the adapters it had)", registry=r)

@@ -144,7 +144,7 @@ class GenerationRequest(RequestModel):
     bad_words: list[str] | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's: {"token id": bias}
     best_of: int | None = None  # accepted when it equals n (the same request); more is not implemented
-    user: str | None = None  # logged with the request, changes nothing
+    user: str | None = None  # logged with the request; picks its target when `model` is a weighted alias
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's extra field: logprobs of the prompt tokens (top N each)
     cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt
@@ -385,6 +385,18 @@ class UnloadLoRAAdapterRequest(RequestModel):
 
 class PinLoRAAdapterRequest(RequestModel):
     lora_name: str = Field(min_length=1)
+
+
+class LoRAAliasRequest(RequestModel):
+    """POST /v1/lora_aliases: `name`'s requests go to `targets` (adapters or name@rev) in the shares of their
+    weights (server/aliases.py)."""
+
+    name: str = Field(min_length=1)
+    targets: dict[str, float]
+
+
+def alias_card(name: str, targets) -> dict:
+    return {"name": name, "targets": dict(targets)}
 
 
 def error_body(message: str, err_type: str = "invalid_request_error", code: str | None = None,

@@ -4,7 +4,8 @@ the same adapter loaded from files; load_inplace replaces the weights; a broken 
 files are and leaves nothing behind; uploads are bounded (and off unless the operator sets a size:
 tests/server/test_adapters_on_demand.py); an engine restart loads the uploaded adapter again; unloading removes
 its files. Every answer names the adapter load that produced it (system_fingerprint), and with
---lora-keep-revisions an earlier revision stays addressable as name@rev."""
+--lora-keep-revisions an earlier revision stays addressable as name@rev, and a weighted alias splits a name's
+requests between revisions."""
 import json
 import os
 import re
@@ -163,3 +164,32 @@ def test_an_earlier_revision_is_addressable_while_kept(files, http, oracle):
     assert text(http, second) == oracle["v2"] and text(http, "canary") == oracle["other"]
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "canary"}).status_code == 200
     assert http.post("/v1/completions", json={"model": second, "prompt": PROMPT, "max_tokens": 2}).status_code == 404
+
+
+def test_a_weighted_alias_splits_requests_between_revisions_stably_per_user(files, server, http):
+    """A canary: 70% of `split`'s requests on its earlier revision, 30% on the newest; the same user always on the
+    same one; the shares in the metrics; refusals for bad aliases; removing it gives the name back."""
+    runtime = files["runtime"]
+    old = upload(http, "split", runtime["new"]).headers["x-adapter-revision"]
+    new = upload(http, "split", runtime["v2"], load_inplace="true").headers["x-adapter-revision"]
+    made = http.post("/v1/lora_aliases", json={"name": "split", "targets": {old: 7, new: 3}})
+    assert made.status_code == 200 and made.json()["targets"] == {old: 0.7, new: 0.3}
+    assert {"name": "split", "targets": {old: 0.7, new: 0.3}} in http.get("/v1/lora_aliases").json()["data"]
+
+    def served(user: str) -> str:
+        body = {"model": "split", "prompt": PROMPT, "max_tokens": 1, "user": user}
+        return http.post("/v1/completions", json=body).json()["system_fingerprint"]
+
+    picks = [served(f"user-{i}") for i in range(100)]
+    assert set(picks) == {old, new} and 15 <= picks.count(new) <= 45  # 30 expected; binomial sd 4.6
+    assert [served("user-7") for _ in range(3)] == [picks[7]] * 3  # stable per user
+    counted = {t: metric(server[1], f'loramux:lora_alias_requests_total{{alias="split",target="{t}"}}')
+               for t in (old, new)}
+    assert counted == {old: picks.count(old) + 3 * (picks[7] == old), new: picks.count(new) + 3 * (picks[7] == new)}
+    for targets, why in (({"nope": 1}, "no adapter is loaded"), ({old: 0}, "must not all be 0"),
+                         ({old: -1}, "finite number >= 0"), ({}, "1 to 16 targets")):
+        bad = http.post("/v1/lora_aliases", json={"name": "split", "targets": targets})
+        assert bad.status_code == 400 and why in bad.json()["error"]["message"], bad.text
+    assert http.delete("/v1/lora_aliases/split").json() == {"name": "split", "deleted": True}
+    assert {served(f"user-{i}") for i in range(10)} == {new}
+    assert http.delete("/v1/lora_aliases/split").status_code == 404
