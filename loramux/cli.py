@@ -26,12 +26,8 @@ _GRAMMAR_LIMITS = (
 )
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("model")
-    adapters = parser.add_argument_group("adapters")
-    batching = parser.add_argument_group("batching and speed")
-    grammar = parser.add_argument_group("structured outputs' limits")
-    model.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+def _adapter_args(adapters) -> None:
+    """The adapters group of the engine's flags."""
     adapters.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH", help="adapters to load at start-up")
     adapters.add_argument("--max-loras", type=int, default=4, help="adapters in one batch (device slots)")
     adapters.add_argument("--max-cpu-loras", type=int, default=None,
@@ -55,6 +51,15 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     adapters.add_argument("--max-module-copies-bytes", type=int, default=0,
                           help="bytes for adapters' whole copies of embed_tokens / lm_head (PEFT modules_to_save); "
                                "0 = such adapters are refused")
+
+
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model")
+    adapters = parser.add_argument_group("adapters")
+    batching = parser.add_argument_group("batching and speed")
+    grammar = parser.add_argument_group("structured outputs' limits")
+    model.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    _adapter_args(adapters)
     model.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     model.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "bitsandbytes"],
                        help="the base model's weights: (not given) as the checkpoint is, a GGUF, GPTQ/AWQ or "
