@@ -6,8 +6,10 @@ loaded name; loading the same path again succeeds, as MAX's load_adapter does), 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -15,6 +17,7 @@ import pydantic
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loramux.adapters.file_names import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
@@ -82,7 +85,7 @@ async def upload_form(raw: Request, limit: int) -> Upload:
     two files as parts named adapter_config.json and adapter_model.safetensors. 400 naming what is wrong."""
     if not limit:
         raise HTTPError(400, "adapter uploads are off; start the server with --max-adapter-upload-bytes N")
-    form = await raw.form(max_files=2, max_fields=3, max_part_size=MAX_CONFIG_BYTES)
+    form = await _form_off_the_loop(raw)
     unknown = sorted(set(form) - {"lora_name", "load_inplace", "pinned", CONFIG_FILE, SAFETENSORS_FILE})
     if unknown:
         raise HTTPError(400, f"unknown form fields: {', '.join(unknown)} (an upload sends lora_name, load_inplace, "
@@ -101,6 +104,30 @@ async def upload_form(raw: Request, limit: int) -> Upload:
         raise HTTPError(400, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
     name = checked_name(str(form.get("lora_name") or ""))
     return Upload(name, config, files[SAFETENSORS_FILE].file, _FLAGS[flags["pinned"]], _FLAGS[flags["load_inplace"]])
+
+
+async def _form_off_the_loop(raw: Request):
+    """The multipart form, parsed in a worker thread: parsing tens of MB in the event loop would hold every
+    stream's tokens meanwhile. The body is spooled as it comes (to disk past a few MB), then parsed there."""
+    body = tempfile.SpooledTemporaryFile(max_size=4 << 20)
+    async for chunk in raw.stream():
+        body.write(chunk)
+    body.seek(0)
+
+    async def chunks():
+        while chunk := body.read(1 << 20):
+            yield chunk
+
+    def parse():
+        parser = MultiPartParser(raw.headers, chunks(), max_files=2, max_fields=3, max_part_size=MAX_CONFIG_BYTES)
+        return asyncio.run(parser.parse())
+
+    try:
+        return await asyncio.to_thread(parse)
+    except MultiPartException as e:
+        raise HTTPError(400, e.message) from e
+    finally:
+        body.close()
 
 
 def load_kind(request: p.LoadLoRAAdapterRequest, path: str, base_name: str, loaded_path: str | None) -> str:
