@@ -85,6 +85,7 @@ class RemoteCache:
         """root: None = a temporary directory, made on first use."""
         self._root = root
         self.max_bytes, self.timeout_s = max_bytes, timeout_s
+        self._versions: dict[str, list[str]] = {}  # uri -> its directories fetched by this process, oldest first
 
     @property
     def root(self) -> str:
@@ -104,6 +105,9 @@ class RemoteCache:
                                      "may take (--max-adapter-download-bytes)")
         key = json.dumps([uri, [(f.size, f.version) for f in files]])
         target = os.path.join(self.root, hashlib.sha256(key.encode()).hexdigest()[:32])
+        versions = self._versions.setdefault(uri, [])
+        if target not in versions:
+            versions.append(target)
         if os.path.isdir(target):
             return target
         partial = tempfile.mkdtemp(prefix=".partial-", dir=self.root)
@@ -117,6 +121,15 @@ class RemoteCache:
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         return target
+
+    def prune(self, uri: str, keep: int, in_use: set[str]) -> None:
+        """Remove `uri`'s older directories: all but its newest `keep`, and never one in `in_use` (a loaded
+        adapter's, which may be read back from it)."""
+        versions = self._versions.get(uri, [])
+        for path in versions[:-keep]:
+            if path not in in_use:
+                shutil.rmtree(path, ignore_errors=True)
+                versions.remove(path)
 
     def _store(self, uri: str) -> tuple:
         """An object store's or web server's filesystem, and what it says of the two files."""

@@ -455,6 +455,7 @@ class APIServer:
             kind = AGAIN if local == source.path else REPLACE  # (a changed object is a new version)
         revision = await self.load_adapter(name, local, request.pinned, replace=kind == REPLACE,
                                            allowed_dirs=(self.remote.root,), uri=uri)
+        self.remote.prune(uri, self.keep_revisions + 1, {s.path for s in self.registry.values()})
         return kind, revision
 
     async def _fetch(self, uri: str) -> str:

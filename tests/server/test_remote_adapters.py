@@ -230,3 +230,20 @@ def test_a_fetch_from_a_store_that_never_answers_ends_at_its_timeout(tmp_path):
         with pytest.raises(RemoteStoreError, match="the store failed"):
             cache.fetch(f"http://127.0.0.1:{silent.getsockname()[1]}/a")
         assert os.listdir(tmp_path) == []  # nothing half-written
+
+
+def test_a_uris_older_versions_leave_the_cache_unless_in_use(files, s3, tmp_path, monkeypatch):
+    from loramux.adapters.remote import RemoteCache
+
+    put, _, env = s3
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cache, uri, dirs = RemoteCache(str(tmp_path), 1 << 20, 60), "s3://adapters/team/pruned", []
+    for name in ("new", "other", "v2"):  # three versions of one object
+        put("team/pruned", files["runtime"][name])
+        dirs.append(cache.fetch(uri))
+        cache.prune(uri, keep=2, in_use={dirs[0]})
+    assert len(set(dirs)) == 3 and all(os.path.isdir(d) for d in dirs)  # the first is in use
+    assert cache.fetch(uri) == dirs[2]  # unchanged: the same directory, nothing fetched
+    cache.prune(uri, keep=2, in_use=set())
+    assert [os.path.isdir(d) for d in dirs] == [False, True, True]
