@@ -15,6 +15,7 @@ import logging
 import signal
 from collections.abc import AsyncIterator
 
+import pydantic
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +27,7 @@ from loramux.adapters.remote import is_uri
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server import adapter_admin as admin
 from loramux.server import protocol as p
+from loramux.server import responses
 from loramux.server import tools
 from loramux.server.admission import TooBusy
 from loramux.server.connections import ConnectionGuard, default_max_connections, guarded_protocol
@@ -115,6 +117,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     _add_model_routes(app, server)
     _add_admin_routes(app, server)
     _add_alias_routes(app, server)
+    _add_responses_route(app, server)
     _add_pause_routes(app, server)
     return app
 
@@ -265,6 +268,36 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
         return await json_off_the_loop(answer, _revision_header(fingerprint))
 
 
+def _add_responses_route(app: FastAPI, server: APIServer) -> None:
+    @app.post("/v1/responses")
+    async def create_response(request: responses.ResponsesRequest, raw: Request):
+        """OpenAI's Responses API as one chat completion (server/responses.py)."""
+        refused = request.refused()
+        if refused:
+            raise HTTPError(400, refused, code=refused.split(":")[0])
+        try:
+            chat = request.to_chat()
+        except (ValueError, pydantic.ValidationError) as e:
+            raise HTTPError(400, str(e)) from e
+        requests = await server.engine_requests(chat, chat=True, client=client_of(raw), tenant=tenant_of(raw))
+        events = ResponseEvents(request, chat, responses.new_id("resp"), server)
+        if request.stream:
+            return await _sse(server, raw, requests, events)
+        choices = await server.complete(requests, raw)
+        fingerprint = _fingerprint(c.revision for c in choices)
+
+        def answer() -> dict:
+            message = events.chat.choice(choices[0])
+            content, calls = message["message"]["content"], message["message"].get("tool_calls") or []
+            output = ([responses.message_item(responses.new_id("msg"), content)] if content else []) + \
+                [responses.call_item(call) for call in calls]
+            status, why = responses.outcome(message["finish_reason"])
+            body = responses.response(request, events.rid, output, status, responses.usage(*_usage(choices, 1)), why)
+            return {**body, "system_fingerprint": fingerprint}
+
+        return await json_off_the_loop(answer, _revision_header(fingerprint))
+
+
 REVISION_HEADER = "x-adapter-revision"
 
 
@@ -303,6 +336,8 @@ class _Chunks:
     def __init__(self, request, rid: str, server: APIServer):
         self.request, self.rid, self.formatter = request, rid, server.logprobs
 
+    done = "data: [DONE]\n\n"  # after the last event
+
     def start(self, choices: list[Choice]) -> list[dict]:
         return []
 
@@ -310,6 +345,17 @@ class _Chunks:
         if not self.request.include_usage:
             return None
         return {**self.chunk_head(), "choices": [], "usage": p.usage(*_usage(choices, self.request.n))}
+
+    def tail(self, choices: list[Choice], error: dict | None) -> list[dict]:
+        """The events after the choices' own: the error, else the usage (if asked for)."""
+        if error is not None:
+            return [error]
+        usage = self.usage(choices)
+        return [usage] if usage is not None else []
+
+    def encode(self, data: dict, fingerprint: str | None) -> str:
+        """One SSE event; chunks carry the revision that answered (system_fingerprint), as OpenAI's do."""
+        return _sse_event({**data, "system_fingerprint": fingerprint} if "choices" in data else data)
 
 
 class CompletionChunks(_Chunks):
@@ -420,6 +466,97 @@ class ChatChunks(_Chunks):
         return events
 
 
+class ResponseEvents(_Chunks):
+    """/v1/responses, streamed: the chat choice's chunks (ChatChunks: content as it comes, tool calls at the end)
+    become the Responses event sequence: created, in_progress, the message item (added, its text part's deltas,
+    done), one function_call item per call, then completed (or incomplete, or failed) with the whole response."""
+
+    done = ""  # (the Responses stream ends with its last event)
+
+    def __init__(self, request: responses.ResponsesRequest, chat: p.ChatCompletionRequest, rid: str,
+                 server: APIServer):
+        super().__init__(request, rid, server)
+        self.chat = ChatChunks(chat, p.new_id("chatcmpl"), server)
+        self.output: list[dict] = []
+        self.message: dict | None = None  # the message item being streamed
+        self.finish_reason: str | None = None
+        self._sequence = 0
+
+    def start(self, choices: list[Choice]) -> list[dict]:
+        head = responses.response(self.request, self.rid, [], "in_progress", None)
+        return [{"type": "response.created", "response": head}, {"type": "response.in_progress", "response": head}]
+
+    def delta(self, choice: Choice, text: str) -> list[dict]:
+        events = []
+        for chunk in self.chat.delta(choice, text):
+            delta, reason = chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"]
+            if delta.get("content"):
+                events += self._text(delta["content"])
+            for call in delta.get("tool_calls", []):
+                events += self._close_message() + self._call(call)
+            if reason is not None:
+                self.finish_reason = reason
+                events += self._close_message()
+        return events
+
+    def _text(self, text: str) -> list[dict]:
+        events = []
+        if self.message is None:
+            self.message = responses.message_item(responses.new_id("msg"), "", "in_progress")
+            self.message["text"] = ""
+            events += [self._item("response.output_item.added", self.message),
+                       {**self._part(), "type": "response.content_part.added",
+                        "part": {"type": "output_text", "text": "", "annotations": []}}]
+        self.message["text"] += text
+        return events + [{**self._part(), "type": "response.output_text.delta", "delta": text, "logprobs": []}]
+
+    def _close_message(self) -> list[dict]:
+        if self.message is None:
+            return []
+        item = responses.message_item(self.message["id"], self.message.pop("text"))
+        self.message = None
+        part = {**self._part(item["id"]), "part": item["content"][0]}
+        self.output.append(item)
+        return [{**part, "type": "response.output_text.done", "text": item["content"][0]["text"], "logprobs": []},
+                {**part, "type": "response.content_part.done"}, self._item("response.output_item.done", item)]
+
+    def _call(self, call: dict) -> list[dict]:
+        item = responses.call_item(call)
+        added = {**item, "arguments": "", "status": "in_progress"}
+        where = {"item_id": item["id"], "output_index": len(self.output)}
+        self.output.append(item)
+        return [self._item("response.output_item.added", added, len(self.output) - 1),
+                {**where, "type": "response.function_call_arguments.delta", "delta": item["arguments"]},
+                {**where, "type": "response.function_call_arguments.done", "arguments": item["arguments"]},
+                self._item("response.output_item.done", item, len(self.output) - 1)]
+
+    def _item(self, kind: str, item: dict, index: int | None = None) -> dict:
+        shown = {k: v for k, v in item.items() if k != "text"}
+        return {"type": kind, "output_index": len(self.output) if index is None else index, "item": shown}
+
+    def _part(self, item_id: str | None = None) -> dict:
+        return {"item_id": item_id or self.message["id"], "output_index": len(self.output), "content_index": 0}
+
+    def tail(self, choices: list[Choice], error: dict | None) -> list[dict]:
+        use = responses.usage(*_usage(choices, 1))
+        if error is not None:
+            failed = {**responses.response(self.request, self.rid, self.output, "failed", use),
+                      "error": {"code": error["error"].get("code") or "server_error",
+                                "message": error["error"]["message"]}}
+            return [{"type": "response.failed", "response": failed}]
+        status, why = responses.outcome(self.finish_reason)
+        body = responses.response(self.request, self.rid, self.output, status, use, why)
+        return [{"type": f"response.{status}", "response": body}]
+
+    def encode(self, data: dict, fingerprint: str | None) -> str:
+        """`event: <type>` and its data, numbered in order (sequence_number), as OpenAI's stream is."""
+        if "response" in data:
+            data = {**data, "response": {**data["response"], "system_fingerprint": fingerprint}}
+        event = {**data, "sequence_number": self._sequence}
+        self._sequence += 1
+        return f"event: {data['type']}\n{_sse_event(event)}"
+
+
 async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> StreamingResponse:
     """Admission, the engine requests and their first output happen before the response starts: a refusal
     (the adapter unloaded before the request started: 404, as a plain request gets) is a plain HTTP error.
@@ -440,7 +577,7 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
     fingerprint = first.revision if first is not None else None  # (every event carries it, as OpenAI's chunks)
 
     def _event(data: dict) -> str:
-        return _sse_event({**data, "system_fingerprint": fingerprint} if "choices" in data else data)
+        return chunks.encode(data, fingerprint)
 
     async def body() -> AsyncIterator[str]:
         error = None
@@ -464,11 +601,9 @@ async def _sse(server: APIServer, raw: Request, requests, chunks: _Chunks) -> St
         finally:
             await stream.close()
             server.release(ticket, choices)
-        if error is not None:
-            yield _event(error)
-        elif (usage := chunks.usage(choices)) is not None:
-            yield _event(usage)
-        yield "data: [DONE]\n\n"
+        for event in chunks.tail(choices, error):
+            yield _event(event)
+        yield chunks.done
 
     return StreamingResponse(body(), media_type="text/event-stream", headers=_revision_header(fingerprint))
 

@@ -487,3 +487,71 @@ def test_auto_tool_choice_needs_a_template_that_declares_tools(tmp_path_factory)
         assert out.choices[0].message.tool_calls[0].function.name == "get_time"
     finally:
         stop(proc)
+
+
+# ---- the Responses API (server/responses.py), through the openai SDK's client.responses -------------------------
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in (TIME, WEATHER)]  # the Responses API's tool shape
+
+
+def test_responses_answer_as_the_same_chat_streamed_and_not(client):
+    chat = client.chat.completions.create(model="s2", messages=[{"role": "system", "content": "be brief"}, *ASK],
+                                          max_tokens=12, temperature=0)
+    out = client.responses.create(model="s2", instructions="be brief", input="weather?", max_output_tokens=12,
+                                  temperature=0, metadata={"run": "7"})
+    assert out.output_text == chat.choices[0].message.content and out.model == "s2" and out.metadata == {"run": "7"}
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    length = chat.choices[0].finish_reason == "length"
+    assert out.status == ("incomplete" if length else "completed")
+    assert (out.incomplete_details.reason if length else out.incomplete_details) == ("max_output_tokens" if length else None)
+    parts = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]}]
+    assert client.responses.create(model="s2", input=parts, max_output_tokens=12, temperature=0).output_text == out.output_text
+    events = list(client.responses.create(model="s2", instructions="be brief", input="weather?", max_output_tokens=12,
+                                          temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] and kinds[-1] == f"response.{out.status}"
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert events[-1].response.output_text == out.output_text and [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_structured_output_and_a_tool_round_trip(client):
+    import json
+
+    schema = WEATHER["function"]["parameters"]
+    shaped = client.responses.create(model="s3", input="weather?", max_output_tokens=60, temperature=0,
+                                     text={"format": {"type": "json_schema", "name": "weather", "schema": schema}})
+    jsonschema.validate(json.loads(shaped.output_text), schema)
+    first = client.responses.create(model="s4", input="weather?", tools=FLAT_TOOLS, max_output_tokens=40, temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = first.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert set(json.loads(call.arguments)) == {"city", "days"}
+    back = [{"role": "user", "content": "weather?"}, call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    second = client.responses.create(model="s4", input=back, tools=FLAT_TOOLS, max_output_tokens=4, temperature=0)
+    said = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}
+    chat = client.chat.completions.create(model="s4", messages=[*ASK, said, {"role": "tool", "tool_call_id": call.call_id,
+                                                                           "content": "sunny"}],
+                                          tools=[TIME, WEATHER], max_tokens=4, temperature=0)
+    assert second.output_text == chat.choices[0].message.content and second.usage.input_tokens == chat.usage.prompt_tokens
+    events = list(client.responses.create(model="s4", input="weather?", tools=FLAT_TOOLS, max_output_tokens=40,
+                                          temperature=0, tool_choice={"type": "function", "name": "get_weather"},
+                                          stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [call.arguments] and events[-1].response.output[0].name == "get_weather"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"store": True}, "store: responses are not stored"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id: this server keeps no responses"),
+    ({"background": True}, "background: this server keeps no responses"),
+    ({"reasoning": {"effort": "low"}}, "reasoning: not implemented"),
+    ({"extra_body": {"surprise": 1}}, "surprise: not implemented"),
+    ({"tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input_text or output_text"),
+])
+def test_responses_fields_needing_state_or_not_implemented_are_400s_naming_them(client, kwargs, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.responses.create(**{"model": "s0", "input": "hi", "max_output_tokens": 2, **kwargs})
