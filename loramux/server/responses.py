@@ -6,10 +6,12 @@ event sequence. No torch.
   items for tool round trips), `instructions` (a system message first), `max_output_tokens`, `temperature`,
   `top_p`, `text.format` (text, json_object, json_schema), function `tools`, `tool_choice`,
   `parallel_tool_calls`, `stream`, `user` (logged; picks a weighted alias's target), `metadata` (returned),
-  `store: false`.
+  `store: false`. `text.format` shapes text answers: a turn that must call a tool (`tool_choice` "required" or a
+  named function) is constrained to the call instead, and with `tool_choice` "auto" the answer is text in the
+  format (one grammar constrains a turn: a call cannot be written then).
 - Refused with a 400 naming the field: what needs state kept between requests (`store: true`,
   `previous_response_id`, `conversation`, `background`, stored `prompt`s), and every other field this server does
-  not implement, unless it is null or its default.
+  not implement, unless it is null, empty or its default.
 """
 from __future__ import annotations
 
@@ -49,20 +51,21 @@ class ResponsesRequest(p.RequestModel):
 
     def refused(self) -> str | None:
         """Why this request cannot be served as sent (a field named), or None."""
-        extra = sorted((self.model_extra or {}).keys())
+        sent = {k: v for k, v in (self.model_extra or {}).items() if v not in (None, [], {}, _DEFAULTS.get(k))}
         if self.store:
             return "store: responses are not stored by this server; send store: false (or leave it out)"
-        stateful = [k for k in extra if k in STATEFUL and self.model_extra[k] not in (None, _DEFAULTS.get(k))]
+        stateful = sorted(k for k in sent if k in STATEFUL)
         if stateful:
             return f"{stateful[0]}: this server keeps no responses or conversations; send the whole input instead"
-        unknown = [k for k in extra if self.model_extra[k] not in (None, _DEFAULTS.get(k))]
+        unknown = sorted(sent)
         return f"{', '.join(unknown)}: not implemented by this server" if unknown else None
 
     def to_chat(self) -> p.ChatCompletionRequest:
         """The chat completion this request is (ValueError naming what does not convert)."""
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, dict)  # the output is a call
         fields = {"model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
-                  "response_format": _response_format(self.text), "tools": _chat_tools(self.tools),
+                  "response_format": None if forced else _response_format(self.text), "tools": _chat_tools(self.tools),
                   "tool_choice": _chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls}
         return p.ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 

@@ -1,7 +1,8 @@
 """OpenAI fields real clients rely on, through `loramux serve` with the official openai client: logprobs
 (completions and chat, streamed and not), echo (lm-evaluation-harness's loglikelihood request), vLLM's
-prompt_logprobs, and the refusal of any field the server does not implement. Values are checked against the
-offline engine on the same weights (whose logprobs tests/engine/test_logprobs.py checks against PEFT)."""
+prompt_logprobs, the Responses API (and the openai-agents SDK on it), and the refusal of any field the server
+does not implement. Values are checked against the offline engine on the same weights (whose logprobs
+tests/engine/test_logprobs.py checks against PEFT)."""
 import math
 import os
 
@@ -555,3 +556,34 @@ def test_responses_structured_output_and_a_tool_round_trip(client):
 def test_responses_fields_needing_state_or_not_implemented_are_400s_naming_them(client, kwargs, words):
     with pytest.raises(openai.BadRequestError, match=words):
         client.responses.create(**{"model": "s0", "input": "hi", "max_output_tokens": 2, **kwargs})
+
+
+def test_an_openai_agents_sdk_agent_calls_a_tool_then_answers(server):
+    """The openai-agents SDK (its Responses model, as it runs by default) with an adapter: the first turn must call
+    the tool (tool_choice "required"), the SDK runs it and sends its output back; the second turn answers."""
+    pytest.importorskip("agents")
+    from typing import Literal
+
+    import pydantic
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+    asked = []
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:  # (a free string: a random model may never end it)
+        """The weather in a city."""
+        asked.append(city)
+        return "sunny"
+
+    class Report(pydantic.BaseModel):  # a structured final answer: the grammar ends it (a random model rarely stops)
+        sunny: bool
+
+    model = OpenAIResponsesModel(model="s4", openai_client=openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="-"))
+    agent = Agent(name="weather", instructions="answer", tools=[get_weather], model=model, output_type=Report,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=100,
+                                               temperature=0))
+    result = Runner.run_sync(agent, "weather?", max_turns=2)
+    assert len(asked) == 1 and len(result.raw_responses) == 2
+    assert result.raw_responses[0].output[0].type == "function_call"
+    assert isinstance(result.final_output, Report)
