@@ -304,6 +304,18 @@ def prepare(args) -> None:
         print(f"embedded default model: {prepare_default_gguf()} ({time.monotonic() - started:.0f} s)", flush=True)
 
 
+def run_batch(args) -> None:
+    """`loramux run-batch`: server/batch.py; the rest of the arguments go to `loramux serve`."""
+    from loramux.server import batch
+
+    if args.max_concurrency < 1:
+        sys.exit(f"loramux run-batch: --max-concurrency must be >= 1, got {args.max_concurrency}")
+    try:
+        batch.run(args.input_file, args.output_file, args.args, args.max_concurrency)
+    except (batch.BatchFileError, OSError, RuntimeError) as e:
+        sys.exit(f"loramux run-batch: {e}")
+
+
 def tenant_key(args) -> None:
     from loramux.server.tenants import new_key
 
@@ -341,8 +353,17 @@ def main(argv: list[str] | None = None) -> None:
                                                "gives it (only its SHA-256 goes in the file)")
     k.add_argument("name", help="the tenant's name, as in [tenants.NAME]")
     k.set_defaults(func=tenant_key)
+    rb = commands.add_parser("run-batch", help="answer an OpenAI batch file (JSONL) with a server started for it",
+                             allow_abbrev=False,
+                             description="Every argument but these is `loramux serve`'s (the model, --lora-modules, "
+                                         "limits): a server of those flags answers the file, then stops. Lines already "
+                                         "in the output file are not run again (a stopped run resumes).")
+    rb.add_argument("-i", "--input-file", required=True, help="OpenAI batch input: {custom_id, method, url, body} lines")
+    rb.add_argument("-o", "--output-file", required=True, help="answers are appended here, one line each")
+    rb.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
+    rb.set_defaults(func=run_batch)
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "bench":
+    if extra and args.command not in ("bench", "run-batch"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.args = extra
     args.func(args)
