@@ -63,6 +63,14 @@ class LLM:
                     bar.update(1)
         return [finished[i] for i in ids]
 
+    def embed(self, prompts: str | Sequence, adapters: str | Sequence | None = None, pooling: str = "last",
+              normalize: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Each prompt's embedding (`.embedding`): the last layer's hidden states with the prompt's adapter,
+        pooled ("last" token, or "mean") and, by default, scaled to unit length. Batched with anything else
+        the engine runs; nothing is generated."""
+        params = SamplingParams(max_tokens=1, pooling=pooling, normalize=normalize)
+        return self.generate(prompts, params, adapters, use_tqdm)
+
     def chat(self, messages: Sequence, sampling_params=None, adapters=None, use_tqdm=None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """messages: one conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""

@@ -127,6 +127,9 @@ class StructuredOutputsParams:
             raise ValueError("structured outputs choice must be a non-empty list of non-empty strings")
 
 
+POOLINGS = (None, "last", "mean")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -174,6 +177,13 @@ class SamplingParams:
     priority: int = 0
     """vLLM's field: with EngineConfig.scheduling_policy "priority", lower runs earlier (and is preempted later);
     under "fcfs" only 0 is taken. Not a sampling parameter either (see cache_salt)."""
+    pooling: str | None = None
+    """Embeddings: no token is generated; the prompt's hidden states (the last layer's, after the final norm, with
+    the request's adapter) pooled into one vector: "last" (the last token's, as vLLM pools decoder models) or
+    "mean" (the average over the prompt; such a request computes every position, so it reads no cached
+    prefix). None: generate."""
+    normalize: bool = True
+    """With pooling: the vector scaled to unit length (L2), as vLLM's pooling does by default."""
     cache_salt: str | None = None
     """vLLM's field: the prefix cache is split by it, so a request reads cached blocks only of requests with the
     same salt (and the same adapter identity), and one client's time to first token says nothing of another's
@@ -231,6 +241,11 @@ class SamplingParams:
              "cannot be used with structured outputs (the grammar decides where the output ends)"),
             ("stop_token_ids", all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
              "must be non-negative integers"),
+            ("pooling", self.pooling in POOLINGS, f"must be one of {', '.join(map(str, POOLINGS))}"),
+            ("pooling", self.pooling is None or not (self.structured_outputs or self.logprobs is not None
+                                                     or self.prompt_logprobs is not None),
+             "generates no token: it takes no structured outputs or logprobs"),
+            ("normalize", isinstance(self.normalize, bool), "must be a boolean"),
         ]
 
     @property

@@ -230,7 +230,7 @@ class EngineCore:
                 seq.num_computed_tokens = spans[id(seq)][1] if spans is not None else len(seq)
                 self.block_manager.cache_computed(seq)  # its full blocks of computed K/V can be shared now
                 if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
-                    outputs.append(self._append(seq, result))
+                    outputs.append(self._append(seq, result) if result.embedding is None else self._pooled(seq, result))
         return outputs
 
     def _timed_run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
@@ -306,7 +306,8 @@ class EngineCore:
                         for t in self._run([seq], [slot], is_prefill, None if spans is None else [spans[i]])]
             logger.exception("request %s failed in a step", seqs[0].request_id)
             return [f"the engine failed on this request: {type(e).__name__}: {e}"]
-        return [r if r is None else r.error or (NON_FINITE if r.token is None else r) for r in results]
+        return [r if r is None else r.error or (NON_FINITE if r.token is None and r.embedding is None else r)
+                for r in results]
 
     def _append(self, seq: Sequence, result: Sampled) -> CoreOutput:
         token = result.token
@@ -326,6 +327,14 @@ class EngineCore:
         revision = seq.adapter_ref.revision if first and seq.adapter_ref is not None else None
         return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
                           prompt_logprobs=result.prompt_logprobs, num_cached_tokens=cached, revision=revision)
+
+    def _pooled(self, seq: Sequence, result: Sampled) -> CoreOutput:
+        """A pooling request's one output: its vector; it ends (no token)."""
+        self.scheduler.finish(seq, "stop")
+        self._forget(seq)
+        revision = seq.adapter_ref.revision if seq.adapter_ref is not None else None
+        return CoreOutput(seq.request_id, [], "stop", num_cached_tokens=seq.num_cached_tokens or 0, revision=revision,
+                          embedding=result.embedding)
 
     def _ended(self, seq: Sequence, reason: str, error: str, status: int = 0) -> CoreOutput:
         """The output of a request the scheduler has already finished."""

@@ -130,7 +130,7 @@ class LLMEngine:
         return RequestOutput(out.request_id, request.prompt, request.prompt_token_ids, request.detokenizer.text,
                              list(request.token_ids), request.adapter, reason, delta, list(out.new_token_ids),
                              out.error, _copy(request.logprobs), request.prompt_logprobs, request.num_cached_tokens,
-                             request.revision)
+                             request.revision, out.embedding)
 
     # ---- offline helpers -----------------------------------------------------------------------------
     def stream(self, prompts: Seq, params: Seq[SamplingParams], adapters: Seq[str | None]) -> Iterator[RequestOutput]:

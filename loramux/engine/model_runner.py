@@ -42,6 +42,7 @@ class Sampled(NamedTuple):
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     error: str | None = None  # the request cannot go on (its grammar refused the token)
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling): no token
 
 
 def available_memory(device: torch.device) -> int:
@@ -69,6 +70,33 @@ def _decode_only(seqs: list[Sequence], is_prefill: bool, spans: list[tuple[int, 
     if spans is None:
         return not is_prefill
     return all(end - start == 1 and end == len(s) for s, (start, end) in zip(seqs, spans))
+
+
+def pool(seqs: list[Sequence], spans: list[tuple[int, int]], hidden: torch.Tensor,
+         offsets) -> tuple[dict[int, torch.Tensor], dict[int, list[float]]]:
+    """Pooling requests' share of a step (SamplingParams.pooling): {i: the mean's running sum with this chunk} for
+    those whose prompt goes on, and {i: the vector} for those whose prompt ends here. hidden: [rows, hidden],
+    sequence i's rows offsets[i]:offsets[i+1] (its span's positions)."""
+    sums, vectors = {}, {}
+    for i, (seq, (_, end)) in enumerate(zip(seqs, spans)):
+        how = seq.params.pooling
+        if how is None:
+            continue
+        rows = hidden[offsets[i]:offsets[i + 1]].float()
+        if how == "mean":
+            total = rows.sum(0) if seq.pooled_sum is None else seq.pooled_sum + rows.sum(0)
+            if end < len(seq):
+                sums[i] = total
+                continue
+            vector = total / len(seq)
+        else:
+            if end < len(seq):
+                continue
+            vector = rows[-1]
+        if seq.params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=-1)
+        vectors[i] = vector.tolist()
+    return sums, vectors
 
 
 def padding_indices(offsets: list[int], lengths: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,16 +206,21 @@ class ModelRunner:
             input_ids, positions, meta, token_counts, offsets = prepare(ordered, ordered_spans)
             hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
         prompt = self._prompt_logprobs(ordered, ordered_slots, ordered_spans, hidden, offsets)
-        done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s)]
+        sums, pooled = pool(ordered, ordered_spans, hidden, offsets)
+        done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s) and i not in pooled]
         last = hidden if len(done) == hidden.shape[0] else hidden[[offsets[i + 1] - 1 for i in done]]
         sampled = self._sample([ordered[i] for i in done], last, [ordered_slots[i] for i in done])
         # Nothing raised: commit. (Sampling advanced generators and grammars, so it comes last: a step that
         # raises is rerun per sequence and must not have changed any sequence's state.)
         for i, parts in prompt.items():
             ordered[i].prompt_logprobs = parts
+        for i, total in sums.items():
+            ordered[i].pooled_sum = total
         result: list[Sampled | None] = [None] * len(seqs)
         for i, out in zip(done, sampled):  # the prompt's logprobs go out with the chunk that completes it
             result[order[i]] = out._replace(prompt_logprobs=prompt.get(i))
+        for i, vector in pooled.items():
+            result[order[i]] = Sampled(None, embedding=vector)
         return result
 
     def _logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:

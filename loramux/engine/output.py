@@ -29,6 +29,7 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1, once, in the request's first output
     num_cached_tokens: int = 0  # prompt tokens the prefix cache held, in the request's first output
     revision: str | None = None  # the adapter load it runs on (AdapterRef.revision), in its first output
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling), in its one output
 
     @property
     def finished(self) -> bool:
@@ -51,6 +52,7 @@ class RequestOutput:
     prompt_logprobs: Logprobs | None = None  # of prompt tokens 1..n-1 (SamplingParams.prompt_logprobs set)
     num_cached_tokens: int = 0  # prompt tokens read from the prefix cache (vLLM's RequestOutput field)
     revision: str | None = None  # the adapter load that produced it, name@rev (None: the base model)
+    embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling; LLM.embed)
 
     @property
     def finished(self) -> bool:

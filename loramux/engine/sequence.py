@@ -45,6 +45,7 @@ class Sequence:
         self.num_preemptions = 0
         self.bad_words_ids: list[tuple[int, ...]] = []  # SamplingParams.bad_words as token ids (set by the engine)
         self.prompt_logprobs = None  # a chunked prefill's prompt logprobs so far (engine.output.Logprobs)
+        self.pooled_sum = None  # mean pooling: the sum of its prompt's hidden states so far (float32 [hidden])
         self.grammar = None  # structured outputs: its llguidance matcher (engine.grammar), fed every token it samples
         # the prefix cache (BlockManager): the chain of its full blocks' hashes, their salt (its adapter identity,
         # set at admission), blocks already cached, hashes it is computing, and what its first admission found
@@ -86,9 +87,9 @@ class Sequence:
 
     @property
     def reads_cache(self) -> bool:
-        """Whether its prefill may start from cached blocks: not when it scores its prompt (every position must
-        be computed; as vLLM, such a request bypasses the cache)."""
-        return not self.scores_prompt
+        """Whether its prefill may start from cached blocks: not when it scores its prompt or mean-pools it
+        (every position must be computed; as vLLM, such a request bypasses the cache)."""
+        return not self.scores_prompt and self.params.pooling != "mean"
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,7 @@ it answers /v1/models and 404s, and it is what a restarted engine loads again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -23,6 +24,7 @@ from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, 
 from loramux.adapters.remote import RemoteAdapterError, RemoteStoreError, check_uri
 from loramux.adapters.status import LoRAStatus
 from loramux.config import EngineConfig, ServerConfig
+from loramux.sampling_params import SamplingParams
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.engine.sequence import PROMPT_LOGPROBS_WEIGHT
 from loramux.server import protocol as p
@@ -320,6 +322,31 @@ class APIServer:
                 self._check(lambda: self.inputs.check_length(len(prompt_ids), params, strict=True))
                 requests.append(AddRequest(f"{rid}-{i}-{j}", prompt_ids, params, adapter, **origin))
         return requests
+
+    async def embedding_requests(self, request: p.EmbeddingRequest, client: str = "?",
+                                 tenant: Tenant | None = None) -> list[AddRequest]:
+        """One pooling request per input (SamplingParams.pooling), tokenized as completions' prompts are; they share
+        the adapter tiers, slots and steps with generation."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
+        self.require_engine()
+        adapter = await self.resolve(request.model, client, tenant, request.user)
+        sources = self._check(request.prompts)
+        if len(sources) > self.config.max_prompts_per_request:
+            raise HTTPError(400, f"this request has {len(sources)} inputs; at most {self.config.max_prompts_per_request}",
+                            code="too_many_prompts")
+        params = self._check(lambda: SamplingParams(max_tokens=1, pooling=request.pooling, normalize=request.normalize,
+                                                    cache_salt=request.cache_salt))
+        ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, False, params,
+                                                               None)
+        origin = {"tenant": tenant.name if tenant else None, "share": share_of(client),
+                  "weight": tenant.weight if tenant else 1.0}
+        if tenant is not None:
+            params = dataclasses.replace(params, priority=tenant.priority)
+        rid = p.new_id("embd")
+        for prompt_ids in ids:
+            self._check(lambda: self.inputs.check_length(len(prompt_ids), params, strict=True))
+        return [AddRequest(f"{rid}-{i}", prompt_ids, params, adapter, **origin) for i, prompt_ids in enumerate(ids)]
 
     async def tokenize(self, request: p.TokenizeRequest, tenant: Tenant | None = None) -> list[int]:
         """/tokenize, in the tokenizer thread (the chat template renders as for a chat request)."""

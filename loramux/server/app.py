@@ -118,6 +118,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None, l
     _add_admin_routes(app, server)
     _add_alias_routes(app, server)
     _add_responses_route(app, server)
+    _add_embeddings_route(app, server)
     _add_pause_routes(app, server)
     return app
 
@@ -293,6 +294,25 @@ def _add_responses_route(app: FastAPI, server: APIServer) -> None:
                 [responses.call_item(call) for call in calls]
             status, why = responses.outcome(message["finish_reason"])
             body = responses.response(request, events.rid, output, status, responses.usage(*_usage(choices, 1)), why)
+            return {**body, "system_fingerprint": fingerprint}
+
+        return await json_off_the_loop(answer, _revision_header(fingerprint))
+
+
+def _add_embeddings_route(app: FastAPI, server: APIServer) -> None:
+    @app.post("/v1/embeddings")
+    async def embeddings(request: p.EmbeddingRequest, raw: Request):
+        """OpenAI's embeddings per adapter: each input's pooled hidden state (SamplingParams.pooling)."""
+        requests = await server.embedding_requests(request, client_of(raw), tenant_of(raw))
+        choices = await server.complete(requests, raw)
+        vectors = [c.embedding for c in choices]
+        if request.dimensions is not None and request.dimensions != len(vectors[0]):
+            raise HTTPError(400, f"dimensions: this model's embeddings have {len(vectors[0])} dimensions, and they "
+                                 "cannot be shortened (the model was not trained for it)", code="dimensions")
+        fingerprint = _fingerprint(c.revision for c in choices)
+
+        def answer() -> dict:
+            body = p.embedding_list(request.model, vectors, request.encoding_format, sum(c.prompt_tokens for c in choices))
             return {**body, "system_fingerprint": fingerprint}
 
         return await json_off_the_loop(answer, _revision_header(fingerprint))

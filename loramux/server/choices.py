@@ -31,6 +31,7 @@ class Choice:
     logprobs_sent: int = 0  # streaming: how many of `logprobs` went out already
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache held
     revision: str | None = None  # the adapter load that answers it (name@rev; None: the base model)
+    embedding: list[float] | None = None  # a pooling request's vector (its one output)
 
     @property
     def text(self) -> str:
@@ -46,6 +47,7 @@ class Choice:
             self.prompt_logprobs = out.prompt_logprobs
         self.cached_tokens = max(self.cached_tokens, out.num_cached_tokens)
         self.revision = self.revision or out.revision
+        self.embedding = out.embedding if out.embedding is not None else self.embedding
         if self.discard:  # the token is not part of the answer; zero tokens were asked for: "length"
             reason = out.finish_reason
             self.finish_reason = "length" if reason in ("stop", "length") else reason

@@ -9,10 +9,13 @@ wrong JSON type is refused, never coerced, and so is text that is not valid Unic
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import struct
 import time
 import uuid
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -294,6 +297,40 @@ class CompletionRequest(GenerationRequest):
         if not p:
             raise ValueError("prompt must not be empty")
         return list(p)
+
+
+class EmbeddingRequest(RequestModel):
+    """/v1/embeddings: OpenAI's fields, and vLLM-style extras for how the hidden states are pooled. Any other field
+    is a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # honoured only as the model's own size: these embeddings cannot be shortened
+    user: str | None = None
+    pooling: Literal["last", "mean"] = "last"  # the last token's hidden state (vLLM's for decoder models), or the mean
+    normalize: bool = True  # scaled to unit length, as vLLM's pooling does by default
+    cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt
+
+    def prompts(self) -> list:
+        p = self.input
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("input must not be empty")
+        return list(p)
+
+
+def embedding_list(model: str, vectors: list[list[float]], encoding: str, prompt_tokens: int) -> dict:
+    """OpenAI's embeddings response; base64: each vector's float32 bytes, little-endian, as OpenAI sends them."""
+    def encoded(vector):
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode() if encoding == "base64" else vector
+
+    data = [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
 
 class ChatCompletionRequest(GenerationRequest):

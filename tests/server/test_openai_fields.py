@@ -587,3 +587,36 @@ def test_an_openai_agents_sdk_agent_calls_a_tool_then_answers(server):
     assert len(asked) == 1 and len(result.raw_responses) == 2
     assert result.raw_responses[0].output[0].type == "function_call"
     assert isinstance(result.final_output, Report)
+
+
+# ---- embeddings per adapter ----------------------------------------------------------------------------------
+def test_embeddings_per_adapter_equal_the_offline_engine_as_floats_and_base64(client, offline):
+    import base64
+    import struct
+
+    texts = ["weather?", "a longer sentence about kites"]
+    for model, adapter in (("s0", "s0"), ("s2", "s2"), ("tiny", None)):
+        out = client.embeddings.create(model=model, input=texts)
+        expected = [o.embedding for o in offline.embed(texts, adapters=adapter)]
+        assert [d.index for d in out.data] == [0, 1] and out.model == model
+        for got, want in zip(out.data, expected):
+            assert max(abs(a - b) for a, b in zip(got.embedding, want)) < 1e-5
+        assert out.usage.prompt_tokens == sum(len(offline.tokenizer.encode(t)) for t in texts)
+    mean = client.embeddings.create(model="s1", input="weather?", extra_body={"pooling": "mean", "normalize": False})
+    want = offline.embed(["weather?"], adapters="s1", pooling="mean", normalize=False)[0].embedding
+    assert max(abs(a - b) for a, b in zip(mean.data[0].embedding, want)) < 1e-4
+    raw = client.with_raw_response.embeddings.create(model="s0", input="weather?", encoding_format="base64").http_response
+    packed = base64.b64decode(raw.json()["data"][0]["embedding"])
+    floats, want = struct.unpack(f"<{len(packed) // 4}f", packed), offline.embed(["weather?"], adapters="s0")[0].embedding
+    assert len(floats) == len(want) and max(abs(a - b) for a, b in zip(floats, want)) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"dimensions": 8}, "dimensions: this model's embeddings have"),
+    ({"extra_body": {"pooling": "cls"}}, "pooling"),
+    ({"extra_body": {"temperature": 0}}, "temperature"),
+    ({"input": []}, "input must not be empty"),
+])
+def test_embedding_fields_the_server_cannot_honour_are_400s(client, kwargs, words):
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.embeddings.create(**{"model": "s0", "input": "x", **kwargs})
