@@ -78,13 +78,13 @@ def pool(seqs: list[Sequence], spans: list[tuple[int, int]], hidden: torch.Tenso
     those whose prompt goes on, and {i: the vector} for those whose prompt ends here. hidden: [rows, hidden],
     sequence i's rows offsets[i]:offsets[i+1] (its span's positions)."""
     sums, vectors = {}, {}
-    for i, (seq, (_, end)) in enumerate(zip(seqs, spans)):
+    for i, (seq, (start, end)) in enumerate(zip(seqs, spans)):
         how = seq.params.pooling
         if how is None:
             continue
         rows = hidden[offsets[i]:offsets[i + 1]].float()
-        if how == "mean":
-            total = rows.sum(0) if seq.pooled_sum is None else seq.pooled_sum + rows.sum(0)
+        if how == "mean":  # (a prompt computed from its start again, after a preemption, sums afresh)
+            total = rows.sum(0) if start == 0 or seq.pooled_sum is None else seq.pooled_sum + rows.sum(0)
             if end < len(seq):
                 sums[i] = total
                 continue

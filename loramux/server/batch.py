@@ -23,7 +23,7 @@ import uuid
 
 import httpx
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
 
 
 class BatchFileError(ValueError):

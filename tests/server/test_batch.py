@@ -39,6 +39,7 @@ def batch_lines() -> list[dict]:
             line("chat", "/v1/chat/completions", {"model": "s2", "messages": [{"role": "user", "content": "hi"}],
                                                   **greedy}),
             line("resp", "/v1/responses", {"model": "s3", "input": "hi", "max_output_tokens": 6, "temperature": 0}),
+            line("emb", "/v1/embeddings", {"model": "s4", "input": [PROMPT, "hi"]}),
             line("bad", "/v1/completions", {"model": "s0", "prompt": PROMPT, "max_tokens": -1})]
 
 
@@ -57,14 +58,17 @@ def test_a_mixed_batch_is_answered_and_resumes_after_an_interruption(files, tmp_
         assert out[custom_id]["response"]["body"]["choices"][0]["text"] == expected
     assert out["chat"]["response"]["body"]["choices"][0]["message"]["role"] == "assistant"
     assert out["resp"]["response"]["body"]["object"] == "response"
+    vectors = [d["embedding"] for d in out["emb"]["response"]["body"]["data"]]
+    offline = [o.embedding for o in llm.embed([PROMPT, "hi"], adapters="s4")]
+    assert max(abs(a - b) for v, w in zip(vectors, offline, strict=True) for a, b in zip(v, w, strict=True)) < 1e-5
     assert out["bad"]["response"]["status_code"] == 400 and "max_tokens" in json.dumps(out["bad"]["response"]["body"])
     kept = target.read_text().splitlines()[:3]  # the run stopped after three answers, mid-way through a fourth
     target.write_text("".join(k + "\n" for k in kept) + '{"id": "batch_req_torn", "custom_')
     second = run_batch(files, source, target)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "3 answered already, 3 to run" in second.stderr
+    assert "3 answered already, 4 to run" in second.stderr
     lines = target.read_text().splitlines()
-    assert lines[:3] == kept and len(lines) == 6
+    assert lines[:3] == kept and len(lines) == 7
     again = {r["custom_id"]: r for r in map(json.loads, lines)}
     assert set(again) == set(out) and again["c0"]["response"]["body"]["choices"] == out["c0"]["response"]["body"]["choices"]
 

@@ -58,4 +58,4 @@ def test_a_step_of_32_decodes_is_small():
     this replaces grew with every token: O(n^2) bytes per request)."""
     ids = [f"req-{'0' * 32}-0-{i}" for i in range(32)]
     step = Outputs([CoreOutput(rid, [40000 + i]) for i, rid in enumerate(ids)])
-    assert len(encode(step)) <= sum(len(rid) + 15 for rid in ids) + 24  # 9 fields, the last 6 nil or 0
+    assert len(encode(step)) <= sum(len(rid) + 16 for rid in ids) + 24  # 10 fields, the last 7 nil or 0
