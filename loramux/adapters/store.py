@@ -27,6 +27,7 @@ from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
 
 logger = logging.getLogger(__name__)
+MAX_FOUND = 4096  # lookup() answers kept at most
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class AdapterStore:
         self.cache, self.slots, self.config = cache, slots, config
         self._current: dict[str, AdapterRef] = {}  # name -> the identity requests starting now get
         self._kept: dict[str, list[AdapterRef]] = {}  # name -> its earlier revisions still addressable, oldest first
+        self._found: dict[str, AdapterRef | None] = {}  # lookup()'s answers since the names last changed
         self._retiring: set[AdapterRef] = set()  # no name points to them; removed once no request uses them
         self._weights: dict[AdapterRef, AdapterWeights] = {}  # the host tier
         self._sources: dict[AdapterRef, Source] = {}  # the disk tier (none for adapters built from tensors)
@@ -87,7 +89,16 @@ class AdapterStore:
 
     def lookup(self, model: str) -> AdapterRef | None:
         """The identity a request's `model` names: a loaded name's current one, or `name@rev`, a revision of
-        it still kept (LoRAConfig.keep_revisions; the current one's rev too); None if neither."""
+        it still kept (LoRAConfig.keep_revisions; the current one's rev too); None if neither. Answered once
+        per name until the names change (a request is checked when added and resolved when admitted, and a
+        waiting one is looked at every step: they all share the answer)."""
+        if model not in self._found:
+            if len(self._found) >= MAX_FOUND:  # (names clients made up: bounded)
+                self._found.clear()
+            self._found[model] = self._find(model)
+        return self._found[model]
+
+    def _find(self, model: str) -> AdapterRef | None:
         ref = self._current.get(model)
         revision = split_revision(model) if ref is None else None
         if revision is None:
@@ -289,6 +300,7 @@ class AdapterStore:
         """`ref` becomes its name's current identity; `old`, the one it replaces, is kept as an earlier revision
         (up to keep_revisions - 1 of them, the oldest retiring first) or retires."""
         self._current[ref.name] = ref
+        self._found.clear()
         if old is None:
             return
         kept = self._kept.setdefault(ref.name, [])
@@ -377,6 +389,7 @@ class AdapterStore:
         ref = self._current.pop(name, None)
         if ref is None:
             return LoRAResult(LoRAStatus.UNLOAD_NAME_NONEXISTENT, f"no adapter named {name!r} is loaded")
+        self._found.clear()
         for earlier in self._kept.pop(name, []):
             self._retire_later(earlier)
         self._retire_later(ref)

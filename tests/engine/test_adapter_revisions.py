@@ -119,3 +119,22 @@ def test_a_name_that_looks_like_a_revision_is_itself_first(files):
     assert llm.load_adapter("live@0123abcd", versions[1])  # a name of its own (the naming rule allows it)
     assert llm.load_adapter("v1", versions[1])
     assert tokens(llm, "live@0123abcd") == tokens(llm, "v1") != tokens(llm, "live")
+
+
+def test_a_name_is_looked_up_once_until_the_names_change(files, monkeypatch):
+    """A request's name is checked when it is added and resolved when it is admitted, and a waiting request is
+    looked at every step: all of them share one lookup per name until a load or unload changes the names."""
+    from loramux.adapters.store import AdapterStore
+
+    model, versions, _ = files
+    llm = make_llm(model, keep=2)
+    for name, path in (("a", versions[0]), ("b", versions[1])):
+        assert llm.load_adapter(name, path)
+    found = []
+    real = AdapterStore._find
+    monkeypatch.setattr(AdapterStore, "_find", lambda self, m: found.append(m) or real(self, m))
+    llm.generate([PROMPT] * 16, GREEDY, adapters=["a", "b"] * 8, use_tqdm=False)
+    assert sorted(found) == ["a", "b"]
+    revision = llm.load_adapter("a", versions[2], replace=True).revision
+    llm.generate([PROMPT] * 4, GREEDY, adapters=["a", revision] * 2, use_tqdm=False)
+    assert sorted(found[2:]) == sorted(["a", revision])
