@@ -113,7 +113,7 @@ TENANT_KEYS = {"A": "tenant-a-key", "B": "tenant-b-key"}
 
 
 def tenants_file() -> str:
-    from loramux.server.tenants import key_hash
+    from loramux.server.http.tenants import key_hash
 
     path = os.path.join(tempfile.mkdtemp(prefix="fairness-"), "tenants.toml")
     with open(path, "w") as f:

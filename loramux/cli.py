@@ -115,7 +115,7 @@ def _engine_config(args, usage: str) -> EngineConfig:
 
 
 def serve(args) -> None:
-    from loramux.server.app import build_app
+    from loramux.server.http.app import build_app
     from loramux.server.supervisor import supervise
 
     log_to_stderr(args.log_level)
@@ -133,11 +133,11 @@ def serve(args) -> None:
 
 
 def _serve_scaleout(args) -> None:
-    """--replicas N: the same server N times behind one endpoint, on Ray Serve (server/ray_ingress.py)."""
+    """--replicas N: the same server N times behind one endpoint, on Ray Serve (server/ray/ingress.py)."""
     if args.replicas < 1:
         sys.exit(f"loramux serve: --replicas must be >= 1, got {args.replicas}")
     try:
-        from loramux.server import ray_ingress
+        from loramux.server.ray import ingress as ray_ingress
     except ImportError as e:
         sys.exit(f"loramux serve --replicas needs Ray Serve: pip install 'ray[serve]' ({e})")
     try:
@@ -199,7 +199,7 @@ def _server_config(args) -> ServerConfig:
                           lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser,
                           allowed_adapter_uris=tuple(args.allowed_adapter_uri),
                           lora_resolver_uris=tuple(args.lora_resolver_uri), **limits)
-    from loramux.server.on_demand import build_resolvers
+    from loramux.server.http.on_demand import build_resolvers
 
     build_resolvers(config)  # a directory that is not one, a plugin that does not import: ValueError naming it
     for prefix in config.allowed_adapter_uris:
@@ -317,7 +317,7 @@ def run_batch(args) -> None:
 
 
 def tenant_key(args) -> None:
-    from loramux.server.tenants import new_key
+    from loramux.server.http.tenants import new_key
 
     if not args.name or any(c in args.name for c in "\"\\\n"):
         sys.exit("loramux tenant-key: the name must be non-empty, with no quote, backslash or newline")

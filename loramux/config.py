@@ -290,7 +290,7 @@ class ServerConfig:
     api_key: str | None = None
     """When set, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
     tenants_file: str | None = None
-    """A TOML file of tenants (server/tenants.py): their keys, the adapter names each may use and change, their
+    """A TOML file of tenants (server/http/tenants.py): their keys, the adapter names each may use and change, their
     limits and shares; reloaded on SIGHUP. None: no tenants (the API key, if any, opens everything)."""
     allowed_adapter_dirs: tuple[str, ...] = ()
     """Runtime loads (/v1/load_lora_adapter) only from under these directories; none = runtime loads off."""
@@ -331,7 +331,7 @@ class ServerConfig:
     them all while another's cold adapter waits. 0 = no limit."""
     max_connections: int = 0
     """Open connections at most (0: the file limit less a margin); past it the oldest one waiting for a request
-    head is closed (server/connections.py)."""
+    head is closed (server/http/connections.py)."""
     max_connections_per_client: int = 1024
     """Open connections per client address at most; past it that client's oldest idle one is closed."""
     header_timeout: float = 30.0

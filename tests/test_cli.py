@@ -36,7 +36,7 @@ def test_bench_prints_a_table_and_writes_a_chart(tiny, tmp_path, capsys):
 
 
 def test_serve_passes_its_flags_to_the_server(monkeypatch):
-    import loramux.server.app as app
+    import loramux.server.http.app as app
     import loramux.server.supervisor as supervisor
 
     from fastapi import FastAPI
@@ -103,7 +103,7 @@ def test_serve_refuses_a_bare_path_that_is_no_adapter_name(monkeypatch):
 
 def test_serve_replicas_runs_the_ray_serve_app_with_its_flags(monkeypatch):
     pytest.importorskip("ray.serve")
-    import loramux.server.ray_ingress as ray_ingress
+    import loramux.server.ray.ingress as ray_ingress
 
     seen = {}
     monkeypatch.setattr(ray_ingress, "run", lambda *args: seen.update(args=args))

@@ -63,5 +63,5 @@ def test_no_chat_template_is_a_clear_error():
 
 
 def test_importing_it_does_not_import_torch():
-    code = "import sys, loramux.tokenizer, loramux.server.app; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, loramux.tokenizer, loramux.server.http.app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -25,7 +25,7 @@ class Origin:
     """Who a request comes from, as far as the engine needs to know."""
 
     tenant: str | None = None
-    """Its tenant (server/tenants.py): its prefix cache is its own. None: no tenants (or the operator)."""
+    """Its tenant (server/http/tenants.py): its prefix cache is its own. None: no tenants (or the operator)."""
     share: str | None = None
     """Whose fair share of admissions it takes: its tenant, else its client (a digest). None: the one share of
     every request without an origin (the offline API: first come, first served)."""

@@ -2,8 +2,8 @@
 engine process) as a child, and starts a new one if that child dies of anything but a clean stop.
 
     loramux serve (supervise: the socket, restarts)
-      └─ front end process (uvicorn + FastAPI, server/app.py), given the socket
-           └─ engine process (server/engine_process.py)
+      └─ front end process (uvicorn + FastAPI, server/http/app.py), given the socket
+           └─ engine process (server/engine/engine_process.py)
 
 The front end keeps its adapter registry (what was loaded at run time, and pins) in a state file the
 supervisor owns, so the one that replaces it serves the same adapters; connections that arrive meanwhile wait
@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from loramux.config import EngineConfig, ServerConfig
-from loramux.server import prctl
+from loramux.server.engine import prctl
 
 logger = logging.getLogger("loramux.server")
 STARTUP_FAILED = 3  # as uvicorn.run: the server never started (a bad model path, a taken port, ...)
@@ -99,7 +99,7 @@ def _frontend_main(sock: socket.socket, engine_config: EngineConfig, config: Ser
     # event loop, which every other client's request goes through, should wait 1 ms for it, not 5.
     sys.setswitchinterval(0.001)
     from loramux.logs import log_to_stderr
-    from loramux.server.app import build_app, run_server
+    from loramux.server.http.app import build_app, run_server
 
     log_to_stderr(log_level)
     app = build_app(engine_config, config, lora_modules, state_file=state_file, restarts=restarts)

@@ -92,7 +92,7 @@ def tokenizer_file(tmp_path_factory):
 
 def run_checks(tokenizer_file, limits: GrammarLimits, specs: list) -> tuple[list, int]:
     """Each spec's verdict (None: accepted, else the 400's message) and how many workers were replaced."""
-    from loramux.server.grammar_checker import GrammarChecker, GrammarSource
+    from loramux.server.http.grammar_checker import GrammarChecker, GrammarSource
 
     async def main():
         with open(tokenizer_file, encoding="utf-8") as f:

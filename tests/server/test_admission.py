@@ -2,7 +2,7 @@
 gives back exactly what its ticket took."""
 import pytest
 
-from loramux.server.admission import Admission, TooBusy
+from loramux.server.http.admission import Admission, TooBusy
 
 
 def test_each_limit_refuses_naming_itself_and_counts_nothing_in():

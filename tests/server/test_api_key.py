@@ -1,8 +1,8 @@
-"""The API key check (server/app.py Auth): 401 without the key, in constant time (hmac.compare_digest)."""
+"""The API key check (server/http/app.py Auth): 401 without the key, in constant time (hmac.compare_digest)."""
 import asyncio
 import hmac
 
-from loramux.server import app as app_module
+from loramux.server.http import app as app_module
 
 
 def call(middleware, path: str, headers: list) -> int:

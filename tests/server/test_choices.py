@@ -4,9 +4,9 @@ import asyncio
 from conftest import char_tokenizer
 from loramux.engine.output import CoreOutput
 from loramux.sampling_params import SamplingParams
-from loramux.server.choices import new_choices, run_choices
-from loramux.server.engine_client import OutputStream
-from loramux.server.wire import AddRequest
+from loramux.server.http.choices import new_choices, run_choices
+from loramux.server.engine.engine_client import OutputStream
+from loramux.server.engine.wire import AddRequest
 from loramux.tokenizer import Tokenizer
 
 

@@ -1,4 +1,4 @@
-"""The front end's connection bounds (server/connections.py): idle connections past a cap make room for new
+"""The front end's connection bounds (server/http/connections.py): idle connections past a cap make room for new
 ones, a request head that does not come in time closes the connection, and a flood of idle connections leaves
 /health and other requests answerable."""
 import asyncio
@@ -7,7 +7,7 @@ import socket
 import httpx
 import pytest
 
-from loramux.server.connections import ConnectionGuard, default_max_connections
+from loramux.server.http.connections import ConnectionGuard, default_max_connections
 from support.serving import make_files, server_log, start_server, stop, wait_until
 
 

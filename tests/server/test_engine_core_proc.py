@@ -5,9 +5,9 @@ from conftest import save_checkpoint, save_peft_adapter, tiny_llama
 from loramux import LoRAConfig, SamplingParams
 from loramux.config import EngineConfig
 from loramux.engine.engine_core import EngineCore
-from loramux.server.engine_process import EngineCoreProc
+from loramux.server.engine.engine_process import EngineCoreProc
 from loramux.adapters.status import LoRAStatus
-from loramux.server.wire import (Abort, AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
+from loramux.server.engine.wire import (Abort, AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
                                  Outputs, Pause, PauseState, PinAdapter, Resume, UnloadAdapter, decode_from_engine,
                                  decode_to_engine, encode)
 

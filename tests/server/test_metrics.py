@@ -1,6 +1,6 @@
 """Per-adapter residency for LoRA-aware routers: one series per adapter and tier while it is there."""
-from loramux.server.metrics import Metrics
-from loramux.server.wire import EngineStats
+from loramux.server.http.metrics import Metrics
+from loramux.server.engine.wire import EngineStats
 
 
 def stats(resident: dict, pinned: list) -> EngineStats:

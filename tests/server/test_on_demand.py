@@ -1,4 +1,4 @@
-"""Adapters loaded on their first request (server/on_demand.py), with a stand-in install: many requests for
+"""Adapters loaded on their first request (server/http/on_demand.py), with a stand-in install: many requests for
 one cold name make one resolution and one load, unknown names get 404 naming the resolvers, an adapter that
 does not load gets its refusal (remembered a short while), and nothing invalid reaches a resolver."""
 import asyncio
@@ -11,8 +11,8 @@ import types
 import pytest
 
 from loramux.config import ServerConfig
-from loramux.server import on_demand
-from loramux.server.errors import HTTPError
+from loramux.server.http import on_demand
+from loramux.server.http.errors import HTTPError
 
 
 def adapter_dir(path) -> str:

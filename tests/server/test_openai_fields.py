@@ -490,7 +490,7 @@ def test_auto_tool_choice_needs_a_template_that_declares_tools(tmp_path_factory)
         stop(proc)
 
 
-# ---- the Responses API (server/responses.py), through the openai SDK's client.responses -------------------------
+# ---- the Responses API (server/http/responses.py), through the openai SDK's client.responses -------------------------
 FLAT_TOOLS = [{"type": "function", **t["function"]} for t in (TIME, WEATHER)]  # the Responses API's tool shape
 
 

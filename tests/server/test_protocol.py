@@ -8,7 +8,7 @@ import typing
 import pydantic
 import pytest
 
-from loramux.server import protocol as p
+from loramux.server.http import protocol as p
 
 MESSAGES = [{"role": "user", "content": "a"}]
 

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from loramux import SamplingParams  # noqa: E402
-from loramux.server.tenants import key_hash  # noqa: E402
+from loramux.server.http.tenants import key_hash  # noqa: E402
 from support.serving import NO_KEEPALIVE, make_files, offline_llm, start_server, stop, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -324,7 +324,7 @@ def test_a_process_on_its_way_out_is_seen_as_such_before_it_is_reaped():
     waitpid says so (it may spend a while freeing its memory first), and a zombie or a gone pid is dead."""
     import subprocess
 
-    from loramux.server import prctl
+    from loramux.server.engine import prctl
 
     child = subprocess.Popen(["sleep", "600"])
     assert not prctl.exiting(child.pid) and not prctl.exiting(os.getpid())

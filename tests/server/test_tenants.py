@@ -1,4 +1,4 @@
-"""Tenants (server/tenants.py, docs/server.md "Tenants"): the file, keys, scoping (404 outside a tenant's names,
+"""Tenants (server/http/tenants.py, docs/server.md "Tenants"): the file, keys, scoping (404 outside a tenant's names,
 403 on admin routes), a prefix cache per tenant, quotas with Retry-After, a SIGHUP reload, and the engine's fair
 queue over tenants is tested in tests/engine/test_fair_queue.py."""
 import hmac
@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from loramux.cli import main as cli_main
-from loramux.server import tenants as tenants_module
-from loramux.server.errors import HTTPError
-from loramux.server.tenants import Quotas, Tenant, check_admin, check_use, key_hash, load_dirs, load_tenants
+from loramux.server.http import tenants as tenants_module
+from loramux.server.http.errors import HTTPError
+from loramux.server.http.tenants import Quotas, Tenant, check_admin, check_use, key_hash, load_dirs, load_tenants
 from support.serving import NO_KEEPALIVE, make_files, openai_client, start_server, stop, wait_until
 
 OPERATOR = "operator-key"
@@ -255,7 +255,7 @@ def test_a_tenants_keys_and_addresses_are_one_client_for_limits_and_shares_and_n
     request comes from; without tenants, on the key, sent to the engine only as a digest."""
     from starlette.requests import Request
 
-    from loramux.server.api_server import client_of, share_of
+    from loramux.server.http.api_server import client_of, share_of
 
     acme = Tenant("acme", ("0" * 64,), ("acme/*",))
 

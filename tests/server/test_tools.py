@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from loramux.server import tools
+from loramux.server.http import tools
 
 FN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 

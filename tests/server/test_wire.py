@@ -6,7 +6,7 @@ import pytest
 from loramux.adapters.status import LoRAStatus
 from loramux.engine.output import CoreOutput
 from loramux.sampling_params import SamplingParams
-from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
+from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
                                  LoadAdapter, Outputs, PinAdapter, Ready, StartupFailed, UnloadAdapter,
                                  decode_from_engine, decode_to_engine, encode)
 

@@ -24,8 +24,8 @@ import msgspec
 from ray import serve
 
 from loramux.config import EngineConfig, ServerConfig
-from loramux.server.app import build_app
-from loramux.server.errors import HTTPError, model_not_found
+from loramux.server.http.app import build_app
+from loramux.server.http.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 REPORT_INTERVAL_S = 0.5
@@ -208,7 +208,7 @@ class ServeReplica:
 def _error_body(e: HTTPError) -> bytes:
     import json
 
-    from loramux.server import protocol as p
+    from loramux.server.http import protocol as p
 
     return json.dumps(p.error_body(e.message, e.err_type, e.code)).encode()
 

@@ -21,8 +21,8 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loramux.adapters.file_names import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
-from loramux.server import protocol as p
-from loramux.server.errors import HTTPError
+from loramux.server.http import protocol as p
+from loramux.server.http.errors import HTTPError
 
 ADD, REPLACE, AGAIN = "added", "reloaded", "already loaded"  # what a load does (and says it did)
 

@@ -21,8 +21,8 @@ from dataclasses import replace
 import zmq
 
 from loramux.config import EngineConfig
-from loramux.server import prctl
-from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
+from loramux.server.engine import prctl
+from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
                                  LoadAdapter, Outputs, Pause, PauseState, PinAdapter, PrefixCacheReset, Ready,
                                  ResetPrefixCache, Resume, StartupFailed, UnloadAdapter, decode_to_engine, encode)
 

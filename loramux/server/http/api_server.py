@@ -27,20 +27,20 @@ from loramux.config import EngineConfig, ServerConfig
 from loramux.sampling_params import SamplingParams
 from loramux.engine.input_processor import EngineLimits, InputProcessor
 from loramux.engine.sequence import PROMPT_LOGPROBS_WEIGHT
-from loramux.server import protocol as p
-from loramux.server.adapter_admin import AGAIN, REPLACE, Upload, load_kind
-from loramux.server.admission import Admission, Ticket
-from loramux.server.aliases import Alias, Aliases, make_alias, target_name
-from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
-from loramux.server.choices import Choice, new_choices, run_choices
-from loramux.server.grammar_checker import GrammarChecker, GrammarSource
-from loramux.server.logprobs import LogprobFormatter
-from loramux.server.metrics import Metrics, RequestTimer
-from loramux.server.on_demand import OnDemand, remote_cache
-from loramux.server.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
-from loramux.server.uploads import Uploads, discard
-from loramux.server.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
+from loramux.server.http import protocol as p
+from loramux.server.http.adapter_admin import AGAIN, REPLACE, Upload, load_kind
+from loramux.server.http.admission import Admission, Ticket
+from loramux.server.http.aliases import Alias, Aliases, make_alias, target_name
+from loramux.server.http.errors import HTTPError, model_not_found
+from loramux.server.engine.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
+from loramux.server.http.choices import Choice, new_choices, run_choices
+from loramux.server.http.grammar_checker import GrammarChecker, GrammarSource
+from loramux.server.http.logprobs import LogprobFormatter
+from loramux.server.http.metrics import Metrics, RequestTimer
+from loramux.server.http.on_demand import OnDemand, remote_cache
+from loramux.server.http.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
+from loramux.server.http.uploads import Uploads, discard
+from loramux.server.engine.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
                                  ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
 
@@ -500,7 +500,7 @@ class APIServer:
                             "server_error", "adapter_store_timeout") from None
 
     async def upload_adapter(self, upload: Upload) -> tuple[str, str]:
-        """An adapter whose files came in the request (server/uploads.py): written under the uploads directory,
+        """An adapter whose files came in the request (server/http/uploads.py): written under the uploads directory,
         then loaded from there as a runtime load is (every check of files; read back from there after host
         eviction; loaded again by an engine restart). Its directory goes if it is refused. -> (ADD or REPLACE, the
         load's revision)"""

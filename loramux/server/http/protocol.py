@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from loramux.sampling_params import SamplingParams, StructuredOutputsParams, choice_seed, shorten
-from loramux.server import tools
+from loramux.server.http import tools
 
 NOT_IMPLEMENTED = frozenset({
     # OpenAI
@@ -426,7 +426,7 @@ class PinLoRAAdapterRequest(RequestModel):
 
 class LoRAAliasRequest(RequestModel):
     """POST /v1/lora_aliases: `name`'s requests go to `targets` (adapters or name@rev) in the shares of their
-    weights (server/aliases.py)."""
+    weights (server/http/aliases.py)."""
 
     name: str = Field(min_length=1)
     targets: dict[str, float]

@@ -25,21 +25,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loramux.adapters.names import split_revision
 from loramux.adapters.remote import is_uri
 from loramux.config import EngineConfig, ServerConfig
-from loramux.server import adapter_admin as admin
-from loramux.server import protocol as p
-from loramux.server import responses
-from loramux.server import tools
-from loramux.server.admission import TooBusy
-from loramux.server.connections import ConnectionGuard, default_max_connections, guarded_protocol
-from loramux.server.engine_client import EngineDeadError
-from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.aliases import target_name
-from loramux.server.api_server import APIServer, ShuttingDown, client_of, tenant_of, until_disconnected
-from loramux.server.tenants import Tenants, allows, check_admin, check_use, load_dirs
+from loramux.server.http import adapter_admin as admin
+from loramux.server.http import protocol as p
+from loramux.server.http import responses
+from loramux.server.http import tools
+from loramux.server.http.admission import TooBusy
+from loramux.server.http.connections import ConnectionGuard, default_max_connections, guarded_protocol
+from loramux.server.engine.engine_client import EngineDeadError
+from loramux.server.http.errors import HTTPError, model_not_found
+from loramux.server.http.aliases import target_name
+from loramux.server.http.api_server import APIServer, ShuttingDown, client_of, tenant_of, until_disconnected
+from loramux.server.http.tenants import Tenants, allows, check_admin, check_use, load_dirs
 from loramux.logprobs import Logprobs
-from loramux.server.choices import Choice, new_choices, run_choices
-from loramux.server.wire import PauseMode
-from loramux.server.logprobs import merge_completion
+from loramux.server.http.choices import Choice, new_choices, run_choices
+from loramux.server.engine.wire import PauseMode
+from loramux.server.http.logprobs import merge_completion
 
 VERSION = "0.1.0"
 logger = logging.getLogger("loramux.server")
@@ -165,7 +165,7 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str, sockets=None)
 class Auth:
     """ASGI middleware: who a request is, decided once, at the boundary, into `scope["state"]["tenant"]` (read
     with tenant_of). With an API key or tenants set, every path but /health needs `Authorization: Bearer <key>`:
-    the operator's key (tenant None, allowed everything) or a tenant's (server/tenants.py); else 401. Without
+    the operator's key (tenant None, allowed everything) or a tenant's (server/http/tenants.py); else 401. Without
     either, every request is the operator's. Keys are compared in constant time and never logged. (Plain ASGI,
     not Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the route.)
 
@@ -272,7 +272,7 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
 def _add_responses_route(app: FastAPI, server: APIServer) -> None:
     @app.post("/v1/responses")
     async def create_response(request: responses.ResponsesRequest, raw: Request):
-        """OpenAI's Responses API as one chat completion (server/responses.py)."""
+        """OpenAI's Responses API as one chat completion (server/http/responses.py)."""
         refused = request.refused()
         if refused:
             raise HTTPError(400, refused, code=refused.split(":")[0])
@@ -740,7 +740,7 @@ async def _load_from_path(server: APIServer, request: p.LoadLoRAAdapterRequest, 
 
 
 def _add_alias_routes(app: FastAPI, server: APIServer) -> None:
-    """Weighted aliases (server/aliases.py): set or replace one, list them, remove one. Admin routes: a tenant
+    """Weighted aliases (server/http/aliases.py): set or replace one, list them, remove one. Admin routes: a tenant
     needs `admin` and the alias's name and every target's adapter in its patterns."""
     @app.post("/v1/lora_aliases")
     async def set_alias(request: p.LoRAAliasRequest, raw: Request):
@@ -769,7 +769,7 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
     async def load(raw: Request):
         """vLLM's JSON body ({lora_name, lora_path, load_inplace}; SGLang's pinned), or the adapter's files in
         the body (multipart: lora_name, load_inplace, pinned, and the adapter_config.json and
-        adapter_model.safetensors parts; server/uploads.py)."""
+        adapter_model.safetensors parts; server/http/uploads.py)."""
         if raw.headers.get("content-type", "").startswith("multipart/form-data"):
             upload = await admin.upload_form(raw, server.config.max_adapter_upload_bytes)
             check_admin(tenant_of(raw), upload.name)

@@ -129,7 +129,7 @@ def _serve(conn, source: GrammarSource, limits: GrammarLimits) -> None:
     """The worker: build the tokenizer once, then answer jobs until the pipe closes."""
     import resource
 
-    from loramux.server import prctl
+    from loramux.server.engine import prctl
 
     prctl.die_with_parent(signal.SIGKILL)
     prctl.set_name("loramux-grammar")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.output import CoreOutput
 from loramux.logprobs import Logprobs
-from loramux.server.engine_client import OutputStream
-from loramux.server.wire import AddRequest
+from loramux.server.engine.engine_client import OutputStream
+from loramux.server.engine.wire import AddRequest
 
 
 @dataclass

@@ -29,9 +29,9 @@ import zmq.asyncio
 
 from loramux.config import EngineConfig
 from loramux.engine.output import CoreOutput
-from loramux.server import prctl
-from loramux.server.engine_process import run_engine
-from loramux.server.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
+from loramux.server.engine import prctl
+from loramux.server.engine.engine_process import run_engine
+from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
                                  ControlFailed, EngineStats, GetStats, Outputs, Pause, PauseState, PrefixCacheReset,
                                  Ready, StartupFailed, decode_from_engine, encode)
 

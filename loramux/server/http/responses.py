@@ -20,7 +20,7 @@ import uuid
 
 from pydantic import ConfigDict, Field
 
-from loramux.server import protocol as p
+from loramux.server.http import protocol as p
 
 STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 """Fields that need responses kept server-side, which this server does not do."""

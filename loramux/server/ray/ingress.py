@@ -36,14 +36,14 @@ from ray.exceptions import RayError
 
 from loramux.adapters.names import parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
-from loramux.server import protocol as p
-from loramux.server import adapter_admin as admin
-from loramux.server.api_server import client_of, tenant_of
-from loramux.server.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop
-from loramux.server.tenants import Tenants, allows, check_admin, check_use, load_dirs, load_tenants
-from loramux.server.errors import HTTPError, model_not_found
-from loramux.server.on_demand import OnDemand
-from loramux.server.ray_replica import AdapterEntry, ServeReplica
+from loramux.server.http import protocol as p
+from loramux.server.http import adapter_admin as admin
+from loramux.server.http.api_server import client_of, tenant_of
+from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop
+from loramux.server.http.tenants import Tenants, allows, check_admin, check_use, load_dirs, load_tenants
+from loramux.server.http.errors import HTTPError, model_not_found
+from loramux.server.http.on_demand import OnDemand
+from loramux.server.ray.replica import AdapterEntry, ServeReplica
 
 logger = logging.getLogger("loramux.server")
 REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports every 0.5 s)

@@ -31,7 +31,7 @@ import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from loramux.server.errors import HTTPError
+from loramux.server.http.errors import HTTPError
 
 KEY_PREFIX = "sha256:"
 WINDOW_S = 60.0  # rpm_limit and tpm_limit count the last minute
@@ -235,7 +235,7 @@ def allows(tenant: Tenant | None) -> Callable[[str], bool]:
 def check_use(tenant: Tenant | None, model: str) -> None:
     """A name outside the tenant's patterns gets the 404 of a name that does not exist (no existence oracle)."""
     if not allows(tenant)(model):
-        from loramux.server.errors import model_not_found
+        from loramux.server.http.errors import model_not_found
 
         raise model_not_found(model)
 

@@ -106,7 +106,7 @@ class AdapterSource(msgspec.Struct, array_like=True):
     path: str
     allowed_dirs: tuple[str, ...] = ()  # runtime loads were read under these; a reload reads under them again
     pinned: bool = False
-    resolved: bool = False  # loaded on its first request (server/on_demand.py): after a restart, on the next one
+    resolved: bool = False  # loaded on its first request (server/http/on_demand.py): after a restart, on the next one
     uri: str = ""  # fetched from a store (adapters/remote.py) into `path`, the local cache's copy
 
 

@@ -33,7 +33,7 @@ from loramux.adapters import resolvers
 from loramux.adapters.remote import RemoteAdapterError, RemoteCache
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.config import ServerConfig
-from loramux.server.errors import HTTPError, model_not_found
+from loramux.server.http.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 FAILURE_TTL_S = 10.0
