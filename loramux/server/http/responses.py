@@ -8,7 +8,7 @@ event sequence. No torch.
   `parallel_tool_calls`, `stream`, `user` (logged; picks a weighted alias's target), `metadata` (returned),
   `store: false`. `text.format` shapes text answers: a turn that must call a tool (`tool_choice` "required" or a
   named function) is constrained to the call instead, and with `tool_choice` "auto" the answer is text in the
-  format (one grammar constrains a turn: a call cannot be written then).
+  format (one grammar constrains a turn: no call can be written then, so it runs as "none").
 - Refused with a 400 naming the field: what needs state kept between requests (`store: true`,
   `previous_response_id`, `conversation`, `background`, stored `prompt`s), and every other field this server does
   not implement, unless it is null, empty or its default.
@@ -63,10 +63,14 @@ class ResponsesRequest(p.RequestModel):
     def to_chat(self) -> p.ChatCompletionRequest:
         """The chat completion this request is (ValueError naming what does not convert)."""
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, dict)  # the output is a call
+        shape = None if forced else _response_format(self.text)
+        choice = _chat_tool_choice(self.tool_choice)
+        if shape is not None and self.tools and choice in (None, "auto"):
+            choice = "none"  # the format's grammar lets no call be written: "auto" can only answer, as "none" does
         fields = {"model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
-                  "response_format": None if forced else _response_format(self.text), "tools": _chat_tools(self.tools),
-                  "tool_choice": _chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls}
+                  "response_format": shape, "tools": _chat_tools(self.tools), "tool_choice": choice,
+                  "parallel_tool_calls": self.parallel_tool_calls}
         return p.ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
 
     def _messages(self) -> list[dict]:
