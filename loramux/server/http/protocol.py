@@ -290,13 +290,17 @@ class CompletionRequest(GenerationRequest):
         return params
 
     def prompts(self) -> list:
-        """The prompts: one string or token-id list, or a list of them (each checked by the InputProcessor)."""
-        p = self.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        if not p:
-            raise ValueError("prompt must not be empty")
-        return list(p)
+        return prompt_list(self.prompt, "prompt")
+
+
+def prompt_list(value, field: str) -> list:
+    """The prompts a field holds: one string or token-id list, or a list of them (each checked by the
+    InputProcessor)."""
+    if isinstance(value, str) or (value and isinstance(value[0], int)):
+        return [value]
+    if not value:
+        raise ValueError(f"{field} must not be empty")
+    return list(value)
 
 
 class EmbeddingRequest(RequestModel):
@@ -315,12 +319,7 @@ class EmbeddingRequest(RequestModel):
     cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt
 
     def prompts(self) -> list:
-        p = self.input
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]
-        if not p:
-            raise ValueError("input must not be empty")
-        return list(p)
+        return prompt_list(self.input, "input")
 
 
 def embedding_list(model: str, vectors: list[list[float]], encoding: str, prompt_tokens: int) -> dict:
