@@ -544,7 +544,24 @@ def test_responses_structured_output_and_a_tool_round_trip(client):
     assert [e.arguments for e in done] == [call.arguments] and events[-1].response.output[0].name == "get_weather"
 
 
+def test_responses_logprobs_equal_the_chat_ones_streamed_and_not(client):
+    chat = client.chat.completions.create(model="s1", messages=ASK, max_tokens=5, temperature=0, logprobs=True,
+                                          top_logprobs=2)
+    want = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content]
+    args = dict(model="s1", input="weather?", max_output_tokens=5, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    got = client.responses.create(**args).output[0].content[0].logprobs
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in got] == want
+    events = list(client.responses.create(**args, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in streamed] == [w[:2] for w in want]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [(t.token, t.logprob) for t in done.logprobs] == [w[:2] for w in want]
+
+
 @pytest.mark.parametrize("kwargs, words", [
+    ({"top_logprobs": 2}, "top_logprobs: logprobs are returned with include"),
+    ({"include": ["reasoning.encrypted_content"]}, "include: 'reasoning.encrypted_content' not implemented"),
     ({"store": True}, "store: responses are not stored"),
     ({"previous_response_id": "resp_1"}, "previous_response_id: this server keeps no responses"),
     ({"background": True}, "background: this server keeps no responses"),

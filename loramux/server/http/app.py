@@ -290,7 +290,8 @@ def _add_responses_route(app: FastAPI, server: APIServer) -> None:
         def answer() -> dict:
             message = events.chat.choice(choices[0])
             content, calls = message["message"]["content"], message["message"].get("tool_calls") or []
-            output = ([responses.message_item(responses.new_id("msg"), content)] if content else []) + \
+            logprobs = (message["logprobs"] or {}).get("content") if request.wants_logprobs else None
+            output = ([responses.message_item(responses.new_id("msg"), content, logprobs=logprobs)] if content else []) + \
                 [responses.call_item(call) for call in calls]
             status, why = responses.outcome(message["finish_reason"])
             body = responses.response(request, events.rid, output, status, responses.usage(*_usage(choices, 1)), why)
@@ -511,7 +512,7 @@ class ResponseEvents(_Chunks):
         for chunk in self.chat.delta(choice, text):
             delta, reason = chunk["choices"][0]["delta"], chunk["choices"][0]["finish_reason"]
             if delta.get("content"):
-                events += self._text(delta["content"])
+                events += self._text(delta["content"], (chunk["choices"][0]["logprobs"] or {}).get("content"))
             for call in delta.get("tool_calls", []):
                 events += self._close_message() + self._call(call)
             if reason is not None:
@@ -519,25 +520,28 @@ class ResponseEvents(_Chunks):
                 events += self._close_message()
         return events
 
-    def _text(self, text: str) -> list[dict]:
+    def _text(self, text: str, logprobs: list | None) -> list[dict]:
         events = []
         if self.message is None:
             self.message = responses.message_item(responses.new_id("msg"), "", "in_progress")
-            self.message["text"] = ""
+            self.message["text"], self.message["logprobs"] = "", []
             events += [self._item("response.output_item.added", self.message),
                        {**self._part(), "type": "response.content_part.added",
                         "part": {"type": "output_text", "text": "", "annotations": []}}]
         self.message["text"] += text
-        return events + [{**self._part(), "type": "response.output_text.delta", "delta": text, "logprobs": []}]
+        self.message["logprobs"] += logprobs or []
+        return events + [{**self._part(), "type": "response.output_text.delta", "delta": text, "logprobs": logprobs or []}]
 
     def _close_message(self) -> list[dict]:
         if self.message is None:
             return []
-        item = responses.message_item(self.message["id"], self.message.pop("text"))
+        logprobs = self.message.pop("logprobs")
+        item = responses.message_item(self.message["id"], self.message.pop("text"),
+                                      logprobs=logprobs if self.request.wants_logprobs else None)
         self.message = None
         part = {**self._part(item["id"]), "part": item["content"][0]}
         self.output.append(item)
-        return [{**part, "type": "response.output_text.done", "text": item["content"][0]["text"], "logprobs": []},
+        return [{**part, "type": "response.output_text.done", "text": item["content"][0]["text"], "logprobs": logprobs},
                 {**part, "type": "response.content_part.done"}, self._item("response.output_item.done", item)]
 
     def _call(self, call: dict) -> list[dict]:
@@ -551,7 +555,7 @@ class ResponseEvents(_Chunks):
                 self._item("response.output_item.done", item, len(self.output) - 1)]
 
     def _item(self, kind: str, item: dict, index: int | None = None) -> dict:
-        shown = {k: v for k, v in item.items() if k != "text"}
+        shown = {k: v for k, v in item.items() if k not in ("text", "logprobs")}
         return {"type": kind, "output_index": len(self.output) if index is None else index, "item": shown}
 
     def _part(self, item_id: str | None = None) -> dict:

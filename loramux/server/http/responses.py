@@ -6,6 +6,7 @@ event sequence. No torch.
   items for tool round trips), `instructions` (a system message first), `max_output_tokens`, `temperature`,
   `top_p`, `text.format` (text, json_object, json_schema), function `tools`, `tool_choice`,
   `parallel_tool_calls`, `stream`, `user` (logged; picks a weighted alias's target), `metadata` (returned),
+  `include: ["message.output_text.logprobs"]` with `top_logprobs` (each output_text part's token logprobs),
   `store: false`. `text.format` shapes text answers: a turn that must call a tool (`tool_choice` "required" or a
   named function) is constrained to the call instead, and with `tool_choice` "auto" the answer is text in the
   format (one grammar constrains a turn: no call can be written then, so it runs as "none").
@@ -24,7 +25,8 @@ from loramux.server.http import protocol as p
 
 STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 """Fields that need responses kept server-side, which this server does not do."""
-NOT_IMPLEMENTED = ("include", "top_logprobs", "reasoning", "max_tool_calls", "service_tier", "truncation",
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value served: each output_text part's token logprobs
+NOT_IMPLEMENTED = ("reasoning", "max_tool_calls", "service_tier", "truncation",
                    "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options", "safety_identifier",
                    "context_management", "moderation", "image", "access_programs", "background_options",
                    "stream_options")
@@ -48,12 +50,19 @@ class ResponsesRequest(p.RequestModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def refused(self) -> str | None:
         """Why this request cannot be served as sent (a field named), or None."""
         sent = {k: v for k, v in (self.model_extra or {}).items() if v not in (None, [], {}, _DEFAULTS.get(k))}
         if self.store:
             return "store: responses are not stored by this server; send store: false (or leave it out)"
+        if self.top_logprobs is not None and not self.wants_logprobs:
+            return f"top_logprobs: logprobs are returned with include: [{LOGPROBS!r}]"
+        others = sorted(set(self.include or ()) - {LOGPROBS})
+        if others:
+            return f"include: {', '.join(map(repr, others))} not implemented by this server (only {LOGPROBS!r})"
         stateful = sorted(k for k in sent if k in STATEFUL)
         if stateful:
             return f"{stateful[0]}: this server keeps no responses or conversations; send the whole input instead"
@@ -70,8 +79,13 @@ class ResponsesRequest(p.RequestModel):
         fields = {"model": self.model, "messages": self._messages(), "max_completion_tokens": self.max_output_tokens,
                   "temperature": self.temperature, "top_p": self.top_p, "stream": self.stream, "user": self.user,
                   "response_format": shape, "tools": _chat_tools(self.tools), "tool_choice": choice,
-                  "parallel_tool_calls": self.parallel_tool_calls}
+                  "parallel_tool_calls": self.parallel_tool_calls, "logprobs": self.wants_logprobs or None,
+                  "top_logprobs": self.top_logprobs if self.wants_logprobs else None}
         return p.ChatCompletionRequest(**{k: v for k, v in fields.items() if v is not None})
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
 
     def _messages(self) -> list[dict]:
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -161,8 +175,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list | None = None) -> dict:
+    """logprobs: the text's tokens' (chat's shape, which output_text's is), when `include` asks for them."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    content = [part] if status == "completed" else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
