@@ -247,9 +247,12 @@ class URIResolver:
         self.prefix = check_uri(prefix, (prefix,))
         self.cache = cache
 
+    def uri_of(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
     def resolve(self, base_model: str, name: str) -> str | None:
         try:
-            return self.cache.fetch(f"{self.prefix}/{name}")
+            return self.cache.fetch(self.uri_of(name))
         except RemoteNotFoundError:
             return None
 

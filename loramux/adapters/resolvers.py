@@ -34,6 +34,7 @@ class Resolved:
 
     path: str
     allowed_dirs: tuple[str, ...]
+    uri: str = ""  # where a store's adapter came from (remote.URIResolver), shown as its root
 
 
 def _adapter_dir(path: str) -> bool:
@@ -144,7 +145,7 @@ def resolve(resolvers: list, base_model: str, name: str) -> Resolved | None:
         if not _adapter_dir(path):
             raise ValueError(f"resolver {resolver} answered {path} for {name!r}, which holds no adapter_config.json")
         allowed = resolver.allowed_dirs(path) if hasattr(resolver, "allowed_dirs") else (path,)
-        return Resolved(path, tuple(allowed))
+        return Resolved(path, tuple(allowed), resolver.uri_of(name) if hasattr(resolver, "uri_of") else "")
     return None
 
 

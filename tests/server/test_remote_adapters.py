@@ -180,6 +180,7 @@ def test_http_and_hub_adapters_answer_as_their_files(web, http_client, oracle):
 
 def test_an_adapter_nobody_registered_is_fetched_from_the_resolver_store(http_client, oracle):
     assert text(http_client, "cold-s3") == oracle["v2"]
+    assert http_client.get("/v1/models/cold-s3").json()["root"] == "s3://adapters/ondemand/cold-s3"
     missing = http_client.post("/v1/completions", json={"model": "nowhere", "prompt": PROMPT, "max_tokens": 2})
     assert missing.status_code == 404 and "store s3://adapters/ondemand" in missing.json()["error"]["message"]
 

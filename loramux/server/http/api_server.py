@@ -522,7 +522,8 @@ class APIServer:
     async def _install_resolved(self, name: str, found) -> None:
         """An adapter a resolver found (on_demand.py), read under the rule of the resolver's directories."""
         try:
-            await self.load_adapter(name, found.path, pinned=False, allowed_dirs=found.allowed_dirs, resolved=True)
+            await self.load_adapter(name, found.path, pinned=False, allowed_dirs=found.allowed_dirs, resolved=True,
+                                    uri=found.uri)
         except HTTPError as e:
             if e.code != "adapter_exists" or name not in self.registry:  # else: loaded meanwhile by the admin route
                 raise
