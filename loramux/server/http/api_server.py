@@ -81,6 +81,12 @@ def tenant_of(raw: Request) -> Tenant | None:
     return raw.scope.get("state", {}).get("tenant")
 
 
+def _origin(client: str, tenant: Tenant | None) -> dict:
+    """An engine request's origin fields: its tenant (its own prefix cache) and its fair share with its weight."""
+    return {"tenant": tenant.name if tenant else None, "share": share_of(client),
+            "weight": tenant.weight if tenant else 1.0}
+
+
 def share_of(client: str) -> str:
     """A client's fair-share key for the engine: a tenant's name, else a digest (never an API key)."""
     if client.startswith("tenant:"):
@@ -280,16 +286,13 @@ class APIServer:
                               tenant: Tenant | None = None) -> list[AddRequest]:
         """One engine request per (prompt, choice), every field checked and every prompt tokenized first; they
         carry the tenant (its own prefix cache) and the client's fair share."""
-        if self.draining:
-            raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
-        self.require_engine()
+        self._accepting()
         self._check_counts(request)
         pick = request.user if request.user is not None else None if request.seed is None else str(request.seed)
         adapter = await self.resolve(request.model, client, tenant, pick)
         if tenant is not None and "priority" not in request.model_fields_set:
             request = request.model_copy(update={"priority": tenant.priority})
-        origin = {"tenant": tenant.name if tenant else None, "share": share_of(client),
-                  "weight": tenant.weight if tenant else 1.0}
+        origin = _origin(client, tenant)
         sources = [request.messages] if chat else self._check(request.prompts)
         if len(sources) * request.n > self.config.max_prompts_per_request:
             raise HTTPError(400, f"this request asks for {len(sources)} prompts x n={request.n} completions; at most "
@@ -323,13 +326,17 @@ class APIServer:
                 requests.append(AddRequest(f"{rid}-{i}-{j}", prompt_ids, params, adapter, **origin))
         return requests
 
+    def _accepting(self) -> None:
+        """503 while the server shuts down or its engine is not up."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
+        self.require_engine()
+
     async def embedding_requests(self, request: p.EmbeddingRequest, client: str = "?",
                                  tenant: Tenant | None = None) -> list[AddRequest]:
         """One pooling request per input (SamplingParams.pooling), tokenized as completions' prompts are; they share
         the adapter tiers, slots and steps with generation."""
-        if self.draining:
-            raise ShuttingDown("the server is shutting down; send the request again to another replica or later")
-        self.require_engine()
+        self._accepting()
         adapter = await self.resolve(request.model, client, tenant, request.user)
         sources = self._check(request.prompts)
         if len(sources) > self.config.max_prompts_per_request:
@@ -339,8 +346,7 @@ class APIServer:
                                                     cache_salt=request.cache_salt))
         ids = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, sources, False, params,
                                                                None)
-        origin = {"tenant": tenant.name if tenant else None, "share": share_of(client),
-                  "weight": tenant.weight if tenant else 1.0}
+        origin = _origin(client, tenant)
         if tenant is not None:
             params = dataclasses.replace(params, priority=tenant.priority)
         rid = p.new_id("embd")

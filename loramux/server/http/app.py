@@ -499,7 +499,8 @@ class ResponseEvents(_Chunks):
         super().__init__(request, rid, server)
         self.chat = ChatChunks(chat, p.new_id("chatcmpl"), server)
         self.output: list[dict] = []
-        self.message: dict | None = None  # the message item being streamed
+        self.message_id: str | None = None  # the message item being streamed, its text and logprobs so far
+        self.text, self.logprobs = "", []
         self.finish_reason: str | None = None
         self._sequence = 0
 
@@ -522,26 +523,24 @@ class ResponseEvents(_Chunks):
 
     def _text(self, text: str, logprobs: list | None) -> list[dict]:
         events = []
-        if self.message is None:
-            self.message = responses.message_item(responses.new_id("msg"), "", "in_progress")
-            self.message["text"], self.message["logprobs"] = "", []
-            events += [self._item("response.output_item.added", self.message),
+        if self.message_id is None:
+            self.message_id, self.text, self.logprobs = responses.new_id("msg"), "", []
+            events += [self._item("response.output_item.added", responses.message_item(self.message_id, "", "in_progress")),
                        {**self._part(), "type": "response.content_part.added",
                         "part": {"type": "output_text", "text": "", "annotations": []}}]
-        self.message["text"] += text
-        self.message["logprobs"] += logprobs or []
+        self.text += text
+        self.logprobs += logprobs or []
         return events + [{**self._part(), "type": "response.output_text.delta", "delta": text, "logprobs": logprobs or []}]
 
     def _close_message(self) -> list[dict]:
-        if self.message is None:
+        if self.message_id is None:
             return []
-        logprobs = self.message.pop("logprobs")
-        item = responses.message_item(self.message["id"], self.message.pop("text"),
-                                      logprobs=logprobs if self.request.wants_logprobs else None)
-        self.message = None
-        part = {**self._part(item["id"]), "part": item["content"][0]}
+        item = responses.message_item(self.message_id, self.text,
+                                      logprobs=self.logprobs if self.request.wants_logprobs else None)
+        part = {**self._part(), "part": item["content"][0]}
+        self.message_id = None
         self.output.append(item)
-        return [{**part, "type": "response.output_text.done", "text": item["content"][0]["text"], "logprobs": logprobs},
+        return [{**part, "type": "response.output_text.done", "text": self.text, "logprobs": self.logprobs},
                 {**part, "type": "response.content_part.done"}, self._item("response.output_item.done", item)]
 
     def _call(self, call: dict) -> list[dict]:
@@ -555,11 +554,11 @@ class ResponseEvents(_Chunks):
                 self._item("response.output_item.done", item, len(self.output) - 1)]
 
     def _item(self, kind: str, item: dict, index: int | None = None) -> dict:
-        shown = {k: v for k, v in item.items() if k not in ("text", "logprobs")}
-        return {"type": kind, "output_index": len(self.output) if index is None else index, "item": shown}
+        return {"type": kind, "output_index": len(self.output) if index is None else index, "item": item}
 
-    def _part(self, item_id: str | None = None) -> dict:
-        return {"item_id": item_id or self.message["id"], "output_index": len(self.output), "content_index": 0}
+    def _part(self) -> dict:
+        """Where the streamed message's text part is (it is the next output item until it is closed)."""
+        return {"item_id": self.message_id, "output_index": len(self.output), "content_index": 0}
 
     def tail(self, choices: list[Choice], error: dict | None) -> list[dict]:
         use = responses.usage(*_usage(choices, 1))
