@@ -542,6 +542,16 @@ def test_responses_structured_output_and_a_tool_round_trip(client):
                                           stream=True))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [e.arguments for e in done] == [call.arguments] and events[-1].response.output[0].name == "get_weather"
+    items = [(e.type, e.output_index) for e in events if e.type.startswith("response.output_item.")]
+    assert items == [("response.output_item.added", 0), ("response.output_item.done", 0)]
+
+
+def test_a_streamed_message_item_is_added_and_done_at_its_own_index(client):
+    events = list(client.responses.create(model="s2", input="weather?", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    items = [(e.type, e.output_index, e.item.id) for e in events if e.type.startswith("response.output_item.")]
+    assert [i[:2] for i in items] == [("response.output_item.added", 0), ("response.output_item.done", 0)]
+    assert items[0][2] == items[1][2] == events[-1].response.output[0].id
 
 
 def test_responses_logprobs_equal_the_chat_ones_streamed_and_not(client):

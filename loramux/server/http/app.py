@@ -541,7 +541,8 @@ class ResponseEvents(_Chunks):
         self.message_id = None
         self.output.append(item)
         return [{**part, "type": "response.output_text.done", "text": self.text, "logprobs": self.logprobs},
-                {**part, "type": "response.content_part.done"}, self._item("response.output_item.done", item)]
+                {**part, "type": "response.content_part.done"},
+                self._item("response.output_item.done", item, len(self.output) - 1)]
 
     def _call(self, call: dict) -> list[dict]:
         item = responses.call_item(call)
