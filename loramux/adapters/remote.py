@@ -105,11 +105,15 @@ class RemoteCache:
                                      "may take (--max-adapter-download-bytes)")
         key = json.dumps([uri, [(f.size, f.version) for f in files]])
         target = os.path.join(self.root, hashlib.sha256(key.encode()).hexdigest()[:32])
-        versions = self._versions.setdefault(uri, [])
+        if not os.path.isdir(target):
+            self._download(fs, files, target, uri, deadline)
+        versions = self._versions.setdefault(uri, [])  # (only directories that exist: prune counts them)
         if target not in versions:
             versions.append(target)
-        if os.path.isdir(target):
-            return target
+        return target
+
+    def _download(self, fs, files: list[_File], target: str, uri: str, deadline: float) -> None:
+        """The files into a temporary directory, renamed to `target` once whole."""
         partial = tempfile.mkdtemp(prefix=".partial-", dir=self.root)
         try:
             for name, file in zip(FILES, files):
@@ -120,7 +124,6 @@ class RemoteCache:
                 raise
         finally:
             shutil.rmtree(partial, ignore_errors=True)
-        return target
 
     def prune(self, uri: str, keep: int, in_use: set[str]) -> None:
         """Remove `uri`'s older directories: all but its newest `keep`, and never one in `in_use` (a loaded
