@@ -239,14 +239,12 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
         if request.stream:
             return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw, discard=chunks.discard)
-        fingerprint = _fingerprint(c.revision for c in choices)
 
         def answer() -> dict:
             body = [chunks.choice(c) for c in choices]
-            response = p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
-            return {**response, "system_fingerprint": fingerprint}
+            return p.completion_response(chunks.rid, request.model, body, *_usage(choices, request.n))
 
-        return await json_off_the_loop(answer, _revision_header(fingerprint))
+        return await _whole(choices, answer)
 
     @app.post("/v1/chat/completions")
     async def chat(request: p.ChatCompletionRequest, raw: Request):
@@ -255,18 +253,16 @@ def _add_generation_routes(app: FastAPI, server: APIServer) -> None:
         if request.stream:
             return await _sse(server, raw, requests, chunks)
         choices = await server.complete(requests, raw)
-        fingerprint = _fingerprint(c.revision for c in choices)
 
         def answer() -> dict:
             body = [chunks.choice(c) for c in choices]
             response = p.chat_response(chunks.rid, request.model, body, *_usage(choices, request.n))
-            response["system_fingerprint"] = fingerprint
             if request.prompt_logprobs is not None:  # vLLM's place for them in a chat response
                 response["prompt_logprobs"] = server.logprobs.vllm_prompt(choices[0].prompt_logprobs or Logprobs(),
                                                                           request.skip_special_tokens)
             return response
 
-        return await json_off_the_loop(answer, _revision_header(fingerprint))
+        return await _whole(choices, answer)
 
 
 def _add_responses_route(app: FastAPI, server: APIServer) -> None:
@@ -285,19 +281,14 @@ def _add_responses_route(app: FastAPI, server: APIServer) -> None:
         if request.stream:
             return await _sse(server, raw, requests, events)
         choices = await server.complete(requests, raw)
-        fingerprint = _fingerprint(c.revision for c in choices)
 
         def answer() -> dict:
-            message = events.chat.choice(choices[0])
-            content, calls = message["message"]["content"], message["message"].get("tool_calls") or []
-            logprobs = (message["logprobs"] or {}).get("content") if request.wants_logprobs else None
-            output = ([responses.message_item(responses.new_id("msg"), content, logprobs=logprobs)] if content else []) + \
-                [responses.call_item(call) for call in calls]
-            status, why = responses.outcome(message["finish_reason"])
-            body = responses.response(request, events.rid, output, status, responses.usage(*_usage(choices, 1)), why)
-            return {**body, "system_fingerprint": fingerprint}
+            choice = events.chat.choice(choices[0])
+            status, why = responses.outcome(choice["finish_reason"])
+            return responses.response(request, events.rid, responses.output_of(choice, request.wants_logprobs), status,
+                                      responses.usage(*_usage(choices, 1)), why)
 
-        return await json_off_the_loop(answer, _revision_header(fingerprint))
+        return await _whole(choices, answer)
 
 
 def _add_embeddings_route(app: FastAPI, server: APIServer) -> None:
@@ -310,16 +301,19 @@ def _add_embeddings_route(app: FastAPI, server: APIServer) -> None:
         if request.dimensions is not None and request.dimensions != len(vectors[0]):
             raise HTTPError(400, f"dimensions: this model's embeddings have {len(vectors[0])} dimensions, and they "
                                  "cannot be shortened (the model was not trained for it)", code="dimensions")
-        fingerprint = _fingerprint(c.revision for c in choices)
-
-        def answer() -> dict:
-            body = p.embedding_list(request.model, vectors, request.encoding_format, sum(c.prompt_tokens for c in choices))
-            return {**body, "system_fingerprint": fingerprint}
-
-        return await json_off_the_loop(answer, _revision_header(fingerprint))
+        return await _whole(choices, lambda: p.embedding_list(request.model, vectors, request.encoding_format,
+                                                              sum(c.prompt_tokens for c in choices)))
 
 
 REVISION_HEADER = "x-adapter-revision"
+
+
+async def _whole(choices: list[Choice], answer) -> Response:
+    """A whole (non-streamed) answer, built off the event loop by answer(); it and its header name the adapter
+    load that produced it."""
+    fingerprint = _fingerprint(c.revision for c in choices)
+    return await json_off_the_loop(lambda: {**answer(), "system_fingerprint": fingerprint},
+                                   _revision_header(fingerprint))
 
 
 def _fingerprint(revisions) -> str | None:

@@ -184,6 +184,16 @@ def message_item(item_id: str, text: str, status: str = "completed", logprobs: l
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def output_of(choice: dict, logprobs: bool) -> list[dict]:
+    """A whole chat choice (its content and tool calls parsed) as Response output items: the message, if it
+    wrote text, then one function_call per call. logprobs: the text part carries its tokens'."""
+    message = choice["message"]
+    content, calls = message["content"], message.get("tool_calls") or []
+    tokens = (choice["logprobs"] or {}).get("content") if logprobs else None
+    text = [message_item(new_id("msg"), content, logprobs=tokens)] if content else []
+    return text + [call_item(call) for call in calls]
+
+
 def call_item(call: dict, status: str = "completed") -> dict:
     fn = call["function"]
     return {"type": "function_call", "id": new_id("fc"), "call_id": call["id"], "name": fn["name"],
