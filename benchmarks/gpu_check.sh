@@ -7,6 +7,8 @@
 #   3. benchmarks/throughput.py --device cuda on the 1B shape: HF transformers + PEFT on the same device and
 #      mixed-adapter workload (the peer present there), with how many greedy rows equal PEFT's
 #   4. benchmarks/step_profile.py: one decode step under torch.profiler (top kernels, host against GPU time)
+#   5. benchmarks/tune_triton.py on the first shape: the Triton kernels' tiles and splits measured on this GPU, the
+#      table in $OUT/tuned/ (commit it as loramux/ops/tuned/<gpu>.json; sizes not reached in its time are left out)
 # Each step has its own time limit, so a hang costs that step alone. Results: $OUT/gpu_check.jsonl (each step's
 # JSON line, with its name and the device), $OUT/gpu_check.log (everything printed), and $OUT/triton-cache.tgz.
 #
@@ -89,6 +91,9 @@ step "peft_$first" 120 "$PY" benchmarks/throughput.py --device "$DEVICE" --model
   --requests 256 --prompt-len 128 --new-tokens 64 --dtypes bfloat16 --repeats 1 "${EXTRA[@]}"
 step "profile_$first" 60 "$PY" benchmarks/step_profile.py --device "$DEVICE" --model "$WORK/$first/model" \
   --adapters "$WORK/$first/adapters"
+tune=(--tokens 1 8 32 128 --batches 1 8 32 128)
+[ "$DEVICE" = cuda ] || tune=(--tokens 1 --batches 1 --quick --dtype float32)  # the interpreter: a smoke test
+step "tune_$first" 100 "$PY" benchmarks/tune_triton.py --device "$DEVICE" --shape "$first" --out "$OUT/tuned" "${tune[@]}"
 tar -czf "$OUT/triton-cache.tgz" -C "$CACHE" triton
 rm -f "$OUT/step.out"
 echo "=== done: $JSONL" | tee -a "$LOG"

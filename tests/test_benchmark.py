@@ -13,8 +13,8 @@ from conftest import save_checkpoint, tiny_llama
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("throughput", SCRIPT)
+def load_script(stem: str = "throughput"):
+    spec = importlib.util.spec_from_file_location(stem, SCRIPT.parent / f"{stem}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -240,10 +240,38 @@ def test_the_gpu_check_runs_every_step_and_reports_each_as_a_json_line(tmp_path)
                           timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = {row["step"]: row for row in map(json.loads, (out / "gpu_check.jsonl").read_text().splitlines())}
-    assert list(steps) == ["vs_vllm_tiny", "batch1_tiny", "peft_tiny", "profile_tiny"]  # (batch 1 eager: on a GPU)
+    assert list(steps) == ["vs_vllm_tiny", "batch1_tiny", "peft_tiny", "profile_tiny", "tune_tiny"]  # (+ eager: GPU)
     assert steps["batch1_tiny"]["result"]["enforce_eager"] is False
     assert all(row["rc"] == 0 and row["result"] and row["device"] == "cpu" for row in steps.values()), steps
     assert set(steps["vs_vllm_tiny"]["result"]["best"]["loramux"]) == {"base", "single", "mixed8", "mixed32"}
     assert 0 <= steps["peft_tiny"]["result"]["bfloat16"]["greedy_rows_equal_to_peft"] <= 1
     assert steps["profile_tiny"]["result"]["step_ms"] > 0
     assert (out / "triton-cache.tgz").stat().st_size > 0 and "=== done" in (out / "gpu_check.log").read_text()
+    assert set(json.loads((out / "tuned" / "cpu.json").read_text())) == {"lora", "attention"}
+
+
+def test_tune_triton_writes_a_table_the_kernels_read(tmp_path, capsys, monkeypatch):
+    """benchmarks/tune_triton.py on the CPU (Triton's interpreter), the tiny shape and two candidates a size:
+    every size gets an entry of the kernels' own fields, and the table loads as their tiles."""
+    import dataclasses
+
+    from loramux.ops import lora_triton, triton_tiles
+
+    if not lora_triton.available("cpu"):
+        pytest.skip("needs triton (its interpreter runs here)")
+    module = load_script("tune_triton")
+    result = module.main(["--device", "cpu", "--shape", "tiny", "--dtype", "float32", "--tokens", "1", "3",
+                          "--batches", "2", "--quick", "--out", str(tmp_path)])
+    table = json.loads((tmp_path / "cpu.json").read_text())
+    assert set(table["lora"]) == {"1", "3"} and set(table["attention"]) == {"2"}
+    assert set(result["gain"]["lora"]) == {1, 3} and all(g >= 1 for g in result["gain"]["lora"].values())
+    monkeypatch.setattr(triton_tiles, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(triton_tiles, "gpu_name", lambda device: "cpu")
+    triton_tiles.tuned_table.cache_clear()
+    try:
+        for n in (1, 3):
+            fields = dataclasses.asdict(triton_tiles.lora_tiles("cpu", n))
+            assert fields == {**dataclasses.asdict(triton_tiles.LoRATiles()), **table["lora"][str(n)]}
+    finally:
+        triton_tiles.tuned_table.cache_clear()
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "tune_triton"

@@ -33,6 +33,33 @@ def test_triton_op_on_cuda(dtype, tol, n_tokens):
     torch.testing.assert_close(y.float(), expected, atol=tol * 10, rtol=tol)
 
 
+def test_splits_on_cuda_are_chosen_and_agree_with_the_whole():
+    """At batch 1 the public ops split (this GPU's SMs against 3 shrink programs, 8 attention programs); the
+    split results equal the unsplit ones within bf16, and the same bits every run."""
+    from loramux.ops import attention_triton
+    from loramux.ops.triton_tiles import AttentionTiles, LoRATiles
+
+    assert lora_triton.split_k(LoRATiles(), 1, 8, 3, 2048, "cuda") > 1
+    assert attention_triton.split_kv(AttentionTiles(), 1, 8, 4096, "cuda") > 1
+    torch.manual_seed(0)
+    lora_a = torch.randn(8, 48, 2048, dtype=torch.bfloat16, device="cuda") * 0.05
+    lora_b = torch.randn(8, 3072, 16, dtype=torch.bfloat16, device="cuda") * 0.05
+    x, mapping = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda"), LoRAMapping.from_slots([3], "cuda")
+    ys = []
+    for split in (8, 8, 1):
+        y = torch.zeros(1, 3072, dtype=torch.bfloat16, device="cuda")
+        lora_triton.launch(y, x, lora_a, lora_b, mapping, (2048, 512, 512), None, LoRATiles(), split)
+        ys.append(y)
+    assert torch.equal(ys[0], ys[1])
+    torch.testing.assert_close(ys[0], ys[2], atol=2e-2, rtol=2e-2)
+    k = torch.randn(64 * 16, 8, 64, dtype=torch.bfloat16, device="cuda")
+    v, q = torch.randn_like(k), torch.randn(1, 32, 64, dtype=torch.bfloat16, device="cuda")
+    tables, lens = torch.arange(64, device="cuda").view(1, 64), torch.tensor([1000], device="cuda")
+    outs = [attention_triton.launch(q, k, v, tables, lens, 16, 0.125, AttentionTiles(), split) for split in (16, 16, 1)]
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], outs[2], atol=2e-2, rtol=2e-2)
+
+
 def test_mixed_batch_on_cuda_equals_hf_peft_alone(tmp_path):
     llm = mixed_batch_equals_hf_peft_alone(tmp_path, "cuda")
     weights = llm.engine.adapters.store._weights.values()  # the host tier: page-locked, for DMA slot writes

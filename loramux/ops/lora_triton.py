@@ -9,8 +9,12 @@ where k(o) is the packed slice (q|k|v, gate|up) output column o belongs to. A wo
 block) pair that has tokens, from a table built on the device once per forward pass (work_items): axis 0 spans
 at most cdiv(tokens, BLOCK_M) + slots - 1 of them, where a grid of slots x token blocks would be all but ~1/slots
 empty programs. An expand block reads h and B only for the slices its columns meet. Rows of A and columns of B
-beyond a slot's real rank (slot_ranks) are never read; tokens of slot -1 get no programs. h is kept in x's
-dtype, as the reference's shrink result is.
+beyond a slot's real rank (slot_ranks) are never read; tokens of slot -1 get no programs.
+
+Split-K: where the work items do not fill the GPU (batch-1 decode: one per slice) the shrink's inputs are cut
+into `split` pieces, a program each (ops/triton_tiles.py decides from the shapes alone). Each piece writes its
+fp32 partial sum to a plane of h [split, tokens, slices * rank]; the expand adds the planes in a fixed order
+(the same bits every run, no atomics) and rounds the sum to x's dtype, as the reference's shrink result is.
 
 Under Triton's interpreter (ops/triton_common.py) the kernels run on CPU tensors: that is how CI checks them
 against the reference on a machine without a GPU.
@@ -24,6 +28,7 @@ import torch
 from loramux.ops.lora_torch import slices_of
 from loramux.ops.mapping import LoRAMapping
 from loramux.ops.triton_common import INTERPRET, available, triton
+from loramux.ops.triton_tiles import LoRATiles, lora_tiles, multiprocessors, splits
 
 if triton is not None:
     import triton.language as tl
@@ -35,6 +40,21 @@ MAX_SLICES = 3  # q|k|v; the expand's slice lookup is unrolled over at most this
 
 
 def add_lora_triton(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=(), slot_ranks=None) -> None:
+    tiles = lora_tiles(y.device, y.shape[0])
+    split = split_k(tiles, y.shape[0], lora_a.shape[0], len(slices_of(output_slices, lora_a, lora_b)),
+                    lora_a.shape[2], str(y.device))
+    launch(y, x, lora_a, lora_b, mapping, output_slices, slot_ranks, tiles, split)
+
+
+def split_k(tiles: LoRATiles, n_tokens: int, num_slots: int, num_slices: int, n_in: int, device: str) -> int:
+    """The shrink's split-K pieces: its grid (work items x slices) against the device's SMs."""
+    programs = (n_tokens + tiles.block_m - 1) // tiles.block_m + min(num_slots, n_tokens) - 1
+    return splits(num_slices * max(1, programs), multiprocessors(device), n_in, tiles.split_min_k)
+
+
+def launch(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices, slot_ranks, tiles: LoRATiles,
+           split: int) -> None:
+    """add_lora_triton with its tiles and split-K pieces given (the public op chooses them from the shapes)."""
     num_slots, a_rows, n_in = lora_a.shape
     n_tokens, n_out = y.shape
     rank = lora_b.shape[2]
@@ -43,22 +63,24 @@ def add_lora_triton(y, x, lora_a, lora_b, mapping: LoRAMapping, output_slices=()
         raise ValueError(f"the Triton LoRA op takes at most {MAX_SLICES} output slices, got {len(slices)}")
     if n_tokens == 0 or num_slots == 0:
         return
-    block_m, block_n, block_r = 16, 64, max(16, triton.next_power_of_2(rank))
+    block_m, block_r = tiles.block_m, max(16, triton.next_power_of_2(rank))
     order, counts, starts = by_slot(mapping, num_slots)
     work = work_items(mapping, num_slots, block_m)  # [programs, 2]
     bounds = _bounds(tuple(o1 for _, o1, _, _ in slices), y.device)
     ranks = slot_ranks if slot_ranks is not None else torch.full((num_slots,), rank, device=y.device)
-    h = torch.empty(n_tokens, a_rows, dtype=x.dtype, device=x.device)
+    h = torch.empty(split, n_tokens, a_rows, dtype=torch.float32, device=x.device)  # fp32 partials
+    piece = triton.cdiv(triton.cdiv(n_in, split), tiles.block_k) * tiles.block_k  # inputs a split-K piece sums
     # the interpreter's bf16 dot is wrong (triton 3.9: garbage sums), so it runs every dot in fp32
     fp32 = x.dtype == torch.float32 or INTERPRET
-    _shrink[(work.shape[0], len(slices))](
-        x, lora_a, h, work, order, counts, starts, ranks, n_in, rank,
-        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), h.stride(0),
-        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, IEEE=fp32, EMULATE=INTERPRET)
-    _expand[(work.shape[0], triton.cdiv(n_out, block_n))](
-        h, lora_b, y, work, order, counts, starts, ranks, bounds, rank,
-        h.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        NUM_SLICES=len(slices), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r, IEEE=fp32, EMULATE=INTERPRET)
+    _shrink[(work.shape[0], len(slices), split)](
+        x, lora_a, h, work, order, counts, starts, ranks, n_in, rank, piece,
+        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), h.stride(0), h.stride(1),
+        BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=tiles.block_k, IEEE=fp32, num_warps=tiles.num_warps)
+    _expand[(work.shape[0], triton.cdiv(n_out, tiles.block_n))](
+        h, x, lora_b, y, work, order, counts, starts, ranks, bounds, rank,
+        h.stride(0), h.stride(1), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+        NUM_SLICES=len(slices), SPLIT=split, BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_R=block_r, IEEE=fp32,
+        EMULATE=INTERPRET, num_warps=tiles.num_warps)
 
 
 def by_slot(mapping: LoRAMapping, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,12 +136,12 @@ def _bounds(ends: tuple[int, ...], device: torch.device) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _shrink(x, a, h, work, order, counts, starts, ranks, n_in, rank,
-                sx_t, sx_i, sa_s, sa_r, sa_i, sh_t,
-                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                EMULATE: tl.constexpr):
-        """h[t, k*rank + r] = sum_i x[t, i] * a[s, k*rank + r, i] for this program's tokens t of slot s."""
-        p, k = tl.program_id(0), tl.program_id(1)
+    def _shrink(x, a, h, work, order, counts, starts, ranks, n_in, rank, piece,
+                sx_t, sx_i, sa_s, sa_r, sa_i, sh_p, sh_t,
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+        """h[q, t, k*rank + r] = sum over i of piece q of x[t, i] * a[s, k*rank + r, i], in fp32, for this
+        program's tokens t of slot s."""
+        p, k, q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         s, mb = tl.load(work + 2 * p), tl.load(work + 2 * p + 1)  # slot, token block within it
         if s < 0:  # past the real work items
             return
@@ -130,22 +152,24 @@ if triton is not None:
         real = tl.minimum(tl.load(ranks + s), rank)
         rows = a + s * sa_s + (k * rank + r) * sa_r  # [BLOCK_R] pointers to A's rows
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for i0 in range(0, n_in, BLOCK_K):
+        end = tl.minimum(n_in, (q + 1) * piece)
+        for i0 in range(q * piece, end, BLOCK_K):
             i = i0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x + tokens[:, None] * sx_t + i[None, :] * sx_i,
-                         mask=(m[:, None] < count) & (i[None, :] < n_in), other=0.0)  # [BLOCK_M, BLOCK_K]
+                         mask=(m[:, None] < count) & (i[None, :] < end), other=0.0)  # [BLOCK_M, BLOCK_K]
             at = tl.load(rows[None, :] + i[:, None] * sa_i,
-                         mask=(r[None, :] < real) & (i[:, None] < n_in), other=0.0)  # [BLOCK_K, BLOCK_R]
+                         mask=(r[None, :] < real) & (i[:, None] < end), other=0.0)  # [BLOCK_K, BLOCK_R]
             acc = _dot(xt, at.to(xt.dtype), acc, IEEE)  # (A may be bf16 under fp32 x: lora_dtype)
-        out = h + tokens[:, None] * sh_t + k * rank + r[None, :]
-        tl.store(out, _rounded(acc, h.dtype.element_ty, EMULATE), mask=(m[:, None] < count) & (r[None, :] < rank))
+        out = h + q * sh_p + tokens[:, None] * sh_t + k * rank + r[None, :]
+        tl.store(out, acc, mask=(m[:, None] < count) & (r[None, :] < rank))
 
     @triton.jit
-    def _expand(h, b, y, work, order, counts, starts, ranks, bounds, rank,
-                sh_t, sb_s, sb_o, sb_r, sy_t, sy_o,
-                NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                IEEE: tl.constexpr, EMULATE: tl.constexpr):
-        """y[t, o] += sum_r h[t, k(o)*rank + r] * b[s, o, r] for this program's tokens t of slot s."""
+    def _expand(h, x, b, y, work, order, counts, starts, ranks, bounds, rank,
+                sh_p, sh_t, sb_s, sb_o, sb_r, sy_t, sy_o,
+                NUM_SLICES: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_R: tl.constexpr, IEEE: tl.constexpr, EMULATE: tl.constexpr):
+        """y[t, o] += sum_r round_x(sum_q h[q, t, k(o)*rank + r]) * b[s, o, r] for this program's tokens t of slot
+        s (x: only its dtype is read, the shrink result's)."""
         p, nb = tl.program_id(0), tl.program_id(1)
         s, mb = tl.load(work + 2 * p), tl.load(work + 2 * p + 1)  # slot, token block within it
         if s < 0:  # past the real work items
@@ -162,8 +186,11 @@ if triton is not None:
             lo, hi = tl.load(bounds + k), tl.load(bounds + k + 1)
             if (lo < nb * BLOCK_N + BLOCK_N) & (hi > nb * BLOCK_N):  # slice k meets this block: read its h and B
                 cols = (o >= lo) & (o < hi)  # this block's columns in slice k (some or all)
-                ht = tl.load(h + tokens[:, None] * sh_t + k * rank + r[None, :],
-                             mask=(m[:, None] < count) & (r[None, :] < real), other=0.0)  # [BLOCK_M, BLOCK_R]
+                h_mask = (m[:, None] < count) & (r[None, :] < real)
+                hs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for q in tl.static_range(SPLIT):  # the pieces' partials, in order
+                    hs += tl.load(h + q * sh_p + tokens[:, None] * sh_t + k * rank + r[None, :], mask=h_mask, other=0.0)
+                ht = _rounded(hs, x.dtype.element_ty, EMULATE)  # [BLOCK_M, BLOCK_R]
                 bt = tl.load(b + s * sb_s + o[None, :] * sb_o + r[:, None] * sb_r,
                              mask=cols[None, :] & (r[:, None] < real), other=0.0)  # [BLOCK_R, BLOCK_N]
                 acc = _dot(ht, bt.to(ht.dtype), acc, IEEE)

@@ -13,7 +13,8 @@ from loramux.engine.cuda_graphs import capture_sizes, graph_blockers
 from loramux.engine.engine_core import EngineCore
 from loramux.engine.sequence import Sequence
 from loramux.layers.sampler import SamplingRow, sample
-from loramux.ops import lora_triton
+from loramux.ops import attention_triton, lora_triton
+from loramux.ops.triton_tiles import AttentionTiles, LoRATiles
 
 pytestmark = pytest.mark.skipif(not lora_triton.available("cpu"), reason="needs triton and TRITON_INTERPRET=1")
 
@@ -157,11 +158,20 @@ def _trace(core, seqs, slots, size):
     return trace, out[:len(seqs)].clone()
 
 
-def test_decode_forwards_padded_to_one_size_run_the_same_ops_on_the_same_storages(setup):
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_decode_forwards_padded_to_one_size_run_the_same_ops_on_the_same_storages(setup, split, monkeypatch):
     """What a CUDA graph needs of the forward it captures: whatever the batch (sizes, adapters, lengths), the
     same ops with the same shapes, reading the same tensors from outside (weights, slots, caches, inputs) and
-    no tensor made from host data; a padded batch's rows equal the eager forward's."""
+    no tensor made from host data; a padded batch's rows equal the eager forward's. split: as on a GPU of 132
+    SMs with pieces of 16 inputs or positions, the LoRA shrink split-K and attention split-KV."""
     _, _, core = setup
+    if split:
+        for module in (lora_triton, attention_triton):
+            monkeypatch.setattr(module, "multiprocessors", lambda device: 132)
+        monkeypatch.setattr(lora_triton, "lora_tiles", lambda device, n: LoRATiles(block_k=16, split_min_k=16))
+        monkeypatch.setattr(attention_triton, "attention_tiles",
+                            lambda device, n: AttentionTiles(block_n=16, split_min_len=16))
+        assert lora_triton.split_k(LoRATiles(split_min_k=16), 4, 2, 3, 64, "cpu") > 1
     first = _prefilled(core, [[5, 9, 14, 3], [7, 7, 21, 40, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]],
                        ["a", None])
     second = _prefilled(core, [[2, 3], [4, 4, 4], [6] * 20], ["b", "a", "b"])

@@ -7,6 +7,7 @@ import torch
 
 from loramux.ops import LoRAMapping, lora_triton, select_backend
 from loramux.ops.lora_torch import add_lora_gathered
+from loramux.ops.triton_tiles import LoRATiles
 
 pytestmark = pytest.mark.skipif(not lora_triton.available("cpu"), reason="needs triton (its interpreter runs here)")
 
@@ -145,3 +146,29 @@ def test_slices_bounded_inside_column_blocks(slices):
     y = y0.clone()
     lora_triton.add_lora_triton(y, x, lora_a, lora_b, mapping, slices, torch.tensor([8, 3, 8]))
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split", [2, 3, 5])
+@pytest.mark.parametrize("pattern, n_tokens", [("decode", 1), ("decode", 6), ("mixed", 40)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_split_k_pieces_sum_to_the_whole(split, pattern, n_tokens, dtype, tol):
+    """The shrink's inputs cut into pieces (200 inputs: pieces of whole 16-wide steps, the last one short or
+    empty), the expand adding the pieces' partials: the reference's sums, the same bits every run, and the same
+    result as one piece up to the fp32 order of the partial sums."""
+    torch.manual_seed(split + n_tokens)
+    num_slots, n_in, slices = 4, 200, (72, 24, 24)
+    lora_a, lora_b = _weights(num_slots, 16, n_in, slices, dtype, [16, 8, 16, 0])
+    slots = PATTERNS[pattern](n_tokens, num_slots)
+    mapping = LoRAMapping.from_slots(slots)
+    x, y0 = torch.randn(len(slots), n_in, dtype=dtype), torch.randn(len(slots), sum(slices), dtype=dtype)
+    expected = y0.clone().float()
+    add_lora_gathered(expected, x.float(), lora_a.float(), lora_b.float(), mapping, slices)
+    tiles = LoRATiles(block_k=16)
+    runs = []
+    for pieces in (split, split, 1):
+        y = y0.clone()
+        lora_triton.launch(y, x, lora_a, lora_b, mapping, slices, torch.tensor([16, 8, 16, 0]), tiles, pieces)
+        runs.append(y)
+    torch.testing.assert_close(runs[0].float(), expected, atol=tol * 10, rtol=tol)
+    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0], runs[2], atol=tol, rtol=tol)
