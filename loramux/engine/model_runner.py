@@ -21,7 +21,7 @@ from loramux.engine.sequence import Sequence
 from loramux.layers.attention import AttentionMetadata
 from loramux.layers.linear import can_prepack, fix_linear_rows, prepack_linears
 from loramux.logprobs import Logprobs
-from loramux.layers.sampler import SamplingRow, allowed_tokens, sample, token_logprobs
+from loramux.layers.sampler import SamplingRow, allowed_tokens, sample_and_score, token_logprobs
 from loramux.models.loader import LoadedModel
 from loramux.models.llama import head_dim_of
 from loramux.models.moe import FusedExperts
@@ -237,15 +237,11 @@ class ModelRunner:
         if not seqs:
             return []
         logits = self._logits(hidden, slots)
-        asking = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw = torch.log_softmax(logits[asking], -1) if asking else None  # before sampling changes the logits
-        tokens = sample(logits, [self._sampling_row(s, logits.shape[1]) for s in seqs], self.argmax)
-        logprobs = dict.fromkeys(range(len(seqs)))
-        for row, i in enumerate(asking):
-            if tokens[i] is not None:
-                logprobs[i] = token_logprobs(raw[row:row + 1], [tokens[i]], seqs[i].params.logprobs)
+        scored = {i: s.params.logprobs for i, s in enumerate(seqs) if s.params.logprobs is not None}
+        tokens, logprobs = sample_and_score(logits, [self._sampling_row(s, logits.shape[1]) for s in seqs], scored,
+                                            self.argmax)
         errors = [self._advance_grammar(s, t) for s, t in zip(seqs, tokens)]
-        return [Sampled(t, logprobs[i], None, e) for i, (t, e) in enumerate(zip(tokens, errors))]
+        return [Sampled(t, logprobs.get(i), None, e) for i, (t, e) in enumerate(zip(tokens, errors))]
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int | None) -> str | None:

@@ -91,16 +91,26 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
 def sample(logits: torch.Tensor, rows: list[SamplingRow],
            argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax,
            on_host: bool | None = None) -> list[int | None]:
-    """logits: [batch, vocab] float32 -> one token id per row. `argmax`: a pointwise backend's (greedy rows).
-    Order, as vLLM's: logit bias, penalties, blocked tokens and the grammar's mask, then (sampled rows)
-    temperature, min_p, top-k, top-p. The logits are changed in place.
+    """logits: [batch, vocab] float32 -> one token id per row (sample_and_score, no row scored)."""
+    return sample_and_score(logits, rows, {}, argmax, on_host)[0]
+
+
+def sample_and_score(logits: torch.Tensor, rows: list[SamplingRow], scored: dict[int, int],
+                     argmax: Callable[[torch.Tensor], torch.Tensor] = pointwise_torch.argmax,
+                     on_host: bool | None = None) -> tuple[list[int | None], dict[int, Logprobs]]:
+    """logits: [batch, vocab] float32 -> (one token id per row; {row: its token's logprob, rank and k most
+    likely tokens} for the rows of `scored` ({row: k}), from the raw logits, before any of the following).
+    `argmax`: a pointwise backend's (greedy rows). Order, as vLLM's: logit bias, penalties, blocked tokens and
+    the grammar's mask, then (sampled rows) temperature, min_p, top-k, top-p. The logits are changed in place.
 
     None for a row whose logits are not all finite (NaN or Inf, from its adapter or its inputs): no token
     can be trusted there, and that request fails alone; the other rows are sampled as usual. On a GPU the
-    tokens and these flags are read back together, once: the step's one wait for the device.
+    tokens, these flags and the scored rows' logprobs are read back together, once: the step's one wait for
+    the device.
 
     on_host: draw sampled rows on the host, from CPU generators with torch.multinomial (None: where the logits
     are on a CPU); else on the logits' device, from generators there (_race)."""
+    raw = torch.log_softmax(logits[list(scored)], -1) if scored else None  # [len(scored), vocab], raw logits'
     finite = torch.isfinite(logits.sum(-1))  # one pass over [batch, vocab]; inf - inf gives NaN
     apply_logit_bias(logits, rows)  # finite values (SamplingParams) keep finite logits finite
     apply_penalties(logits, rows)
@@ -111,8 +121,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         for i in drawn:
             tokens[i], drawable = _race(logits[i], rows[i])
             finite[i] &= drawable
-        ids, ok = torch.stack([tokens, finite.to(tokens.dtype)]).tolist()
-        return [t if f else None for t, f in zip(ids, ok)]
+        return _read_once(tokens, finite, raw, scored)
     ok, ids = finite.tolist(), tokens.tolist()
     drawn = [i for i in drawn if ok[i]]
     if drawn:
@@ -121,7 +130,34 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
             torch.softmax(_filtered(logits[i], rows[i].params), -1, out=probs[j])
         for j, i in enumerate(drawn):
             ids[i] = _draw(probs[j], rows[i].generator)
-    return [t if f else None for t, f in zip(ids, ok)]
+    ids = [t if f else None for t, f in zip(ids, ok)]
+    return ids, {i: token_logprobs(raw[j:j + 1], [ids[i]], k) for j, (i, k) in enumerate(scored.items())
+                 if ids[i] is not None}
+
+
+def _read_once(tokens: torch.Tensor, finite: torch.Tensor, raw: torch.Tensor | None,
+               scored: dict[int, int]) -> tuple[list[int | None], dict[int, Logprobs]]:
+    """The device's tokens, finite flags and scored rows' logprobs, packed into one float64 tensor (token ids and
+    ranks are exact there, fp32 logprobs too) and read back in one copy."""
+    batch, n, k = tokens.shape[0], len(scored), max(scored.values(), default=0)
+    parts = [tokens.double(), finite.double()]
+    if n:
+        rows = torch.tensor(list(scored), device=tokens.device)
+        chosen = raw.gather(1, tokens[rows][:, None])  # [n, 1]
+        parts += [chosen.flatten().double(), ((raw > chosen).sum(-1) + 1).double()]
+        if k:
+            top = raw.topk(k, -1)
+            parts += [top.indices.flatten().double(), top.values.flatten().double()]
+    values = torch.cat(parts).tolist()
+    ids = [int(t) if f else None for t, f in zip(values[:batch], values[batch:2 * batch])]
+    chosen, ranks = values[2 * batch:2 * batch + n], values[2 * batch + n:2 * batch + 2 * n]
+    top_ids, top_values = values[2 * batch + 2 * n:2 * batch + 2 * n + n * k], values[2 * batch + 2 * n + n * k:]
+    out = {}
+    for j, (i, want) in enumerate(scored.items()):
+        if ids[i] is not None:
+            out[i] = Logprobs([ids[i]], [chosen[j]], [int(ranks[j])], [[int(t) for t in top_ids[j * k:j * k + want]]],
+                              [top_values[j * k:j * k + want]])
+    return ids, out
 
 
 def _race(logits: torch.Tensor, row: SamplingRow) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from loramux import EngineConfig, LoRAConfig, SamplingParams
 from loramux.engine.cuda_graphs import capture_sizes, graph_blockers
 from loramux.engine.engine_core import EngineCore
 from loramux.engine.sequence import Sequence
-from loramux.layers.sampler import SamplingRow, sample
+from loramux.layers.sampler import SamplingRow, sample_and_score
 from loramux.ops import attention_triton, lora_triton
 from loramux.ops.triton_tiles import AttentionTiles, LoRATiles
 
@@ -142,8 +142,10 @@ def test_a_decode_forward_reads_nothing_back_and_the_sampler_reads_once(setup, m
             rows = [SamplingRow(GREEDY, [], None), SamplingRow(SamplingParams(temperature=0.8, top_p=0.9, top_k=20),
                                                                    [], torch.Generator().manual_seed(3)),
                     SamplingRow(SamplingParams(temperature=1.0, min_p=0.1), [], torch.Generator().manual_seed(4))]
-            tokens = sample(logits, rows, on_host=False)  # as on a GPU: drawn where the logits are
+            # as on a GPU: drawn where the logits are; two rows' logprobs (k = 3 and 0) in the same read
+            tokens, logprobs = sample_and_score(logits, rows, {0: 3, 2: 0}, on_host=False)
         assert reads.count == 1 and all(isinstance(t, int) for t in tokens)
+        assert len(logprobs[0].top_ids[0]) == 3 and logprobs[2].top_ids == [[]] and logprobs[0].ranks == [1]
     finally:
         reads.active = False
         _release(core, seqs)

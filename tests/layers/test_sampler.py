@@ -1,7 +1,8 @@
 """The sampler's filters and penalties, each against its definition."""
+import pytest
 import torch
 
-from loramux.layers.sampler import SamplingRow, apply_penalties, filter_top_k_top_p, sample
+from loramux.layers.sampler import SamplingRow, apply_penalties, filter_top_k_top_p, sample, sample_and_score
 from loramux.sampling_params import SamplingParams
 
 
@@ -134,3 +135,28 @@ def test_where_bad_words_block_all_a_grammar_allows_the_grammar_wins():
     rows = [SamplingRow(SamplingParams(temperature=0), [], None, allowed=only_two, blocked=[2]),
             SamplingRow(SamplingParams(temperature=0), [], None, allowed=two_or_three, blocked=[2])]
     assert sample(logits, rows) == [2, 3]
+
+
+def test_scored_rows_read_on_the_device_equal_the_hosts_and_are_raw():
+    """sample_and_score's device path (one packed read) gives the host path's logprobs: the raw logits' (before
+    the penalty and temperature), ranks counting ties as HF's, each row its own k, a broken row none."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    logits[1, 7] = logits[1, 9] = 5.0  # a tie at the top: rank 1 for either
+    logits[3, 0] = float("nan")
+    rows = [SamplingRow(SamplingParams(temperature=0, repetition_penalty=1.5), [1, 2], None),
+            SamplingRow(SamplingParams(temperature=0), [], None),
+            SamplingRow(SamplingParams(temperature=0.7), [], torch.Generator().manual_seed(1)),
+            SamplingRow(SamplingParams(temperature=0), [], None)]
+    scored = {0: 5, 1: 0, 3: 2}
+    host = sample_and_score(logits.clone(), rows, scored, on_host=True)
+    device = sample_and_score(logits.clone(), rows, scored, on_host=False)
+    assert host[0][:2] == device[0][:2] and host[0][3] is device[0][3] is None
+    assert set(host[1]) == set(device[1]) == {0, 1}
+    for i in (0, 1):
+        h, d = host[1][i], device[1][i]
+        assert (h.token_ids, h.ranks, h.top_ids) == (d.token_ids, d.ranks, d.top_ids)
+        assert h.logprobs == pytest.approx(d.logprobs) and h.top_logprobs[0] == pytest.approx(d.top_logprobs[0])
+    assert len(device[1][0].top_ids[0]) == 5 and device[1][1].top_ids == [[]] and device[1][1].ranks == [1]
+    raw = torch.log_softmax(logits[0], -1)
+    assert device[1][0].logprobs[0] == pytest.approx(raw[device[0][0]].item())
