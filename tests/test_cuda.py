@@ -62,6 +62,7 @@ def test_splits_on_cuda_are_chosen_and_agree_with_the_whole():
 
 def test_mixed_batch_on_cuda_equals_hf_peft_alone(tmp_path):
     llm = mixed_batch_equals_hf_peft_alone(tmp_path, "cuda")
+    assert llm.engine.adapters.slots.copies.stream is not None  # slot writes on a side stream
     weights = llm.engine.adapters.store._weights.values()  # the host tier: page-locked, for DMA slot writes
     assert all(t.is_pinned() for w in weights for m in w.modules.values() for t in (m.a, m.b))
     assert all(t.is_pinned() for w in weights for t in w.copies.values())

@@ -45,6 +45,8 @@ class LoRAModel:
         refs = {name: manager.resolve(name) for name in distinct}
         with manager.using(list(refs.values())):
             slots = {name: manager.activate(ref) for name, ref in refs.items()}
+            for slot in slots.values():  # (on a GPU: the forward waits for the slot writes, on the device)
+                manager.slots.copies.wait(slot)
             rows = RowSlots([slots[a] if a is not None else -1 for a in adapters], manager.slots.device)
             with manager.slots.mapping(rows, head=True):
                 yield
@@ -64,6 +66,7 @@ class LoRAModel:
         except Exception:
             self.reset()
             raise
+        manager.slots.copies.wait(slot)
         manager.slots.set_mapping(self._uniform.setdefault(slot, UniformSlot(slot, manager.slots.device)))
 
     def reset(self) -> None:

@@ -4,6 +4,10 @@ It wraps the model's target modules in LoRA layers (each holding stacked slot bu
 writes an adapter's weights into a slot and clears it, and sets the per-step mapping every LoRA layer
 reads (which slot each token uses; -1 = base model). It knows slots, not adapters: the store decides
 which adapter goes where (AdapterCache) and hands it the weights.
+
+On a CUDA device slot writes run on a stream of their own (SlotCopies): a step that does not use the slot
+being written runs beside the copy, and the engine holds a slot's requests out of the steps until its copy
+is done (ready), or, with nothing else to run, has the step wait for it on the device (wait).
 """
 from __future__ import annotations
 
@@ -58,6 +62,42 @@ def _slot_dtype(lora_dtype: str, device: torch.device) -> torch.dtype | None:
     return getattr(torch, lora_dtype)
 
 
+class SlotCopies:
+    """Where slot writes run. On a CUDA device: a side stream, each slot's latest write marked by an event. A
+    write first waits (on the device) for the work the compute stream has queued: earlier steps may still read
+    the slot's old contents. On a CPU: in order, done when written (every slot always ready)."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._events: dict[int, torch.cuda.Event] = {}
+
+    @contextlib.contextmanager
+    def writing(self, slot: int) -> Iterator[None]:
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            yield
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self._events[slot] = event
+
+    def ready(self, slot: int) -> bool:
+        """Whether `slot`'s latest write is done (a query: the host does not wait)."""
+        event = self._events.get(slot)
+        if event is not None and not event.query():
+            return False
+        self._events.pop(slot, None)
+        return True
+
+    def wait(self, slot: int) -> None:
+        """The compute stream's next work waits (on the device) for `slot`'s latest write."""
+        event = self._events.pop(slot, None)
+        if event is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(event)
+
+
 class AdapterSlots:
     def __init__(self, model: nn.Module, config: LoRAConfig, backend: str = "auto"):
         self.model, self.config = model, config
@@ -71,6 +111,7 @@ class AdapterSlots:
         self.unwrapped_experts: dict[str, tuple[int, int, int]] = {}  # MoE blocks left without expert LoRA
         self._lora_dtype = _slot_dtype(config.lora_dtype, next(model.parameters()).device)
         self._wrap_targets()
+        self.copies = SlotCopies(self.device)
 
     # ---- wrapping --------------------------------------------------------------------------------
     def _wrap_targets(self) -> None:
@@ -175,21 +216,25 @@ class AdapterSlots:
     def write(self, slot: int, weights: AdapterWeights) -> None:
         """The linear layers' writes gathered and run at once (SlotWrites): all their parts are checked before
         any is written. (Embeddings and experts, rarer, write their own.)"""
-        writes = SlotWrites()
-        for layer, modules in self._layers.values():
-            parts = [weights.modules.get(m) for m in modules]
-            parts = [None if p is None else (p.a, p.b) for p in parts]
-            if isinstance(layer, LoRALinear):
-                layer.plan_slot(slot, parts, writes)
-            else:
-                layer.write_slot(slot, parts)
-            if isinstance(layer, (LoRAHead, LoRAEmbedding)):
-                layer.set_copy(slot, weights.copies.get(modules[0]))
-        writes.run()
+        writes, saved = SlotWrites(), []
+        with self.copies.writing(slot):  # copies into the slot buffers
+            for layer, modules in self._layers.values():
+                parts = [weights.modules.get(m) for m in modules]
+                parts = [None if p is None else (p.a, p.b) for p in parts]
+                if isinstance(layer, LoRALinear):
+                    layer.plan_slot(slot, parts, writes)
+                else:
+                    layer.write_slot(slot, parts)
+                if isinstance(layer, (LoRAHead, LoRAEmbedding)):
+                    saved.append((layer, weights.copies.get(modules[0])))
+            writes.run()
+        for layer, copy in saved:  # whole saved copies are new device tensors: made on the compute stream
+            layer.set_copy(slot, copy)
 
     def clear(self, slot: int) -> None:
-        for layer, _ in self._layers.values():
-            layer.clear_slot(slot)
+        with self.copies.writing(slot):
+            for layer, _ in self._layers.values():
+                layer.clear_slot(slot)
 
     # ---- forward-pass mappings ---------------------------------------------------------------------
     @contextlib.contextmanager

@@ -290,7 +290,25 @@ class EngineCore:
                 for seq in [s for s in seqs if s.adapter_ref == ref]:
                     outputs.append(self._fail(seq, f"adapter {ref.name!r} could not be activated: {e}"))
         runnable = [s for s in seqs if s.adapter_ref in slots]
-        return runnable, [slots[s.adapter_ref] for s in runnable]
+        return self._copied(runnable, [slots[s.adapter_ref] for s in runnable])
+
+    def _copied(self, seqs: list[Sequence], slots: list[int]) -> tuple[list[Sequence], list[int]]:
+        """The sequences whose slot holds its adapter already: a slot whose write (on the side stream of a GPU)
+        is not done keeps its requests out of this step, so the rest run beside the copy. Where that would
+        leave nothing to run, or would hold back a whole prefill (without chunked prefill, a request left out
+        of it would next be decoded unprefilled), the step waits for the copies on the device instead."""
+        if self.adapters is None:
+            return seqs, slots
+        copies = self.adapters.slots.copies
+        pending = {slot for slot in slots if slot >= 0 and not copies.ready(slot)}
+        if not pending:
+            return seqs, slots
+        keep = [i for i, slot in enumerate(slots) if slot not in pending]
+        if not keep or not self.scheduler.chunked:
+            for slot in pending:
+                copies.wait(slot)
+            return seqs, slots
+        return [seqs[i] for i in keep], [slots[i] for i in keep]
 
     def _run(self, seqs: list[Sequence], slots: list[int], is_prefill: bool,
              spans: list[tuple[int, int]] | None) -> list[Sampled | None | str]:

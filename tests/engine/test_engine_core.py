@@ -1,6 +1,8 @@
 """EngineCore and ModelRunner driven directly, as the engine process and the offline engine drive them: token
 ids in, token-id deltas out (EngineCore), and one forward step over sequences the block manager placed
 (ModelRunner), each against HF + PEFT greedy decoding."""
+import contextlib
+
 import pytest
 
 from conftest import hf_greedy, save_checkpoint, save_peft_adapter, tiny_llama
@@ -81,3 +83,58 @@ def test_the_model_runner_runs_one_prefill_and_one_decode_step_over_placed_seque
             runner.release(seq)
     # the blocks the block manager hands out, and one whose rows padded decode rows write to
     assert runner.kv_cache.shape[2] == (runner.num_blocks + 1) * runner.block_size
+
+
+class _SlowCopies:
+    """A GPU's SlotCopies as the core sees them: each slot written is pending for `steps` ready() checks."""
+
+    def __init__(self, steps: int):
+        self.steps, self.checks, self.waited = steps, {}, []
+
+    @contextlib.contextmanager
+    def writing(self, slot: int):
+        yield
+        self.checks[slot] = 0  # a new write: pending again
+
+    def ready(self, slot: int) -> bool:
+        self.checks[slot] = self.checks.get(slot, 0) + 1
+        return self.checks[slot] > self.steps
+
+    def wait(self, slot: int) -> None:
+        self.waited.append(slot)
+        self.checks[slot] = self.steps  # done from now on, as after the device waited
+
+
+def _run_beside_a_copy(core, monkeypatch, copies, prompts):
+    monkeypatch.setattr(core.adapters.slots, "copies", copies)
+    core.adapters.deactivate_adapter("tuned")  # its next activation writes its slot
+    for request_id, (prompt, adapter) in prompts.items():
+        core.add_request(request_id, prompt, GREEDY, adapter)
+    tokens, first_step = {r: [] for r in prompts}, {}
+    step = 0
+    while core.has_unfinished_requests():
+        step += 1
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+            first_step.setdefault(out.request_id, step)
+    return tokens, first_step
+
+
+def test_a_slot_being_written_holds_back_only_its_own_requests(setup, monkeypatch):
+    """As on a GPU whose slot write is still running on its side stream: the base request steps beside it, the
+    adapter's request joins once the copy is done (nobody waits on the device), and both keep HF's tokens."""
+    base, adapter, core = setup
+    copies = _SlowCopies(steps=2)
+    prompts = {"base": (PROMPTS["base"], None), "tuned": (PROMPTS["tuned"], "tuned")}
+    tokens, first_step = _run_beside_a_copy(core, monkeypatch, copies, prompts)
+    assert first_step == {"base": 1, "tuned": 3} and copies.waited == [], (first_step, copies.checks, copies.waited)
+    assert tokens["base"] == hf_greedy(base, None, PROMPTS["base"], 5)
+    assert tokens["tuned"] == hf_greedy(base, adapter, PROMPTS["tuned"], 5)
+
+
+def test_a_step_with_nothing_else_to_run_waits_for_the_copy_on_the_device(setup, monkeypatch):
+    base, adapter, core = setup
+    copies = _SlowCopies(steps=5)
+    tokens, first_step = _run_beside_a_copy(core, monkeypatch, copies, {"tuned": (PROMPTS["tuned"], "tuned")})
+    assert first_step == {"tuned": 1} and copies.waited == [core.adapters.cache.slot_of(core.adapters.identity("tuned"))]
+    assert tokens["tuned"] == hf_greedy(base, adapter, PROMPTS["tuned"], 5)
