@@ -27,7 +27,7 @@ from loramux.layers.lora import (LoRAContext, LoRAEmbedding, LoRAExperts, LoRAHe
                                  SlotWrites)
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear
 from loramux.models.moe import FusedExperts
-from loramux.ops import LoRAMapping, select_backend, wants_grouped_tokens
+from loramux.ops import LoRAMapping, captures_in_graphs, select_backend, wants_grouped_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +159,8 @@ class AdapterSlots:
             layer = LoRAExperts(base, config.max_loras, config.max_lora_rank, self.context)
             return layer, (f"{name}.gate_up_proj", f"{name}.down_proj")
         if isinstance(base, (nn.Embedding, QuantizedEmbedding)):
-            return LoRAEmbedding(base, config.max_loras, config.max_lora_rank, self.context), (name,)
+            op = self.add_lora if captures_in_graphs(self.add_lora) else None  # the per-slot form reads the host
+            return LoRAEmbedding(base, config.max_loras, config.max_lora_rank, self.context, op), (name,)
         if attr in _OUTPUT_HEADS:  # its rows are the ones whose logits are computed: a context of its own
             return LoRAHead(base, **{**kw, "context": self.head_context}), (name,)
         if sub_names:
@@ -267,6 +268,16 @@ class AdapterSlots:
     def set_mapping(self, mapping) -> None:
         """Every row, the head's too, on `mapping` until set again (LoRAModel.switch; None = base model)."""
         self.context.mapping = self.head_context.mapping = mapping
+
+    @property
+    def embedding_copies(self) -> bool:
+        """Whether a slot holds a whole embedding table of its adapter's (modules_to_save): a forward then picks
+        rows per slot, which a CUDA graph cannot replay (LoRAEmbedding)."""
+        return any(layer.copies for layer in self._embeddings)
+
+    @functools.cached_property
+    def _embeddings(self) -> list[LoRAEmbedding]:  # (the wrapping is done once, in __init__)
+        return [layer for layer, _ in self._layers.values() if isinstance(layer, LoRAEmbedding)]
 
     @property
     def _slot_buffer(self) -> torch.Tensor:

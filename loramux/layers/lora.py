@@ -270,18 +270,30 @@ class LoRAEmbedding(SavedCopies, nn.Module):
     a token t adds s * B @ A[:, t]) and whole per-slot copies of the table (modules_to_save).
 
     Buffers: lora_a[max_loras, vocab, max_rank] holds A transposed (a token's rank vector is one row, so a
-    lookup is a gather), lora_b[max_loras, hidden, max_rank]. Only the slots that hold an embedding LoRA or a
-    copy cost anything: a forward pass over adapters without them is the base lookup."""
+    lookup is a gather), lora_b[max_loras, hidden, max_rank]. Two forms, chosen once:
+    - per slot (add_lora None, the reference and the CPU's): each slot's rows picked out (read on the host);
+      a forward pass over adapters without embedding LoRA or copies is the base lookup;
+    - through the LoRA op (a graph-safe one: on a GPU): every token's rank vector gathered from its slot's A
+      (h [tokens, max_rank]), then the op's expand adds B @ h (its shrink against an identity, exact), with
+      slot_ranks 0 for slots without embedding LoRA. Nothing is read on the host and the work does not
+      depend on which slots hold what, so a CUDA graph captures it. Copies still pick rows per slot (a dict
+      that changes with the slots): decode runs eagerly while one is held (ModelRunner)."""
 
-    def __init__(self, base: nn.Module, max_loras: int, max_rank: int, context: LoRAContext):
+    def __init__(self, base: nn.Module, max_loras: int, max_rank: int, context: LoRAContext,
+                 add_lora: Callable[..., None] | None = None):
         super().__init__()
-        self.base, self.context, self.max_rank = base, context, max_rank
+        self.base, self.context, self.max_rank, self.add_lora = base, context, max_rank, add_lora
         self.in_features, self.out_features = base.num_embeddings, base.embedding_dim  # (one-hot rows in)
         self.output_slices = (self.out_features,)
         ref = base.weight if isinstance(base, nn.Embedding) else base.qweight.data
         kw = dict(dtype=base.weight.dtype if isinstance(base, nn.Embedding) else base.dtype, device=ref.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, self.in_features, max_rank, **kw), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, **kw), persistent=False)
+        if add_lora is not None:
+            eye = torch.eye(max_rank, **kw).expand(max_loras, max_rank, max_rank).contiguous()
+            self.register_buffer("eye", eye, persistent=False)  # the op's A: its shrink passes h through
+            self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=ref.device),
+                                 persistent=False)
         self.ranks: dict[int, int] = {}  # slot -> its embedding LoRA's rank (slots without one are absent)
         self.copies: dict[int, torch.Tensor] = {}  # slot -> [vocab, hidden]
 
@@ -289,10 +301,13 @@ class LoRAEmbedding(SavedCopies, nn.Module):
         """ids: [n] (the engine) or [batch, seq] (an HF model) -> [..., hidden]."""
         y = self.base(ids)
         mapping = self.context.mapping
-        if mapping is None or not (self.ranks or self.copies):
+        if mapping is None or not (self.ranks or self.copies or self.add_lora is not None):
             return y
         flat_ids, flat_y = ids.reshape(-1), y.view(-1, y.shape[-1])
-        slots = mapping.for_tokens(flat_ids.shape[0]).token_slots
+        mapping = mapping.for_tokens(flat_ids.shape[0])
+        if self.add_lora is not None:
+            return self._through_op(y, flat_ids, flat_y, mapping)
+        slots = mapping.token_slots
         for slot in set(self.ranks) | set(self.copies):
             rows = (slots == slot).nonzero().squeeze(1)
             if not rows.numel():
@@ -305,6 +320,14 @@ class LoRAEmbedding(SavedCopies, nn.Module):
                 flat_y[rows] += self.lora_a[slot, tokens, :r] @ self.lora_b[slot, :, :r].t()
         return y
 
+    def _through_op(self, y, flat_ids, flat_y, mapping) -> torch.Tensor:
+        slots = mapping.token_slots
+        for slot, table in self.copies.items():  # (never inside a graph: see the class)
+            flat_y.copy_(torch.where((slots == slot)[:, None], table[flat_ids].to(y.dtype), flat_y))
+        h = self.lora_a[slots.clamp(min=0), flat_ids]  # [tokens, max_rank]; base tokens' rows: the op skips them
+        self.add_lora(flat_y, h, self.eye, self.lora_b, mapping, (), self.slot_ranks)
+        return y
+
     @torch.no_grad()
     def write_slot(self, slot: int, parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """parts: [(a [r, vocab], b [hidden, r])] or [None]; scaling already folded into b."""
@@ -314,6 +337,8 @@ class LoRAEmbedding(SavedCopies, nn.Module):
             self.lora_a[slot, :, : a.shape[0]].copy_(a.t(), non_blocking=True)
             self.lora_b[slot, :, : a.shape[0]].copy_(b, non_blocking=True)
             self.ranks[slot] = a.shape[0]
+            if self.add_lora is not None:
+                self.slot_ranks[slot] = a.shape[0]
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:
@@ -321,6 +346,8 @@ class LoRAEmbedding(SavedCopies, nn.Module):
         self.lora_b[slot].zero_()
         self.ranks.pop(slot, None)
         self.copies.pop(slot, None)
+        if self.add_lora is not None:
+            self.slot_ranks[slot] = 0
 
 
 class LoRAExperts(nn.Module):

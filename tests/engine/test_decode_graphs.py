@@ -220,3 +220,65 @@ def test_graph_sizes_and_what_keeps_decode_eager(setup):
     assert [r.split()[0] for r in eager] == ["enforce_eager", "batch_invariant"]
     from loramux.ops.lora_torch import add_lora_segmented
     assert "segments on the host" in graph_blockers(runner.model, config, add_lora_segmented, decode_op)[0]
+
+
+@pytest.fixture(scope="module")
+def embedding_setup(tmp_path_factory):
+    """LoRA on the embedding too (PEFT's lora_embedding_A/B), with the graph-safe op: and an adapter that
+    saves a whole embedding table (modules_to_save)."""
+    from conftest import save_distinct_adapter
+
+    root = tmp_path_factory.mktemp("graphs-emb")
+    base = tiny_llama()
+    emb = save_distinct_adapter(base, root / "emb", 1, r=4, target_modules=["embed_tokens", "q_proj"])
+    saved = save_distinct_adapter(base, root / "saved", 2, r=4, target_modules=["o_proj"],
+                                  modules_to_save=["embed_tokens"])
+    copies = 2 * base.config.vocab_size * base.config.hidden_size * 4
+    config = EngineConfig(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**22,
+                          lora=LoRAConfig(max_loras=2, max_lora_rank=8, max_module_copies_bytes=copies,
+                                          target_modules=("q_proj", "o_proj", "embed_tokens")),
+                          max_model_len=64, max_num_seqs=8, lora_backend="triton", attention_backend="triton",
+                          pointwise_backend="triton")
+    core = EngineCore(config)
+    assert core.load_adapter("emb", emb) and core.load_adapter("saved", saved)
+    return base, {"emb": emb, "saved": saved}, core
+
+
+def test_embedding_lora_runs_through_the_op_in_a_graph_shaped_forward(embedding_setup):
+    """The embedding's LoRA through the op keeps decode capturable: no blocker, and two batches padded to one
+    size (embedding-LoRA rows or not) run the same ops on the same storages, each row as the eager forward's."""
+    _, _, core = embedding_setup
+    runner = core.runner
+    decode_op = runner.model.attention_layers()[0].decode_op
+    assert graph_blockers(runner.model, core.config, runner.slots.add_lora, decode_op) == []
+    first = _prefilled(core, [[5, 9, 14, 3], [7, 7, 21]], ["emb", None])
+    second = _prefilled(core, [[2, 3], [4, 4, 4], [6] * 9], [None, None, "emb"])
+    try:
+        (trace_1, out_1), (trace_2, out_2) = _trace(core, *first, 4), _trace(core, *second, 4)
+        assert trace_1.ops == trace_2.ops and trace_1.outside == trace_2.outside
+        for (seqs, slots), padded in ((first, out_1), (second, out_2)):
+            with torch.inference_mode():
+                core.runner.decode_inputs.fill(seqs, slots)
+                eager = core.runner._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
+            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        _release(core, first[0] + second[0])
+
+
+def test_a_saved_embedding_table_in_a_slot_turns_decode_eager_and_stays_exact(embedding_setup):
+    """A whole saved embedding table picks rows per slot, which a graph cannot replay: while one is in a slot the
+    runner decodes eagerly (checked here by the flag it reads), and the tokens stay HF + PEFT's."""
+    base, adapters, core = embedding_setup
+    slots = core.runner.slots
+    core.lora_manager.deactivate_adapter("saved")
+    assert not slots.embedding_copies
+    core.lora_manager.activate_adapter("saved")
+    assert slots.embedding_copies
+    for name in ("saved", "emb"):
+        core.add_request(name, [5, 9, 14, 3], GREEDY, name)
+    tokens = {"saved": [], "emb": []}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+    for name in ("saved", "emb"):
+        assert tokens[name] == hf_greedy(base, adapters[name], [5, 9, 14, 3], GREEDY.max_tokens), name

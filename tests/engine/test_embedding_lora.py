@@ -9,14 +9,21 @@ from conftest import save_distinct_adapter as save_adapter
 from loramux import LoRAConfig, LoRAStatus, SamplingParams
 from loramux.config import DEFAULT_TARGET_MODULES
 from loramux.llm import LLM
+from loramux.ops import lora_triton
 
 TARGETS = (*DEFAULT_TARGET_MODULES, "embed_tokens", "lm_head")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=[(False, "auto"), (True, "auto"), (False, "triton")],
+                ids=["untied", "tied", "untied-triton"])
 def setup(request, tmp_path_factory):
+    """"triton": the LoRA op a GPU runs (here in Triton's interpreter), so the embedding's graph-safe form
+    (through the op), not its per-slot one."""
+    tied, backend = request.param
+    if backend == "triton" and not lora_triton.available("cpu"):
+        pytest.skip("needs triton (its interpreter runs here)")
     root = tmp_path_factory.mktemp("emb")
-    base = tiny_llama(tie_word_embeddings=request.param)
+    base = tiny_llama(tie_word_embeddings=tied)
     adapters = {
         "emb_head": save_adapter(base, root / "a", 1, r=4, target_modules=["embed_tokens", "lm_head", "q_proj"]),
         "save_head": save_adapter(base, root / "b", 2, r=8, target_modules=["q_proj", "v_proj"],
@@ -26,7 +33,10 @@ def setup(request, tmp_path_factory):
     }
     copies = 4 * 2 * base.config.vocab_size * base.config.hidden_size
     llm = LLM(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**23, max_model_len=64,
-              lora=LoRAConfig(max_loras=4, max_lora_rank=8, target_modules=TARGETS, max_module_copies_bytes=copies))
+              lora=LoRAConfig(max_loras=4, max_lora_rank=8, target_modules=TARGETS, max_module_copies_bytes=copies),
+              lora_backend=backend)
+    embedding = llm.engine.adapters.slots._embeddings[0]
+    assert (embedding.add_lora is not None) == (backend == "triton")
     for name, path in adapters.items():
         result = llm.load_adapter(name, path)
         assert result, result.message
