@@ -259,7 +259,7 @@ class AdapterSlots:
         if not self.wraps_head or all(s < 0 for s in row_slots):
             yield
             return
-        previous, self.head_context.mapping = self.head_context.mapping, LoRAMapping.from_slots(row_slots, self.device)
+        previous, self.head_context.mapping = self.head_context.mapping, LoRAMapping.from_host(row_slots, self.device)
         try:
             yield
         finally:

@@ -249,12 +249,23 @@ class LoRAHead(SavedCopies, LoRALinear):
         y = self.base(x)
         if self.copies and self.context.mapping is not None:
             flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
-            slots = self.context.mapping.for_tokens(flat_x.shape[0]).token_slots
+            mapping = self.context.mapping.for_tokens(flat_x.shape[0])
             for slot, weight in self.copies.items():
-                rows = (slots == slot).nonzero().squeeze(1)
-                if rows.numel():
+                rows = self._rows_of(mapping, slot)
+                if rows is not None:
                     flat_y[rows] = torch.nn.functional.linear(flat_x[rows], weight).to(y.dtype)
         return self._add_lora(x, y)
+
+    @staticmethod
+    def _rows_of(mapping, slot: int) -> torch.Tensor | None:
+        """The rows on `slot` (None: none): picked from the host's list where the mapping has one (the engine's
+        head mapping: no wait for the device), else on the device (an HF model's: its nonzero reads back)."""
+        host = mapping.host_slots
+        if host is None:
+            rows = (mapping.token_slots == slot).nonzero().squeeze(1)
+            return rows if rows.numel() else None
+        picked = [i for i, s in enumerate(host) if s == slot]
+        return torch.tensor(picked).to(mapping.token_slots.device, non_blocking=True) if picked else None
 
     def write_slot(self, slot: int, parts) -> None:
         self.copies.pop(slot, None)  # a write replaces all the slot held (AdapterSlots.write sets the new copy)

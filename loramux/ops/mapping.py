@@ -53,6 +53,18 @@ class LoRAMapping:
     def from_slots(cls, token_slots: Sequence[int], device: torch.device | str = "cpu") -> LoRAMapping:
         return cls(torch.tensor(token_slots, dtype=torch.long, device=device))
 
+    @classmethod
+    def from_host(cls, token_slots: Sequence[int], device: torch.device | str = "cpu") -> LoRAMapping:
+        """As from_slots, keeping the host list (host_slots), the copy to a GPU not waited for (a pageable
+        source is staged at once; a plain copy to the device would wait for the stream)."""
+        slots = list(token_slots)
+        return cls(torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True), host_slots=slots)
+
+    @property
+    def host_slots(self) -> Sequence[int] | None:
+        """token_slots as the host has them, where the builder gave them (else None: only the device has them)."""
+        return self._host_slots
+
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]

@@ -143,3 +143,19 @@ def test_a_head_slot_rewritten_drops_the_whole_copy_the_slot_held():
     head.set_copy(1, torch.ones(12, 16))
     head.set_slot(1, torch.ones(8, 16), torch.ones(12, 8))
     assert 1 not in head.copies
+
+
+def test_a_saved_head_picks_its_rows_from_the_hosts_slots_without_reading_the_device(monkeypatch):
+    """The engine's head mapping carries its rows' slots on the host (LoRAMapping.from_host): the saved copy's
+    rows are picked there, with the result of the device's pick (an HF model's mapping has no host list)."""
+    torch.manual_seed(1)
+    head = make(nn.Linear(8, 20, bias=False), cls=LoRAHead)
+    head.set_slot(1, torch.randn(4, 8), torch.randn(20, 4), scaling=0.5)
+    head.set_copy(0, torch.randn(20, 8))
+    x, slots = torch.randn(5, 8), [0, -1, 1, 0, 2]
+    head.context.mapping = LoRAMapping.from_slots(slots)
+    on_device = head(x)
+    head.context.mapping = LoRAMapping.from_host(slots)
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda *a, **k: pytest.fail("read the device"))
+    torch.testing.assert_close(head(x), on_device)
+    assert torch.equal(on_device[[0, 3]], x[[0, 3]] @ head.copies[0].t())
