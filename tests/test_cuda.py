@@ -228,3 +228,33 @@ def test_decode_as_cuda_graphs_equals_eager_and_syncs_nothing(tmp_path):
     for prompt, adapter, tokens, p in zip(prompts, rows, outputs[False], params):
         if p.temperature == 0:
             assert tokens == hf_greedy(base, adapters.get(adapter), prompt, p.max_tokens), adapter
+
+
+def test_moe_and_embedding_lora_decode_as_cuda_graphs_equals_eager(tmp_path):
+    """An MoE model with expert and embedding LoRA, now captured (the grouped-GEMM experts op, the embedding
+    through the LoRA op): graphs give the eager engine's tokens and HF + PEFT's greedy ones."""
+    from conftest import save_distinct_adapter
+    from models.test_moe import tiny_moe
+
+    base = tiny_moe("qwen3_moe")
+    adapters = {
+        "experts": save_distinct_adapter(base, tmp_path / "experts", 1, r=4, target_modules=["q_proj"],
+                                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+        "emb": save_distinct_adapter(base, tmp_path / "emb", 2, r=4, target_modules=["embed_tokens", "v_proj"]),
+    }
+    model = save_checkpoint(base, tmp_path / "model")
+    rows = ["experts", None, "emb", "experts"]
+    prompts = [[5 + i, 9, 14, 3 + 2 * i] for i in range(len(rows))]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outputs = {}
+    for eager in (False, True):
+        llm = LLM(model=model, dtype="float32", device="cuda", kv_cache_memory=2**24, max_num_seqs=8,
+                  enforce_eager=eager, lora=LoRAConfig(max_loras=2, max_lora_rank=8,
+                                                       target_modules=(*DEFAULT_TARGET_MODULES, "experts", "embed_tokens")))
+        assert (llm.engine.runner.graphs is None) == eager
+        for name, path in adapters.items():
+            assert llm.load_adapter(f"{name}={path}")
+        outputs[eager] = [o.token_ids for o in llm.generate(prompts, greedy, adapters=rows)]
+    assert outputs[False] == outputs[True]
+    for prompt, adapter, tokens in zip(prompts, rows, outputs[False]):
+        assert tokens == hf_greedy(base, adapters.get(adapter), prompt, greedy.max_tokens), adapter

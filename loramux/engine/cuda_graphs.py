@@ -41,8 +41,8 @@ def graph_blockers(model: torch.nn.Module, config: EngineConfig, add_lora, decod
                        "backend does not)")
     if not captures_in_graphs(decode_op):
         reasons.append(f"the decode-attention op {decode_op.__name__} cannot be captured")
-    if any(isinstance(m, FusedExperts) for m in model.modules()):
-        reasons.append("mixture-of-experts routing counts each expert's tokens on the host")
+    if any(isinstance(m, FusedExperts) and not captures_in_graphs(m.op) for m in model.modules()):
+        reasons.append("the fused-experts op counts each expert's tokens on the host (the 'triton' one does not)")
     if any(isinstance(m, LoRAEmbedding) and m.add_lora is None for m in model.modules()):
         reasons.append("embedding LoRA picks each adapter's rows on the host (its LoRA op is not graph-safe)")
     return reasons

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from loramux.ops import fuses_with_quantized
+from loramux.ops import captures_in_graphs, fuses_with_quantized
 from loramux.ops.moe_torch import ExpertLoRA
 from loramux.ops.quant_torch import quantized_linear_lora
 
@@ -391,8 +391,10 @@ class LoRAExperts(nn.Module):
         return self.base.num_experts, self.base.hidden_size, self.base.intermediate_size
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """With no expert LoRA in any slot the base op alone, except under a graph-safe op: a CUDA graph
+        captured now must also serve adapters with expert LoRA later (their programs run where ranks > 0)."""
         mapping = self.context.mapping
-        if mapping is None or not any(self.ranks):
+        if mapping is None or not (any(self.ranks) or captures_in_graphs(self.base.op)):
             return self.base(x, topk_ids, topk_weights)
         num, slots = self.base.num_experts, self.gate_up_a.shape[0]
         lora = ExpertLoRA(self.gate_up_a.view(slots, num, 2 * self.max_rank, -1), self.gate_up_b,

@@ -41,7 +41,7 @@ ORDER_FREE: frozenset[AddLoRA] = frozenset({lora_cpu.add_lora_cpu, lora_triton.a
 # Ops that read no tensor on the host and launch the same kernels whatever the values: a CUDA graph captured
 # around them replays right for any later inputs of the same shapes (engine/cuda_graphs.py).
 GRAPH_SAFE: frozenset[Callable] = frozenset({lora_triton.add_lora_triton, attention_triton.decode_attention_triton,
-                                             decode_attention_torch})
+                                             decode_attention_torch, moe_triton.fused_experts})
 
 
 def captures_in_graphs(op: Callable) -> bool:

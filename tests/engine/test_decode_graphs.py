@@ -282,3 +282,37 @@ def test_a_saved_embedding_table_in_a_slot_turns_decode_eager_and_stays_exact(em
             tokens[out.request_id] += out.new_token_ids
     for name in ("saved", "emb"):
         assert tokens[name] == hf_greedy(base, adapters[name], [5, 9, 14, 3], GREEDY.max_tokens), name
+
+
+def test_a_mixture_of_experts_decode_is_graph_shaped_with_expert_lora(tmp_path):
+    """MoE with the Triton fused-experts op (a grouped GEMM per projection, no host count of each expert's
+    tokens): no blocker, and two batches routed differently, with and without expert LoRA, run the same ops on
+    the same storages, each row as the eager forward's."""
+    from conftest import save_distinct_adapter
+    from models.test_moe import tiny_moe
+
+    base = tiny_moe("qwen3_moe")
+    experts = save_distinct_adapter(base, tmp_path / "experts", 1, r=4, target_modules=["q_proj"],
+                                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    config = EngineConfig(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**22,
+                          lora=LoRAConfig(max_loras=2, max_lora_rank=8,
+                                          target_modules=("q_proj", "experts")),
+                          max_model_len=64, max_num_seqs=8, lora_backend="triton", attention_backend="triton",
+                          pointwise_backend="triton", moe_backend="triton")
+    core = EngineCore(config)
+    assert core.load_adapter("experts", experts)
+    runner = core.runner
+    decode_op = runner.model.attention_layers()[0].decode_op
+    assert graph_blockers(runner.model, core.config, runner.slots.add_lora, decode_op) == []
+    first = _prefilled(core, [[5, 9, 14, 3], [7, 7, 21]], ["experts", None])
+    second = _prefilled(core, [[2, 3], [40, 41, 42], [6] * 9], [None, None, None])
+    try:
+        (trace_1, out_1), (trace_2, out_2) = _trace(core, *first, 4), _trace(core, *second, 4)
+        assert trace_1.ops == trace_2.ops and trace_1.outside == trace_2.outside
+        for (seqs, slots), padded in ((first, out_1), (second, out_2)):
+            with torch.inference_mode():
+                core.runner.decode_inputs.fill(seqs, slots)
+                eager = core.runner._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
+            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        _release(core, first[0] + second[0])
