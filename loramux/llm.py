@@ -110,14 +110,14 @@ class LLM:
         return self.engine.unpin_adapter(name)
 
     def activate_adapter(self, name: str) -> int:
-        return self.engine.lora_manager.activate_adapter(name)
+        return self.engine.adapters.activate_adapter(name)
 
     def is_lora(self, name: str) -> bool:
         return self.engine.is_lora(name)
 
     def is_active_lora(self, name: str) -> bool:
-        return self.engine.adapters is not None and self.engine.adapters.is_active_lora(name)
+        return self.engine.adapters.is_active_lora(name)
 
     @property
     def loras(self) -> list[str]:
-        return self.engine.adapters.loras if self.engine.adapters is not None else []
+        return self.engine.adapters.loras

@@ -206,7 +206,7 @@ def test_decode_as_cuda_graphs_equals_eager_and_syncs_nothing(tmp_path):
         outputs[eager] = [o.token_ids for o in llm.generate(prompts, params[:len(rows)], adapters=rows)]
         if not eager:
             core = llm.engine.core
-            slots = [core.lora_manager.activate_adapter(n) if n else -1 for n in rows]
+            slots = [core.adapters.activate_adapter(n) if n else -1 for n in rows]
             seqs = [Sequence(list(p), params[0], n, f"s{i}") for i, (p, n) in enumerate(zip(prompts, rows))]
             for seq in seqs:
                 core.block_manager.allocate(seq)

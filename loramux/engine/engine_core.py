@@ -24,6 +24,7 @@ import torch
 
 from loramux.adapters.files import modules_to_wrap
 from loramux.adapters.manager import LoRAManager
+from loramux.adapters.off import NoAdapters, NoLoader
 from loramux.adapters.store import Source
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig, LoRAConfig
@@ -83,19 +84,12 @@ class EngineCore:
         self.model_name, self.hf_tokenizer, self.hf_config = loaded.name, loaded.tokenizer, loaded.hf_config
         self.adapters = self._adapter_system(loaded.model, needs)
         self.eos_token_ids = self._eos_token_ids()
-        slots = self.adapters.slots if self.adapters is not None else None
-        self.runner = ModelRunner(loaded, self.config, self.device, slots, frozenset(self.eos_token_ids))
+        self.runner = ModelRunner(loaded, self.config, self.device, self.adapters.slots, frozenset(self.eos_token_ids))
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
-        self.loader: AdapterLoader | None = None
-        if self.adapters is None:
-            self.scheduler = Scheduler(self.config, self.block_manager)
-        else:
-            lora = self.config.lora
-            self.loader = AdapterLoader(self.adapters.store, max_prefetch=(lora.max_cpu_loras - lora.max_loras) // 2,
-                                        load_timeout_s=lora.load_timeout_s)
-            self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.lookup,
-                                       self.loader.readiness)
+        self.loader = self._loader()
+        self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.lookup,
+                                   self.loader.readiness)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),
                                    grammar=self.config.grammar_limits,
@@ -107,12 +101,13 @@ class EngineCore:
         self.num_finished: collections.Counter[str] = collections.Counter()  # finish reason -> requests
         self._warm_up()
 
-    def _adapter_system(self, model, needs: dict[str, set[str]]) -> LoRAManager | None:
+    def _adapter_system(self, model, needs: dict[str, set[str]]) -> LoRAManager | NoAdapters:
         """The model's LoRA layers wrapped (before the runner prepacks the base weights), with their cache
-        and store; None with LoRA off. needs: what the start-up adapters made it wrap (_with_startup_targets)."""
+        and store; with LoRA off, the null system (adapters/off.py). needs: what the start-up adapters made it
+        wrap (_with_startup_targets)."""
         lora = self.config.lora
         if lora is None:
-            return None
+            return NoAdapters()
         backend = "torch-fixed-rows" if self.config.batch_invariant else self.config.lora_backend
         adapters = LoRAManager(model, lora, backend)
         logger.info("LoRA slot buffers: %.1f MB (%d slots x rank %d)", adapters.slot_bytes / 2**20,
@@ -124,6 +119,14 @@ class EngineCore:
                         asked, adapters.slots.slot_bytes_of(added) / 2**20)
         return adapters
 
+    def _loader(self) -> AdapterLoader | NoLoader:
+        """Adapter files read off the step loop (adapter_loader.py); with LoRA off, nothing is ever read."""
+        lora = self.config.lora
+        if lora is None:
+            return NoLoader()
+        return AdapterLoader(self.adapters.store, max_prefetch=(lora.max_cpu_loras - lora.max_loras) // 2,
+                             load_timeout_s=lora.load_timeout_s)
+
     def _warm_up(self) -> None:
         """A prefill and a decode of two throwaway sequences before the first request (as vLLM warms up with a
         dummy LoRA): the ops' kernels load or compile (Triton's on a GPU take seconds), allocators and thread
@@ -132,7 +135,7 @@ class EngineCore:
         greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         length = max(1, min(8, self.config.max_model_len - 1))  # the prompt and one decoded token fit the model
         seqs = [Sequence([1] * length, greedy) for _ in range(min(2, self.config.max_num_seqs))]
-        slots = [-1, -1 if self.adapters is None else 0][-len(seqs):]  # (one row: on slot 0)
+        slots = [-1, 0 if self.adapters.cache.max_loras else -1][-len(seqs):]  # (one row: on slot 0)
         chunked = self.config.enable_chunked_prefill
         try:
             for seq in seqs:
@@ -167,8 +170,6 @@ class EngineCore:
         The name is resolved to an identity when the request is admitted (Scheduler). origin: its tenant and
         fair share (engine/fair_queue.py)."""
         if adapter is not None:
-            if self.adapters is None:
-                raise LookupError(f"The model `{adapter}` does not exist (this engine serves the base model only).")
             self.adapters.resolve(adapter)
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -244,8 +245,6 @@ class EngineCore:
     def install_loaded(self) -> list[CoreOutput]:
         """Install the adapters the loader thread has read (between steps); fail the waiting requests of one
         that could not be read back."""
-        if self.loader is None:
-            return []
         outputs = []
         for ref, error in self.loader.install_ready():
             logger.warning("%s", error)
@@ -255,7 +254,7 @@ class EngineCore:
     @property
     def loading(self) -> bool:
         """Adapter files are being read on the loader thread."""
-        return self.loader is not None and self.loader.busy
+        return self.loader.busy
 
     def _queue_compiled(self) -> list[CoreOutput]:
         """Queue the structured requests whose grammar is ready (in arrival order); fail those whose grammar
@@ -297,8 +296,6 @@ class EngineCore:
         is not done keeps its requests out of this step, so the rest run beside the copy. Where that would
         leave nothing to run, or would hold back a whole prefill (without chunked prefill, a request left out
         of it would next be decoded unprefilled), the step waits for the copies on the device instead."""
-        if self.adapters is None:
-            return seqs, slots
         copies = self.adapters.slots.copies
         pending = {slot for slot in slots if slot >= 0 and not copies.ready(slot)}
         if not pending:
@@ -373,39 +370,29 @@ class EngineCore:
     # ---- adapters (between steps) ----------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
         """LoRAManager.load_adapter: "name=path", a bare path, or (name, path); read here (at start-up, offline)."""
-        return self.lora_manager.load_adapter(spec, path, **kwargs)
+        return self.adapters.load_adapter(spec, path, **kwargs)
 
     def load_adapter_async(self, name: str, path: str, allowed_dirs: tuple[str, ...] = (), replace: bool = False,
                            pinned: bool = False) -> Future:
         """A runtime load (safetensors only, every file inside allowed_dirs): read on the loader thread, so the
         running streams keep stepping; the future's LoRAResult comes once it is installed between steps."""
-        if self.loader is None:
-            raise RuntimeError("this engine was built with lora=None; adapters are off")
         return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned)
 
     def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
         """LoRAManager.add_adapter: PEFT tensors and config from memory (a trainer's push), between steps."""
-        if self.adapters is None:
-            return LoRAResult(LoRAStatus.LOAD_ERROR, "this engine was built with lora=None; adapters are off")
-        return self.lora_manager.add_adapter(name, tensors, peft_config, replace)
+        return self.adapters.add_adapter(name, tensors, peft_config, replace)
 
     def unload_adapter(self, name: str) -> LoRAResult:
         """The name goes now: its requests that have not started end with an error at the next step; the
         started ones finish on the adapter, whose memory goes after the last of them."""
-        return self.lora_manager.unload_adapter(name)
+        return self.adapters.unload_adapter(name)
 
     def pin_adapter(self, name: str) -> LoRAResult:
-        return self.lora_manager.pin_adapter(name)
+        return self.adapters.pin_adapter(name)
 
     def unpin_adapter(self, name: str) -> LoRAResult:
-        return self.lora_manager.unpin_adapter(name)
+        return self.adapters.unpin_adapter(name)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); how many there were."""
         return self.block_manager.reset_cache()
-
-    @property
-    def lora_manager(self) -> LoRAManager:
-        if self.adapters is None:
-            raise RuntimeError("this engine was built with lora=None; adapters are off")
-        return self.adapters

@@ -52,7 +52,7 @@ class LLMEngine:
     # the core's parts, for callers that look inside (tests, benchmarks)
     @property
     def adapters(self):
-        """The adapter system (a LoRAManager), or None with LoRA off."""
+        """The adapter system: a LoRAManager, or with LoRA off the null one (adapters/off.py)."""
         return self.core.adapters
 
     @property
@@ -78,8 +78,8 @@ class LLMEngine:
         try:
             self.core.add_request(request_id, token_ids, params, adapter)
         except LookupError as e:
-            loaded = ", ".join(self.adapters.loras) if self.adapters is not None else "none (LoRA is off)"
-            raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {loaded or 'none'}") from e
+            loaded = ", ".join(self.adapters.loras) or ("none" if self.core.config.lora else "none (LoRA is off)")
+            raise ValueError(f"unknown adapter {adapter!r}; loaded adapters: {loaded}") from e
         detokenizer = Detokenizer(self.tokenizer, params.stop, params.skip_special_tokens, params.min_tokens)
         self._requests[request_id] = _Request(prompt if isinstance(prompt, str) else None, token_ids, adapter,
                                               detokenizer)
@@ -96,7 +96,7 @@ class LLMEngine:
         return self.core.has_unfinished_requests()
 
     def is_lora(self, name: str) -> bool:
-        return self.adapters is not None and self.adapters.is_lora(name)
+        return self.adapters.is_lora(name)
 
     # ---- the step loop ---------------------------------------------------------------------------
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
@@ -161,10 +161,6 @@ class LLMEngine:
 
     def unpin_adapter(self, name: str) -> LoRAResult:
         return self.core.unpin_adapter(name)
-
-    @property
-    def lora_manager(self):
-        return self.core.lora_manager
 
 
 __all__ = ["LLMEngine", "LoRAResult", "LoRAStatus", "RequestOutput", "resolve_device"]

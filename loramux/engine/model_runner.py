@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from loramux.adapters.off import NoSlots
 from loramux.adapters.slots import AdapterSlots
 from loramux.config import EngineConfig
 from loramux.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_blockers
@@ -110,9 +111,9 @@ def padding_indices(offsets: list[int], lengths: list[int], device) -> tuple[tor
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, slots: AdapterSlots | None,
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, slots: AdapterSlots | NoSlots,
                  eos_token_ids: frozenset[int] = frozenset()):
-        """slots: the model's LoRA layers, already wrapped (None: LoRA is off)."""
+        """slots: the model's LoRA layers, already wrapped (NoSlots: LoRA is off)."""
         self.model, self.config, self.device = loaded.model, config, device
         self.eos_token_ids = eos_token_ids  # blocked before a request's min_tokens
         self.max_model_len = loaded.max_model_len
@@ -173,7 +174,7 @@ class ModelRunner:
 
     def _capture_graphs(self, decode_op) -> DecodeGraphs | None:
         """Decode as CUDA graphs, where everything the forward runs can be captured (else None, logged once)."""
-        add_lora = self.slots.add_lora if self.slots is not None else None
+        add_lora = self.slots.add_lora
         blockers = graph_blockers(self.model, self.config, add_lora, decode_op)
         if blockers:
             logger.info("decode steps run eagerly, without CUDA graphs: %s", "; ".join(blockers))
@@ -191,7 +192,7 @@ class ModelRunner:
         """Run one step over `seqs`, slots[i] being seqs[i]'s adapter slot (-1 = base; activated by the
         engine); returns their results in order. spans (chunked prefill): the positions [start, end) each
         sequence computes; one whose span ends before its last token samples nothing (None)."""
-        grouped = self.slots is not None and self.slots.wants_grouped_tokens
+        grouped = self.slots.wants_grouped_tokens
         order = batch_order(slots, grouped)
         if spans is not None:  # decode rows first: the paged decode op takes them as one block
             order = sorted(order, key=lambda i: spans[i][1] - spans[i][0] > 1)
@@ -226,8 +227,6 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor, row_slots: list[int]) -> torch.Tensor:
         """hidden: [rows, hidden] -> float32 logits [rows, vocab]; row_slots: each row's adapter slot (a LoRA
         output head reads them)."""
-        if self.slots is None:
-            return self.model.compute_logits(hidden)
         with self.slots.head_mapping(row_slots):
             return self.model.compute_logits(hidden)
 
@@ -278,7 +277,7 @@ class ModelRunner:
         """A decode step (one new token per sequence) through the decode inputs: replayed as the CUDA graph of
         the smallest captured size that holds it, else run eagerly on exactly its rows (also while a slot holds a
         saved embedding table, which graphs cannot replay). -> hidden [rows, hidden]"""
-        graphs = self.graphs is not None and not (self.slots is not None and self.slots.embedding_copies)
+        graphs = self.graphs is not None and not self.slots.embedding_copies
         size = self.graphs.size_for(len(seqs)) if graphs else None
         self.decode_inputs.fill(seqs, slots, size)
         if size is not None:
@@ -292,13 +291,13 @@ class ModelRunner:
         inputs = self.decode_inputs.views(rows, blocks)
         meta = AttentionMetadata(False, inputs.cache_rows, block_tables=inputs.block_tables,
                                  context_lens=inputs.context_lens, block_size=self.block_size)
-        base = self.slots is None or (slots is not None and all(s < 0 for s in slots))
+        base = self.slots.add_lora is None or (slots is not None and all(s < 0 for s in slots))
         mapping = None if base else LoRAMapping(inputs.token_slots, host_slots=slots)
         return self._run_model(inputs.ids, inputs.positions, meta, mapping)
 
     def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
         mapping = None
-        if self.slots is not None and any(s >= 0 for s in slots):
+        if any(s >= 0 for s in slots):
             token_slots = [slot for slot, n in zip(slots, token_counts) for _ in range(n)]
             mapping = LoRAMapping.from_slots(token_slots, self.device)
         return self._run_model(input_ids, positions, meta, mapping)

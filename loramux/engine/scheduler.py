@@ -29,6 +29,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from loramux.adapters.cache import AdapterCache, Readiness
+from loramux.adapters.off import NoCache
 from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.fair_queue import FairQueue
@@ -87,13 +88,13 @@ class Scheduler:
     element is the preemption victim.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | None = None,
-                 current: Callable[[str], Hashable | None] | None = None,
-                 ready: Callable[[Hashable, bool], Readiness] | None = None):
-        """adapters: the engine's AdapterCache (None: base model only); current(model): the identity requests
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | NoCache = NoCache(),
+                 current: Callable[[str], Hashable | None] = lambda model: None,
+                 ready: Callable[[Hashable, bool], Readiness] = lambda ref, first: Readiness.READY):
+        """adapters: the engine's AdapterCache (NoCache: base model only); current(model): the identity requests
         for `model` (a name, or name@rev) start on now, None once it is gone (the adapter store's lookup); ready(identity, first): where
         it stands — if not in host memory, its read starts, off the step loop (first: for the head of the
-        queue, past any prefetch limit; the engine's AdapterLoader.readiness; None: always ready)."""
+        queue, past any prefetch limit; the engine's AdapterLoader.readiness; by default always ready)."""
         self.block_manager = block_manager
         self.adapters, self.current, self.ready = adapters, current, ready
         self.max_num_seqs = config.max_num_seqs
@@ -102,7 +103,7 @@ class Scheduler:
         budget = config.step_token_budget()  # the engine resolved it for its device
         self.max_num_batched_tokens = budget if self.chunked else max(budget, config.max_model_len or 0)
         self.max_model_len = config.max_model_len
-        self.max_loras = adapters.max_loras if adapters is not None else 0
+        self.max_loras = adapters.max_loras
         self.max_wait_steps = config.max_wait_steps
         self.by_priority = config.scheduling_policy == "priority"
         # by fair-queue tag (engine/fair_queue.py: FIFO where every request has the same origin), preempted ones
@@ -152,7 +153,7 @@ class Scheduler:
         """Queue a new request. Refuses one that could never run, rather than letting it wait forever."""
         if seq.status is not SequenceStatus.WAITING or seq.block_table:
             raise ValueError(f"request {seq.request_id!r} is {seq.status.value}; only new requests can be added")
-        if seq.adapter is not None and self.adapters is None:
+        if seq.adapter is not None and not self.max_loras:
             raise ValueError(f"request {seq.request_id!r} asks for adapter {seq.adapter!r} but this engine "
                              "serves the base model only (EngineConfig.lora is None)")
         self._check_fits(seq)
@@ -303,7 +304,7 @@ class Scheduler:
             return _Verdict.NO_ROOM
         if ref is not None and not self._slot_fits(ref, step.needed):
             return _Verdict.NO_SLOT
-        readiness = Readiness.READY if ref is None or self.ready is None else self.ready(ref, first)
+        readiness = Readiness.READY if ref is None else self.ready(ref, first)
         if readiness is not Readiness.READY:
             return _Verdict.NO_HOST_ROOM if readiness is Readiness.NO_ROOM else _Verdict.NOT_READY
         if self.block_manager.in_flight(seq):
@@ -409,7 +410,7 @@ class Scheduler:
         ref = self._ref(seq)
         if ref is None:
             return True
-        ready = self.ready is None or self.ready(ref, False) is Readiness.READY
+        ready = self.ready(ref, False) is Readiness.READY
         return ready and self._slot_fits(ref, self.running_adapters() | self._pinned())
 
     def _shares(self, head: Sequence) -> tuple[dict[Hashable, list[Sequence]], dict[Hashable, float]]:
@@ -425,8 +426,6 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Start reading the adapters of the next waiting requests back into host memory (S-LoRA's prefetch):
         by the time they reach the head of the queue they are ready."""
-        if self.ready is None:
-            return
         for seq in itertools.islice(self.waiting, self.max_num_seqs):
             ref = self._ref(seq)
             if ref is not None:
@@ -441,8 +440,6 @@ class Scheduler:
 
     def _fail_unloaded(self) -> list[Sequence]:
         """Finish waiting requests whose adapter was unloaded before they started (started ones hold theirs)."""
-        if self.adapters is None:
-            return []
         failed = [s for s in self.waiting if s.adapter is not None and self._ref(s) is None]
         for seq in failed:
             self.finish(seq, "error")
@@ -485,7 +482,7 @@ class Scheduler:
         return seq.adapter_ref or self.current(seq.adapter)
 
     def _pinned(self) -> set[str]:
-        return self.adapters.pinned if self.adapters is not None else set()
+        return self.adapters.pinned
 
     def _check_fits(self, seq: Sequence) -> None:
         """A request's longest prefill (a preempted one re-prefills its output too) and its K/V must fit

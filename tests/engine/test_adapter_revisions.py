@@ -54,9 +54,9 @@ def test_each_kept_revision_runs_its_own_weights_and_the_name_the_newest(files):
     for revision, answer in zip(revisions, expected):
         out = llm.generate([PROMPT], GREEDY, adapters=revision, use_tqdm=False)[0]
         assert out.token_ids == answer and out.revision == revision
-    assert llm.engine.lora_manager.kept_revisions == {"live": revisions[:2]}
+    assert llm.engine.adapters.kept_revisions == {"live": revisions[:2]}
     newest = llm.load_adapter("live", versions[3], replace=True).revision  # the oldest kept one leaves
-    assert llm.engine.lora_manager.kept_revisions == {"live": [revisions[1], revisions[2]]}
+    assert llm.engine.adapters.kept_revisions == {"live": [revisions[1], revisions[2]]}
     with pytest.raises(ValueError, match="unknown adapter"):
         tokens(llm, revisions[0])
     assert tokens(llm, revisions[1]) == expected[1] and tokens(llm, newest) == tokens(llm, "live") == expected[3]
@@ -64,7 +64,7 @@ def test_each_kept_revision_runs_its_own_weights_and_the_name_the_newest(files):
     for revision in (*revisions[1:], newest):
         with pytest.raises(ValueError, match="unknown adapter"):
             tokens(llm, revision)
-    assert llm.engine.lora_manager.kept_revisions == {} and len(llm.engine.lora_manager.cache) == 0
+    assert llm.engine.adapters.kept_revisions == {} and len(llm.engine.adapters.cache) == 0
 
 
 def test_by_default_only_the_current_revision_is_addressable(files):
@@ -76,7 +76,7 @@ def test_by_default_only_the_current_revision_is_addressable(files):
     assert second != first and tokens(llm, second) == tokens(llm, "live")
     with pytest.raises(ValueError, match="unknown adapter"):
         tokens(llm, first)
-    assert len(llm.engine.lora_manager.cache) == 1  # nothing kept
+    assert len(llm.engine.adapters.cache) == 1  # nothing kept
 
 
 def test_a_revision_reloaded_over_its_own_files_keeps_its_weights_in_host_memory(files, tmp_path):

@@ -93,7 +93,7 @@ def test_structured_and_sampled_requests_in_chunked_steps(checkpoints):  # noqa:
 def chunked_scheduler(budget: int, max_wait_steps: int = 64) -> Scheduler:
     config = EngineConfig(model="x", lora=None, enable_chunked_prefill=True, max_num_batched_tokens=budget,
                           max_model_len=64, max_wait_steps=max_wait_steps)
-    return Scheduler(config, BlockManager(64, 4), None)
+    return Scheduler(config, BlockManager(64, 4))
 
 
 class FixedBound:

@@ -80,7 +80,7 @@ class _Trace(TorchDispatchMode):
 
 def _prefilled(core, prompts: list[list[int]], names: list[str | None]) -> tuple[list[Sequence], list[int]]:
     """Sequences placed and prefilled by the runner, ready to decode, and their slots."""
-    slots = [core.lora_manager.activate_adapter(n) if n else -1 for n in names]
+    slots = [core.adapters.activate_adapter(n) if n else -1 for n in names]
     seqs = [Sequence(list(p), GREEDY, n, f"r{i}") for i, (p, n) in enumerate(zip(prompts, names))]
     for seq in seqs:
         core.block_manager.allocate(seq)
@@ -270,9 +270,9 @@ def test_a_saved_embedding_table_in_a_slot_turns_decode_eager_and_stays_exact(em
     runner decodes eagerly (checked here by the flag it reads), and the tokens stay HF + PEFT's."""
     base, adapters, core = embedding_setup
     slots = core.runner.slots
-    core.lora_manager.deactivate_adapter("saved")
+    core.adapters.deactivate_adapter("saved")
     assert not slots.embedding_copies
-    core.lora_manager.activate_adapter("saved")
+    core.adapters.activate_adapter("saved")
     assert slots.embedding_copies
     for name in ("saved", "emb"):
         core.add_request(name, [5, 9, 14, 3], GREEDY, name)

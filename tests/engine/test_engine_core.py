@@ -63,7 +63,7 @@ def test_the_model_runner_runs_one_prefill_and_one_decode_step_over_placed_seque
     next token the one HF + PEFT picks."""
     base, adapter, core = setup
     runner, blocks = core.runner, core.block_manager
-    slot = core.lora_manager.activate_adapter("tuned")
+    slot = core.adapters.activate_adapter("tuned")
     seqs = [Sequence(list(PROMPTS["tuned"]), GREEDY, "tuned", "t"), Sequence(list(PROMPTS["base"]), GREEDY, None, "b")]
     for seq in seqs:
         blocks.allocate(seq)
@@ -138,3 +138,26 @@ def test_a_step_with_nothing_else_to_run_waits_for_the_copy_on_the_device(setup,
     tokens, first_step = _run_beside_a_copy(core, monkeypatch, copies, {"tuned": (PROMPTS["tuned"], "tuned")})
     assert first_step == {"tuned": 1} and copies.waited == [core.adapters.cache.slot_of(core.adapters.identity("tuned"))]
     assert tokens["tuned"] == hf_greedy(base, adapter, PROMPTS["tuned"], 5)
+
+
+def test_lora_off_is_a_null_adapter_system_that_refuses_every_change(setup, tmp_path):
+    """EngineConfig(lora=None): the engine holds the null adapter system (adapters/off.py), not None: names are
+    unknown, loads of every kind are refused with one message, its stats are empty, and base requests run."""
+    from loramux.adapters.off import OFF, NoAdapters
+
+    base, adapter, _ = setup
+    core = EngineCore(EngineConfig(model=save_checkpoint(base, tmp_path / "model"), dtype="float32",
+                                   kv_cache_memory=2**22, lora=None, max_model_len=64))
+    assert isinstance(core.adapters, NoAdapters) and core.scheduler.max_loras == 0
+    with pytest.raises(LookupError, match="base model only"):
+        core.add_request("x", [1, 2], GREEDY, "tuned")
+    for result in (core.load_adapter("tuned", adapter), core.load_adapter_from_tensors("t", {}, {}),
+                   core.load_adapter_async("tuned", adapter).result(timeout=1), core.unload_adapter("tuned"),
+                   core.pin_adapter("tuned"), core.unpin_adapter("tuned")):
+        assert not result and result.message == OFF
+    assert (core.adapters.loras, core.adapters.pinned, core.adapters.stats, core.adapters.resident) == ([], [], {}, {})
+    core.add_request("base", PROMPTS["base"], GREEDY)
+    tokens = []
+    while core.has_unfinished_requests():
+        tokens += [t for out in core.step() for t in out.new_token_ids]
+    assert tokens == hf_greedy(base, None, PROMPTS["base"], 5)

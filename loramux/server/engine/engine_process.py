@@ -221,12 +221,11 @@ class EngineCoreProc:
         return self._result(msg.control_id, msg.name, result)
 
     def _result(self, control_id: int, name: str, result) -> AdapterResult:
-        adapters = self.core.adapters
-        pinned = adapters is not None and name in adapters.pinned
+        pinned = name in self.core.adapters.pinned
         return AdapterResult(control_id, result.status, result.message, pinned, result.revision)
 
     def _unload(self, msg: UnloadAdapter) -> AdapterResult | None:
-        ref = self.core.adapters.identity(msg.name) if self.core.adapters is not None else None
+        ref = self.core.adapters.identity(msg.name)
         if ref is None:
             return self._result(msg.control_id, msg.name, self._no_adapter(msg.name))
         self.unloading.setdefault(ref, []).append((msg, self.core.unload_adapter(msg.name)))
@@ -289,25 +288,21 @@ class EngineCoreProc:
             self.outbox.send(encode(self._result(msg.control_id, msg.name, result.result())))
 
     def _answer_unloads(self) -> None:
-        adapters = self.core.adapters if self.core.adapters is not None else ()
-        for ref in [r for r in self.unloading if r not in adapters]:
+        for ref in [r for r in self.unloading if r not in self.core.adapters]:
             for msg, result in self.unloading.pop(ref):
                 self.outbox.send(encode(self._result(msg.control_id, msg.name, result)))
 
     def _stats(self, control_id: int) -> EngineStats:
         core, scheduler, adapters = self.core, self.core.scheduler, self.core.adapters
-        counters = adapters.stats if adapters is not None else {}
+        counters = adapters.stats
         return EngineStats(
             control_id, scheduler.num_running, scheduler.num_waiting + len(self.held),
             running_adapters=sorted({ref.name for ref in scheduler.running_adapters()}),
             waiting_adapters=sorted(scheduler.waiting_adapters()), max_loras=scheduler.max_loras,
-            num_adapters=len(adapters.loras) if adapters is not None else 0,
-            pinned=adapters.pinned if adapters is not None else [],
+            num_adapters=len(adapters.loras), pinned=adapters.pinned,
             lora_loads=counters.get("loads", 0), lora_host_evictions=counters.get("host_evictions", 0),
             lora_slot_evictions=counters.get("slot_evictions", 0), kv_blocks_total=core.block_manager.num_blocks,
             kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
-            lora_slot_bytes=adapters.slot_bytes if adapters is not None else 0,
-            lora_host_bytes=adapters.host_bytes if adapters is not None else 0, finished=dict(core.num_finished),
+            lora_slot_bytes=adapters.slot_bytes, lora_host_bytes=adapters.host_bytes, finished=dict(core.num_finished),
             prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits,
-            paused=self.paused, resident=adapters.resident if adapters is not None else {},
-            revisions=adapters.kept_revisions if adapters is not None else {})
+            paused=self.paused, resident=adapters.resident, revisions=adapters.kept_revisions)
