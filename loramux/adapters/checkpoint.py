@@ -27,7 +27,8 @@ this would overflow the activations into NaN logits (found with weights x1e18)."
 # `.lora_embedding_A` ([r, vocab]) and `.lora_embedding_B` ([hidden, r]) have no `.weight`.
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
 _EMBEDDING_PAIR = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_(?P<ab>[AB])(?:\.[^.]+)?$")
-_ODD_KEY = re.compile(r"lora_magnitude_vector|\.lora_[AB].*\.bias$")
+_ODD_KEY = re.compile(r"\.lora_[AB].*\.bias$")
+_MAGNITUDE = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$")
 # PEFT's save_embedding_layers writes the base embedding / head next to their LoRA, and modules_to_save
 # writes a saved module's whole weight
 _BASE_COPY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.base_layer\.weight$")
@@ -42,6 +43,7 @@ class ModuleLoRA:
 
     a: torch.Tensor  # [r, in]
     b: torch.Tensor  # [out, r]
+    scale: torch.Tensor | None = None  # DoRA: fp32 [out], magnitude / ||W + b a|| per output row (None: plain LoRA)
 
     @property
     def rank(self) -> int:
@@ -67,7 +69,12 @@ class AdapterWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values()) + self.copies_nbytes
+        scales = sum(m.scale.nbytes for m in self.modules.values() if m.scale is not None)
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values()) + scales + self.copies_nbytes
+
+    @property
+    def has_dora(self) -> bool:
+        return any(m.scale is not None for m in self.modules.values())
 
     @property
     def copies_nbytes(self) -> int:
@@ -79,7 +86,7 @@ class AdapterWeights:
         def pin(t: torch.Tensor) -> torch.Tensor:  # (add_adapter may hand over tensors already on the GPU)
             return t.cpu().contiguous().pin_memory()  # (a view pinned as it is would pin its whole stack)
 
-        modules = {k: ModuleLoRA(pin(m.a), pin(m.b.t()).t()) for k, m in self.modules.items()}  # B stays rank-major
+        modules = {k: ModuleLoRA(pin(m.a), pin(m.b.t()).t(), m.scale) for k, m in self.modules.items()}  # B rank-major
         return replace(self, modules=modules, copies={k: pin(t) for k, t in self.copies.items()})
 
 
@@ -91,7 +98,8 @@ class _Sorted:
     pairs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # module -> {"A": t, "B": t}
     base_copies: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> its base weight, as saved
     whole: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> a whole weight (modules_to_save)
-    odd: list[str] = field(default_factory=list)  # keys that are none of these (biases, DoRA magnitudes, ...)
+    magnitudes: dict[str, torch.Tensor] = field(default_factory=dict)  # module -> its DoRA magnitude vector
+    odd: list[str] = field(default_factory=list)  # keys that are none of these (biases, ...)
 
 
 def _sort_tensors(tensors: dict[str, torch.Tensor], saved: tuple[str, ...]) -> _Sorted:
@@ -99,6 +107,8 @@ def _sort_tensors(tensors: dict[str, torch.Tensor], saved: tuple[str, ...]) -> _
     for key, tensor in tensors.items():  # (each pattern tried only where the ones before it failed)
         if _ODD_KEY.search(key):
             out.odd.append(key)
+        elif magnitude := _MAGNITUDE.match(key):
+            out.magnitudes[magnitude["module"]] = tensor
         elif pair := _KEY.match(key) or _EMBEDDING_PAIR.match(key):
             out.pairs.setdefault(pair["module"], {})[pair["ab"]] = tensor
         elif base := _BASE_COPY.match(key):
@@ -116,7 +126,7 @@ def config_from_tensors(tensors: dict[str, torch.Tensor], lora_alpha: float | No
     Refused when the file holds anything but LoRA pairs (whole modules, DoRA magnitudes, biases: what they
     need is not in the tensors) or no lora_alpha is given (alpha / r scales every update)."""
     found = _sort_tensors(tensors, saved=())
-    others = sorted([*found.odd, *found.base_copies, *found.whole])
+    others = sorted([*found.odd, *found.base_copies, *found.whole, *found.magnitudes])
     if others:
         raise InvalidAdapterError(f"{path} holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}: a "
                                   "lone weights file may hold only LoRA pairs (lora_A / lora_B); give the adapter's "
@@ -149,6 +159,7 @@ def build_adapter(
     path: str | None = None,
     all_linear: tuple[str, ...] | None = None,
     base_weight: Callable[[str], torch.Tensor | None] | None = None,
+    dora_scale: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     whole_copies: bool = True,
     experts: dict[str, tuple[int, int, int]] | None = None,
     unwrapped_experts: frozenset[str] = frozenset(),
@@ -162,6 +173,8 @@ def build_adapter(
     a module that is not wrapped is refused as the same adapter written as a list is.
     base_weight: the model's own weight of a module an adapter may carry whole (modules_to_save) or as a
     base copy (PEFT's save_embedding_layers), None where the model does not wrap that module.
+    dora_scale(module, a, b, magnitude): a DoRA module's scale against the model's base weight (AdapterSlots'),
+    None where DoRA cannot be computed (adapters with DoRA are then refused).
     whole_copies: whether modules_to_save copies are served at all (LoRAConfig.max_module_copies_bytes > 0).
     experts: the MoE blocks whose experts have LoRA layers: block (e.g. model.layers.0.mlp.experts) ->
     (experts, hidden, one expert's intermediate size); unwrapped_experts: the model's MoE blocks without.
@@ -169,7 +182,7 @@ def build_adapter(
     """
     problems = unsupported_features(config) + _dtype_problems(tensors)
     parts = _sort_tensors(tensors, saved_modules(config))
-    problems += [f"non-LoRA tensor {key!r} (DoRA, bias or other weights)" for key in parts.odd]
+    problems += [f"non-LoRA tensor {key!r} (a bias or other weights)" for key in parts.odd]
     if problems:
         raise InvalidAdapterError(f"adapter {name!r} uses unsupported PEFT features: " + "; ".join(problems))
     spec = AdapterSpec.from_dict(config)
@@ -183,6 +196,7 @@ def build_adapter(
     errors = [_unserved_experts_problem(name, unserved), _stray_problem(name, stray, parts.pairs)]
     pairs = {m: _collect(errors, _module_pair, name, m, ab, spec, module_shapes, max_rank) for m, ab in targeted.items()}
     modules = _fold_scaling(name, {m: pair for m, pair in pairs.items() if pair is not None}, dtype, errors)
+    modules = _with_dora(name, spec, parts.magnitudes, modules, dora_scale, module_shapes, errors)
     for block, found in sorted(expert_pairs.items()):
         modules.update(_collect(errors, _expert_loras, name, block, found, spec, experts[block], max_rank, dtype) or {})
     errors += [_base_copy_problem(name, m, t, base_weight) for m, t in sorted(parts.base_copies.items())]
@@ -193,6 +207,49 @@ def build_adapter(
         more = f" (and {len(errors) - 3} more modules)" if len(errors) > 3 else ""
         raise InvalidAdapterError("; ".join(errors[:3]) + more)
     return AdapterWeights(name=name, spec=spec, modules=modules, path=path, copies=copies)
+
+
+# ---- DoRA ---------------------------------------------------------------------------------------------
+# PEFT's DoRA (use_dora) keeps a magnitude vector m [out] per module (`<module>.lora_magnitude_vector`) and runs
+# result = bias + (m / ||W + s B A||) * (W x + s B A x), the norm taken per output row and held constant. The
+# scale depends on weights alone, so it is computed once, at load (dora_scale), and applied per row by slot.
+_NO_DORA = ("embed_tokens", "lm_head")
+
+
+def _with_dora(name, spec, magnitudes, modules, dora_scale, module_shapes, errors) -> dict[str, ModuleLoRA]:
+    """`modules` with each DoRA module's scale; problems (a missing, misshapen or non-finite magnitude, DoRA
+    where it is not run, magnitudes without use_dora) added to `errors`."""
+    if not spec.use_dora:
+        if magnitudes:
+            errors.append(f"adapter {name!r} has DoRA magnitude vectors ({next(iter(magnitudes))}, ...) but "
+                          "adapter_config.json does not set use_dora")
+        return modules
+    if dora_scale is None:
+        errors.append(f"adapter {name!r} uses DoRA (use_dora=true), which this engine cannot compute")
+        return modules
+    stray = sorted(set(magnitudes) - set(modules))
+    if stray:
+        errors.append(f"adapter {name!r} has DoRA magnitudes for modules without LoRA weights: {', '.join(stray[:3])}")
+    out = dict(modules)
+    for module, lora in modules.items():
+        out[module] = _collect(errors, _dora_module, name, module, lora, magnitudes.get(module), dora_scale,
+                               module_shapes) or lora
+    return out
+
+
+def _dora_module(name, module, lora, magnitude, dora_scale, module_shapes) -> ModuleLoRA:
+    if module.rsplit(".", 1)[-1] in _NO_DORA or lora.a.dim() != 2:
+        raise InvalidAdapterError(f"adapter {name!r}: DoRA on {module} is not supported (DoRA runs on linear "
+                                  "layers, not on the embedding, the output head or MoE experts)")
+    out = module_shapes[module][1]
+    if magnitude is None or tuple(magnitude.shape) != (out,):
+        found = "none" if magnitude is None else f"shape {tuple(magnitude.shape)}"
+        raise InvalidAdapterError(f"adapter {name!r}: DoRA module {module} needs a lora_magnitude_vector of "
+                                  f"shape ({out},); the file has {found}")
+    _check_values(name, "{} lora_magnitude_vector", magnitude, module)
+    scale = dora_scale(module, lora.a, lora.b, magnitude)
+    _check_values(name, "{}'s DoRA scale (magnitude / the norm of W + s B A; a zero norm?)", scale, module)
+    return replace(lora, scale=scale)
 
 
 def _collect(errors: list[str], make: Callable, *args):

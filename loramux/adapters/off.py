@@ -26,7 +26,7 @@ class NoSlots:
 
     add_lora = None
     wants_grouped_tokens = False
-    embedding_copies = False
+    needs_eager = False
 
     class copies:  # noqa: N801 (SlotCopies' answers: every slot ready, nothing to wait for)
         @staticmethod

@@ -17,7 +17,6 @@ class InvalidAdapterError(ValueError):
 
 # (field, test that says the value asks for something we cannot run, what to call it in the error)
 _UNSUPPORTED_FIELDS = (
-    ("use_dora", bool, "DoRA (use_dora=true)"),
     ("bias", lambda v: v not in (None, "none"), "trained biases (bias={!r})"),
     ("lora_bias", bool, "LoRA bias (lora_bias=true)"),
     ("use_qalora", bool, "QALoRA (use_qalora=true)"),
@@ -173,6 +172,7 @@ class AdapterSpec:
     # Only the base layer's weight layout (GPT-2 Conv1D) depends on this; lora_A is [r, in] and
     # lora_B is [out, r] either way, so the LoRA delta is computed the same.
     fan_in_fan_out: bool = False
+    use_dora: bool = False  # DoRA: each module's output rows scaled by magnitude / ||W + s B A|| (checkpoint.py)
 
     @classmethod
     def from_dict(cls, config: dict) -> AdapterSpec:
@@ -210,6 +210,7 @@ class AdapterSpec:
             modules_to_save=tuple(config.get("modules_to_save") or ()),
             ensure_weight_tying=_flag(config, "ensure_weight_tying"),
             target_parameters=tuple(config.get("target_parameters") or ()),
+            use_dora=_flag(config, "use_dora"),
         )
 
     def targets(self, module: str, all_linear: tuple[str, ...] = ()) -> bool:

@@ -110,6 +110,7 @@ class AdapterSlots:
         self._bindings: dict[str, _Binding] = {}
         self.unwrapped_experts: dict[str, tuple[int, int, int]] = {}  # MoE blocks left without expert LoRA
         self._lora_dtype = _slot_dtype(config.lora_dtype, next(model.parameters()).device)
+        self._dora_slots: set[int] = set()  # slots holding an adapter with DoRA
         self._wrap_targets()
         self.copies = SlotCopies(self.device)
 
@@ -220,10 +221,11 @@ class AdapterSlots:
         writes, saved = SlotWrites(), []
         with self.copies.writing(slot):  # copies into the slot buffers
             for layer, modules in self._layers.values():
-                parts = [weights.modules.get(m) for m in modules]
-                parts = [None if p is None else (p.a, p.b) for p in parts]
+                found = [weights.modules.get(m) for m in modules]
+                parts = [None if p is None else (p.a, p.b) for p in found]
                 if isinstance(layer, LoRALinear):
                     layer.plan_slot(slot, parts, writes)
+                    layer.plan_scale(slot, [None if p is None else p.scale for p in found], writes)
                 else:
                     layer.write_slot(slot, parts)
                 if isinstance(layer, (LoRAHead, LoRAEmbedding)):
@@ -231,11 +233,22 @@ class AdapterSlots:
             writes.run()
         for layer, copy in saved:  # whole saved copies are new device tensors: made on the compute stream
             layer.set_copy(slot, copy)
+        if weights.has_dora:
+            self._dora_slots.add(slot)
+        else:
+            self._dora_slots.discard(slot)
 
     def clear(self, slot: int) -> None:
         with self.copies.writing(slot):
             for layer, _ in self._layers.values():
                 layer.clear_slot(slot)
+        self._dora_slots.discard(slot)
+
+    def dora_scale(self, module: str, a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+        """fp32 [out]: the DoRA scale magnitude / ||W + b a|| of each output row of `module` (b: scaling folded
+        in), against the base weight the engine runs (LoRALinear.dora_norm). Made once per load."""
+        binding = self._bindings[module]
+        return magnitude.float() / binding.layer.dora_norm(binding.slice_index, a, b)
 
     # ---- forward-pass mappings ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -270,10 +283,11 @@ class AdapterSlots:
         self.context.mapping = self.head_context.mapping = mapping
 
     @property
-    def embedding_copies(self) -> bool:
-        """Whether a slot holds a whole embedding table of its adapter's (modules_to_save): a forward then picks
-        rows per slot, which a CUDA graph cannot replay (LoRAEmbedding)."""
-        return any(layer.copies for layer in self._embeddings)
+    def needs_eager(self) -> bool:
+        """Whether a slot holds what a CUDA graph captured without it cannot replay: a whole embedding table of its
+        adapter's (modules_to_save; a forward picks rows per slot, LoRAEmbedding) or a DoRA adapter (its rows
+        scaled by a gather the graph does not hold)."""
+        return bool(self._dora_slots) or any(layer.copies for layer in self._embeddings)
 
     @functools.cached_property
     def _embeddings(self) -> list[LoRAEmbedding]:  # (the wrapping is done once, in __init__)

@@ -366,7 +366,7 @@ class AdapterStore:
         copies = self.config.max_module_copies_bytes > 0  # (base copies of save_embedding_layers are checked anyway)
         weights = build_adapter(name, config, tensors, slots.module_shapes(), self.config.max_lora_rank,
                                 dtype=slots.activation_dtype, path=path, all_linear=slots.all_linear,
-                                base_weight=slots.base_weights.get, whole_copies=copies,
+                                base_weight=slots.base_weights.get, dora_scale=slots.dora_scale, whole_copies=copies,
                                 experts=slots.expert_shapes(), unwrapped_experts=frozenset(slots.unwrapped_experts))
         return weights.pinned() if slots.device.type == "cuda" else weights
 

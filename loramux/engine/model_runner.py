@@ -277,7 +277,7 @@ class ModelRunner:
         """A decode step (one new token per sequence) through the decode inputs: replayed as the CUDA graph of
         the smallest captured size that holds it, else run eagerly on exactly its rows (also while a slot holds a
         saved embedding table, which graphs cannot replay). -> hidden [rows, hidden]"""
-        graphs = self.graphs is not None and not self.slots.embedding_copies
+        graphs = self.graphs is not None and not self.slots.needs_eager
         size = self.graphs.size_for(len(seqs)) if graphs else None
         self.decode_inputs.fill(seqs, slots, size)
         if size is not None:

@@ -33,6 +33,7 @@ class PrepackedLinear(DirectCall, nn.Module):
         self.dtype, self.device = weight.dtype, weight.device
         # A plain attribute, not a buffer: an opaque oneDNN tensor has no place in a state_dict.
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+        self.row_squares = weight.float().square().sum(1)  # [out] fp32: what DoRA needs of the weight, kept
         self.bias = linear.bias
         if hasattr(linear, "output_sizes"):
             self.output_sizes = linear.output_sizes
@@ -50,6 +51,10 @@ class FixedRowsLinear(nn.Module):
         super().__init__()
         self.linear, self.rows = linear, rows
         self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)

@@ -60,6 +60,24 @@ class SlotWrites:
             torch._foreach_copy_(self.targets, self.sources, non_blocking=True)
 
 
+def base_row_squares(base: nn.Module) -> torch.Tensor:
+    """fp32 [out]: the squared L2 norm of each output row of a base layer's weight as it runs (a prepacked one's
+    kept from before packing, a quantized one decoded), made once per layer (DoRA's weight norms use it)."""
+    if hasattr(base, "linear"):  # FixedRowsLinear: the Linear it runs in fixed-size pieces
+        return base_row_squares(base.linear)
+    cached = getattr(base, "row_squares", None)
+    if cached is None:
+        if hasattr(base, "weights"):  # QuantizedLinear: one or more quantized parts, stacked by rows
+            from loramux.ops.quant_torch import dequantize
+
+            weight = torch.cat([dequantize(w) for w in base.weights])
+        else:
+            weight = base.weight
+        cached = weight.detach().float().square().sum(1).cpu()
+        base.row_squares = cached
+    return cached
+
+
 class LoRALinear(nn.Module):
     def __init__(
         self,
@@ -100,6 +118,7 @@ class LoRALinear(nn.Module):
         self.register_buffer("slot_ranks", torch.zeros(max_loras, dtype=torch.long, device=kw["device"]),
                              persistent=False)
         self._views: dict[int, tuple] = {}  # slot -> (the lora_a they view, _slot_views' views)
+        self.dora_slots: set[int] = set()  # slots whose adapter has DoRA here (their rows in dora_scale, made then)
         # A quantized base of one format beside the C++ LoRA kernel: a one-token pass on an adapter runs the base
         # matmul and the LoRA as one op, `lora_op` (the quantized-matmul backend's quantized_linear_lora, set by the
         # model runner as QuantizedLinear's op): at batch 1 a second call per projection was most of an adapter's
@@ -129,9 +148,64 @@ class LoRALinear(nn.Module):
             if slot >= 0:
                 buffers = self._buffers
                 weight, bias = self.quantized
-                return self.lora_op(x, weight, bias, buffers["lora_a"], buffers["lora_b"], buffers["slot_ranks"], slot,
-                                    self.output_slices)
-        return self._add_lora(x, self.base(x))
+                y = self.lora_op(x, weight, bias, buffers["lora_a"], buffers["lora_b"], buffers["slot_ranks"], slot,
+                                 self.output_slices)
+                return self._dora(y) if self.dora_slots else y
+        y = self._add_lora(x, self.base(x))
+        return self._dora(y) if self.dora_slots else y
+
+    # ---- DoRA: y = g * (W x + s B A x) + bias per row, g = magnitude / ||W + s B A|| of its slot's adapter ----
+    def _dora(self, y: torch.Tensor) -> torch.Tensor:
+        """Each row's output scaled by its slot's DoRA scale g (row 0 of dora_scale: ones, the base model's; a
+        slot without DoRA holds ones too), the bias kept: PEFT's DoRA forward, result = bias + g * (W x + lora)."""
+        mapping = self.context.mapping
+        if mapping is None:
+            return y
+        flat = y.view(-1, y.shape[-1])
+        scale = self.dora_scale[mapping.for_tokens(flat.shape[0]).token_slots + 1]  # [tokens, out]
+        bias = self.base.bias
+        if bias is None:
+            flat.mul_(scale)
+        else:
+            flat.sub_(bias).mul_(scale).add_(bias)
+        return y
+
+    @torch.no_grad()
+    def dora_norm(self, index: int, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """PEFT's DoRA weight norm ||W_k + b a|| of each output row of slice `index` (b: scaling folded in), fp32
+        [out_k], against the base weight this layer runs (a quantized one as it decodes): W_k a^T through the
+        base's own forward (a prepacked weight is not kept), each row's |W_k|^2 from base_row_squares."""
+        start = sum(self.output_slices[:index])
+        rows = slice(start, start + self.output_slices[index])
+        device = self.lora_a.device
+        wa = self.base(a.to(device=device, dtype=self.activation_dtype)).float()  # [r, out]: a W^T + bias
+        if self.base.bias is not None:
+            wa -= self.base.bias.float()
+        wa = wa[:, rows].t().cpu()  # [out_k, r]
+        a32, b32 = a.float().cpu(), b.float().cpu()
+        squares = base_row_squares(self.base)[rows] + 2 * (b32 * wa).sum(1) + ((b32 @ (a32 @ a32.t())) * b32).sum(1)
+        return squares.clamp(min=0).sqrt()
+
+    def plan_scale(self, slot: int, scales: Sequence[torch.Tensor | None], writes: SlotWrites) -> None:
+        """Add to `writes` slot's DoRA scales (one per output slice, None: no DoRA there, scale 1); a slot
+        without any holds ones, as the base model's row does."""
+        if all(s is None for s in scales):
+            if slot in self.dora_slots:
+                writes.copy(self.dora_scale[slot + 1], torch.ones(self.out_features, dtype=self.dora_scale.dtype))
+                self.dora_slots.discard(slot)
+            return
+        if "dora_scale" not in self._buffers:  # (only layers that ever hold a DoRA adapter pay for it)
+            self.register_buffer("dora_scale", torch.ones(self.lora_b.shape[0] + 1, self.out_features,
+                                                          dtype=self.activation_dtype, device=self.lora_a.device),
+                                 persistent=False)
+        row = torch.ones(self.out_features)
+        start = 0
+        for size, scale in zip(self.output_slices, scales):
+            if scale is not None:
+                row[start:start + size] = scale
+            start += size
+        writes.copy(self.dora_scale[slot + 1], row.to(self.dora_scale.dtype))
+        self.dora_slots.add(slot)
 
     def _add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         mapping = self.context.mapping
@@ -200,6 +274,9 @@ class LoRALinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         self.slot_ranks[slot] = 0
+        if slot in self.dora_slots:
+            self.dora_scale[slot + 1].fill_(1)
+            self.dora_slots.discard(slot)
 
     def _check_part(self, a: torch.Tensor, b: torch.Tensor, out_features: int) -> None:
         rank = a.shape[0]

@@ -122,9 +122,9 @@ def test_refused_adapters_report_why_and_change_nothing(adapter_dirs, tmp_path):
         before = model(input_ids).logits
     result = manager.load_adapter(f"big={adapter_dirs['llama', 'r64_qv']}")
     assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "rank 64" in result.message and "max_lora_rank=16" in result.message
-    dora = save_peft_adapter(base, tmp_path / "dora", use_dora=True)
-    result = manager.load_adapter(f"dora={dora}")
-    assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "DoRA" in result.message
+    biased = save_peft_adapter(base, tmp_path / "biased", bias="lora_only")
+    result = manager.load_adapter(f"biased={biased}")
+    assert result == LoRAStatus.LOAD_INVALID_ADAPTER and "trained biases" in result.message
     assert manager.loras == ["ok"]
     with torch.no_grad(), manager.batch(["ok"]):
         torch.testing.assert_close(model(input_ids).logits, before)

@@ -104,7 +104,7 @@ def _hostile(tensors: dict, config: dict) -> dict:
                   key_b: torch.randn(tensors[key_b].shape[0], 32)}, config),
         "stray": edit("base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight", tensors[key_a].clone()),
         "unpaired": ({k: t for k, t in tensors.items() if k != key_b}, config),
-        "dora": (tensors, {**config, "use_dora": True}),
+        "dora_without_magnitudes": (tensors, {**config, "use_dora": True}),
     }
 
 

@@ -271,9 +271,9 @@ def test_a_saved_embedding_table_in_a_slot_turns_decode_eager_and_stays_exact(em
     base, adapters, core = embedding_setup
     slots = core.runner.slots
     core.adapters.deactivate_adapter("saved")
-    assert not slots.embedding_copies
+    assert not slots.needs_eager
     core.adapters.activate_adapter("saved")
-    assert slots.embedding_copies
+    assert slots.needs_eager
     for name in ("saved", "emb"):
         core.add_request(name, [5, 9, 14, 3], GREEDY, name)
     tokens = {"saved": [], "emb": []}

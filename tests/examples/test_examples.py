@@ -46,3 +46,9 @@ def test_lora_over_pre_quantized_gptq_awq_and_bitsandbytes_checkpoints(tmp_path)
                       "--model", f"bnb={bnb}", "--adapter", adapter, "--dtype", "float32")
     assert "== gptq: " in out and "== awq: " in out and "== bnb: nf4g64" in out
     assert out.count("  adapter0 ") == 3
+
+
+def test_a_dora_adapter_beside_lora_and_base_rows_equals_peft_alone():
+    out = run_example("dora_inference.py")
+    assert out.splitlines()[-1] == "DoRA row equals HF + PEFT alone: True"
+    assert [line.split()[0] for line in out.splitlines()[:3]] == ["dora", "pirate", "base"]
