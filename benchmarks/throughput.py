@@ -4,6 +4,8 @@ Workload: 32 requests x (64 prompt + 64 new tokens), greedy, ignore_eos; 8 rando
 of ranks 8/16 on all 7 projections. Rows:
   loramux base / single adapter / 8 mixed adapters / 32 distinct adapters (max_loras=32)
   (--batch-invariant: also 8 mixed adapters with EngineConfig.batch_invariant, in the same rounds)
+  (--dora: 8 mixed DoRA adapters, the same A and B as the 8 with magnitude vectors, and the 8 plain ones, on one
+   engine of 16 slots of their own: mixed8_dora against mixed8_lora on the same engine, in the same rounds)
   HF base (transformers generate) / HF PEFT mixed (generate(adapter_names=...))
 Prints tokens/s, the ratios (ours / peer) and one JSON line. Every row first runs once untimed (warm-up:
 caches, and each case's adapters loaded into device slots, as a serving engine keeps them resident),
@@ -77,6 +79,28 @@ def write_adapter(path: str, hf_config, rank: int, seed: int, projections: tuple
     return path
 
 
+def write_dora_adapter(path: str, lora_dir: str, model_path: str) -> str:
+    """The adapter at lora_dir as a DoRA adapter: each module's magnitude vector that of PEFT's start (the
+    norm of W + s B A per output row, from the model's own weights) moved by up to 5%."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(lora_dir, "adapter_config.json")) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(lora_dir, "adapter_model.safetensors"))
+    weights = load_file(os.path.join(model_path, "model.safetensors"))
+    gen, scaling = torch.Generator().manual_seed(len(path)), config["lora_alpha"] / config["r"]
+    for key in [k for k in tensors if k.endswith(".lora_A.weight")]:
+        module = key.removesuffix(".lora_A.weight")
+        w = weights[module.removeprefix("base_model.model.") + ".weight"].float()
+        norm = (w + scaling * tensors[f"{module}.lora_B.weight"] @ tensors[key]).norm(dim=1)
+        tensors[f"{module}.lora_magnitude_vector"] = norm * (0.95 + 0.1 * torch.rand(norm.shape, generator=gen))
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({**config, "use_dora": True}, f)
+    return path
+
+
 def timed(fn):
     start = time.perf_counter()
     result = fn()
@@ -117,7 +141,7 @@ JSON_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLen
 
 
 def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False, structured=False,
-                 device="cpu"):
+                 device="cpu", dora_dirs=None):
     """base / single / mixed8 (and mixed8 with batch_invariant, or with a quarter of its requests JSON-schema
     constrained, same rounds), then the 32-slot engine's rows."""
     n, eight = len(prompts), {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}
@@ -127,6 +151,10 @@ def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_inva
     if batch_invariant:
         engines["invariant"] = run_loramux(path, dtype, eight, prompts, params, 8, batch_invariant=True, device=device)
         cases["mixed8_invariant"] = ("invariant", mixed)
+    if dora_dirs:  # DoRA and plain twins on one engine (16 slots: none swapped), against each other
+        engines["dora"] = run_loramux(path, dtype, eight | dora_dirs, prompts, params, 16, device=device)
+        cases["mixed8_lora"] = ("dora", mixed)
+        cases["mixed8_dora"] = ("dora", [f"d{i % 8}" for i in range(n)])
     if structured:
         json_params = replace(params, structured_outputs=StructuredOutputsParams(json=json.dumps(JSON_TEXT)))
         cases["mixed8_json25"] = ("main", mixed, [json_params if i % 4 == 0 else params for i in range(n)])
@@ -234,6 +262,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also mixed8 with EngineConfig.batch_invariant (its cost: mixed8_invariant/mixed8)")
     parser.add_argument("--structured", action="store_true",
                         help="also mixed8 with 25%% of the requests JSON-schema constrained (mixed8_json25/mixed8)")
+    parser.add_argument("--dora", action="store_true",
+                        help="also 8 mixed DoRA adapters of the same ranks (their cost: mixed8_dora/mixed8)")
     parser.add_argument("--sweep", action="store_true", help="throughput curves and a PNG chart (loramux bench)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--distinct", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -266,8 +296,10 @@ def main(argv: list[str] | None = None) -> None:
     dtypes = args.dtypes or ["float32", "bfloat16"]
     tokens = requests * args.new_tokens
     for dtype in dtypes:
+        dora_dirs = {f"d{i}": write_dora_adapter(os.path.join(workdir, f"d{i}"), adapter_dirs[f"a{i}"], path)
+                     for i in range(8)} if args.dora else None
         seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats,
-                                           args.batch_invariant, args.structured, args.device)
+                                           args.batch_invariant, args.structured, args.device, dora_dirs)
         if not args.skip_hf:
             peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats,
                                                 args.device)
@@ -306,7 +338,8 @@ def print_report(report: dict, dtypes: list[str]) -> None:
 # Rows that one engine runs in the same rounds, back to back: the ratio of each round compares them under
 # the same machine conditions; the median of those per-round ratios is the least noisy of the three.
 PAIRED = {"mixed8/base": ("mixed8", "base"), "distinct32/single(max_loras=32)": ("distinct32", "single_max32"),
-          "mixed8_invariant/mixed8": ("mixed8_invariant", "mixed8"), "mixed8_json25/mixed8": ("mixed8_json25", "mixed8")}
+          "mixed8_invariant/mixed8": ("mixed8_invariant", "mixed8"), "mixed8_json25/mixed8": ("mixed8_json25", "mixed8"),
+          "mixed8_dora/mixed8_lora": ("mixed8_dora", "mixed8_lora")}
 
 
 def paired_ratios(dtypes: list[str], runs_of) -> dict:
