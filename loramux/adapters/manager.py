@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from loramux.adapters.cache import AdapterCache
+from loramux.adapters.combinations import combine
+from loramux.adapters.names import InvalidCombinationError, is_combination, parse_combination
 from loramux.adapters.names import AdapterRef, InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
 from loramux.adapters.slots import AdapterSlots
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.adapters.store import AdapterStore, Source
 from loramux.config import LoRAConfig
+
+
+MAX_COMBINATIONS = 32  # weighted combinations kept built (each holds its parts' weights again in host memory)
 
 
 class LoRAManager:
@@ -30,6 +36,7 @@ class LoRAManager:
         self.cache = AdapterCache(self.config.max_loras, self.config.max_cpu_loras, self.config.max_cpu_lora_bytes)
         self.slots = AdapterSlots(model, self.config, backend)
         self.store = AdapterStore(self.cache, self.slots, self.config)
+        self._combinations: OrderedDict[str, tuple[AdapterRef, ...]] = OrderedDict()  # name -> its parts' identities
 
     # ---- loading ---------------------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, allow_pickle: bool | None = None,
@@ -83,9 +90,30 @@ class LoRAManager:
 
     # ---- identities and slots --------------------------------------------------------------------
     def resolve(self, model: str) -> AdapterRef:
-        """The identity a request for `model` starts on now: a loaded name, or `name@rev` for one of its kept
-        revisions (LoRAConfig.keep_revisions); LookupError if neither."""
+        """The identity a request for `model` starts on now: a loaded name, `name@rev` for one of its kept
+        revisions (LoRAConfig.keep_revisions), or a weighted combination of loaded names (combination_name:
+        built now if new, or if a part has been reloaded since); LookupError if none of these,
+        InvalidCombinationError for a combination that cannot be served."""
+        if is_combination(model):
+            self._combine(model)
         return self.store.resolve(model)
+
+    def _combine(self, name: str) -> None:
+        """Build (or rebuild) the combination `name` from its parts' current identities; the least recently used
+        of more than MAX_COMBINATIONS goes (its running requests finish on it)."""
+        parts = parse_combination(name)
+        refs = tuple(self.store.resolve(part) for part in parts)  # LookupError: a part is not loaded
+        if self._combinations.get(name) != refs or self.store.current(name) is None:
+            weights = combine(name, [(p, self.store.weights_of(r), w) for (p, w), r in zip(parts.items(), refs)],
+                              self.config.max_lora_rank)
+            result = self.store.add_weights(weights)
+            if not result:
+                raise InvalidCombinationError(result.message)
+        self._combinations[name] = refs
+        self._combinations.move_to_end(name)
+        while len(self._combinations) > MAX_COMBINATIONS:
+            oldest, _ = self._combinations.popitem(last=False)
+            self.store.unload(oldest)
 
     def lookup(self, model: str) -> AdapterRef | None:
         """resolve(), or None."""
@@ -192,7 +220,8 @@ class LoRAManager:
 
     @property
     def loras(self) -> list[str]:
-        return self.store.names
+        """The loaded adapters' names (combinations, derived from them, are not listed)."""
+        return [name for name in self.store.names if not is_combination(name)]
 
     @property
     def active_loras(self) -> dict[str, int]:

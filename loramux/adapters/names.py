@@ -12,8 +12,10 @@ would all be the directory of `a0` or `acme/legal` under a resolver's directory)
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 MAX_NAME_LENGTH = 128
@@ -83,3 +85,50 @@ def split_revision(model: str) -> tuple[str, str] | None:
     A loaded name is looked up as itself first, so a name that happens to end so is never shadowed."""
     match = _REVISION.fullmatch(model)
     return (match[1], match[2]) if match else None
+
+
+# ---- weighted combinations (adapters/combinations.py builds them) --------------------------------------------
+# A combination's name lists its parts in the caller's order, `style*0.5&legal*1.0`: "*" and "&" never appear in an
+# adapter's name, so it is never a user's adapter.
+PART, WEIGHT = "&", "*"
+MAX_PARTS = 8
+MAX_WEIGHT = 100.0
+
+
+class InvalidCombinationError(ValueError):
+    """A combination that cannot be served (its message says why; a 400 over HTTP)."""
+
+
+def is_combination(name: str) -> bool:
+    return WEIGHT in name
+
+
+def combination_name(parts: Mapping[str, float]) -> str:
+    """The derived adapter's name for `parts` ({adapter name: weight}, in the caller's order), checked."""
+    if not isinstance(parts, Mapping) or not 1 <= len(parts) <= MAX_PARTS:
+        raise InvalidCombinationError(f"a combination names 1 to {MAX_PARTS} adapters with their weights")
+    for name, weight in parts.items():
+        try:
+            check_adapter_name(name)
+        except InvalidAdapterNameError as e:
+            raise InvalidCombinationError(str(e)) from None
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                or abs(weight) > MAX_WEIGHT:
+            raise InvalidCombinationError(f"adapter {name!r}'s weight in a combination must be a finite number of at "
+                                          f"most {MAX_WEIGHT:g} in size, got {weight!r}")
+    return PART.join(f"{name}{WEIGHT}{float(weight)!r}" for name, weight in parts.items())
+
+
+def parse_combination(name: str) -> dict[str, float]:
+    """combination_name's inverse (InvalidCombinationError if `name` is not one)."""
+    parts = {}
+    for part in name.split(PART):
+        adapter, _, weight = part.rpartition(WEIGHT)
+        try:
+            parts[adapter] = float(weight)
+        except ValueError:
+            raise InvalidCombinationError(f"{part!r} is not adapter{WEIGHT}weight") from None
+    if combination_name(parts) != name:
+        raise InvalidCombinationError(f"{name!r} is not a combination's name (adapter{WEIGHT}weight parts joined by "
+                                      f"{PART!r}, each adapter once)")
+    return parts

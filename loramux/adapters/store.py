@@ -276,6 +276,12 @@ class AdapterStore:
             return refusal(name, e)
         return self.install(name, None, weights, replace=True)
 
+    def add_weights(self, weights: AdapterWeights) -> LoRAResult:
+        """weights (already checked: a combination of loaded adapters) as its name's new identity, in host memory
+        only, as add_tensors's."""
+        pinned = weights.pinned() if self.slots.device.type == "cuda" else weights
+        return self.install(weights.name, None, pinned, replace=True)
+
     def clone(self, name: str, new_name: str) -> LoRAResult:
         """`new_name` becomes an adapter of its own with `name`'s current weights: the same host tensors (no
         copy; the host tier's budget counts them for each name) and the same disk copy to read back from. From

@@ -7,9 +7,10 @@ Detokenizer turns its new tokens into text; a stop string found there ends the r
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator, Mapping, Sequence as Seq
 from dataclasses import dataclass, field
 
+from loramux.adapters.names import combination_name
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig
 from loramux.engine.detokenizer import Detokenizer
@@ -64,10 +65,14 @@ class LLMEngine:
         return self.core.scheduler
 
     # ---- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, adapter: str | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue one request; returns its id. Bad input is refused here (ValueError naming the cause)."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    adapter: str | Mapping[str, float] | None = None, request_id: str | None = None) -> str:
+        """Queue one request; returns its id. adapter: a name, or {name: weight} for a weighted combination of
+        loaded adapters (adapters/combinations.py; its outputs name it as combination_name does). Bad input is
+        refused here (ValueError naming the cause)."""
         params = params or SamplingParams()
+        if isinstance(adapter, Mapping):
+            adapter = combination_name(adapter)
         token_ids = self.inputs.prompt_ids(prompt)
         self.inputs.check_length(len(token_ids), params, strict=False)
         self.inputs.check_params(params)

@@ -141,6 +141,48 @@ def test_runtime_load_use_unload_reload(files, http, client, offline):
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "fresh"}).status_code == 200
 
 
+def test_a_dora_adapter_loads_at_runtime_and_answers_as_offline(files, http, client):
+    """DoRA through the server's own load route, in a batch beside a plain adapter: each answer the offline
+    engine's (held to HF + PEFT in tests/engine/test_dora.py)."""
+    from conftest import tiny_llama
+    from engine.test_dora import save_dora_adapter
+    from support.serving import offline_llm
+
+    path = save_dora_adapter(tiny_llama(), os.path.join(files["allowed"], "dora"), seed=11)
+    load = http.post("/v1/load_lora_adapter", json={"lora_name": "dora", "lora_path": path})
+    assert load.status_code == 200, load.text
+    try:
+        llm = offline_llm(files, {"dora": path, "s0": files["served"]["s0"]})
+        params = SamplingParams(max_tokens=8, temperature=0)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            served = list(pool.map(lambda m: client.completions.create(model=m, prompt="hey", max_tokens=8,
+                                                                       temperature=0).choices[0].text, ["dora", "s0"]))
+        assert served == [llm.generate("hey", params, adapters=m, use_tqdm=False)[0].text for m in ("dora", "s0")]
+    finally:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "dora"}).status_code == 200
+
+
+def test_a_weighted_combination_of_adapters_in_one_request(files, http, client):
+    """`adapters` beside `model` (the base model's name): the offline engine's answer for the same combination
+    (held to PEFT's add_weighted_adapter in tests/engine/test_combinations.py); what cannot be combined is a 400,
+    a part nobody has a 404."""
+    from support.serving import offline_llm
+
+    combo = {"s1": 0.5, "s0": 1.0}
+    llm = offline_llm(files, {name: files["served"][name] for name in combo})
+    expected = llm.generate("hey", SamplingParams(max_tokens=8, temperature=0), adapters=combo, use_tqdm=False)[0].text
+    answer = client.completions.create(model="tiny", prompt="hey", max_tokens=8, temperature=0,
+                                       extra_body={"adapters": combo})
+    assert answer.choices[0].text == expected and answer.choices[0].text != llm.generate("hey", SamplingParams(
+        max_tokens=8, temperature=0), adapters="s0", use_tqdm=False)[0].text
+    cases = [("s0", {"s1": 1.0}, 400, "names the base model"), ("tiny", {"ghost": 1.0}, 404, "ghost"),
+             ("tiny", {"s0": 1e6}, 400, "at most 100"), ("tiny", {"s3": 1.0, "s4": 1.0}, 400, "above max_lora_rank=32")]
+    for model, adapters, status, words in cases:
+        response = http.post("/v1/completions", json={"model": model, "prompt": "hey", "max_tokens": 2,
+                                                      "adapters": adapters})
+        assert response.status_code == status and words in response.text, (adapters, response.text)
+
+
 def test_admin_error_codes(files, http):
     allowed, root = files["allowed"], files["root"]
     os.symlink(files["served"]["s0"], f"{allowed}/escape")

@@ -20,6 +20,7 @@ import msgspec
 
 from fastapi import Request
 
+from loramux.adapters.names import InvalidCombinationError, combination_name
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg, split_revision
 from loramux.adapters.remote import RemoteAdapterError, RemoteStoreError, check_uri
 from loramux.adapters.status import LoRAStatus
@@ -282,6 +283,28 @@ class APIServer:
             await self.on_demand.load(model, self.model_root, client)
         return model
 
+    async def adapter_of(self, request: p.GenerationRequest, client: str, tenant: Tenant | None,
+                         pick: str | None) -> str | None:
+        """The adapter a request runs on: its `model` (resolve), or with `adapters` ({name: weight}, `model` then
+        the base model's name) their weighted combination, each part resolved as a `model` is (404 for a name
+        this client may not use or nobody has). The engine builds the combination (adapters/combinations.py) and
+        refuses, with a 400, what cannot be combined."""
+        if request.adapters is None:
+            return await self.resolve(request.model, client, tenant, pick)
+        if request.model != self.model_name:
+            raise HTTPError(400, f"a request with `adapters` names the base model ({self.model_name!r}) as its `model`, "
+                                 f"not {request.model!r}", code="adapters")
+        parts = {}
+        for name, weight in request.adapters.items():
+            resolved = await self.resolve(name, client, tenant, pick)
+            if resolved is None:
+                raise HTTPError(400, "the base model is not an adapter to combine", code="adapters")
+            parts[resolved] = weight
+        try:
+            return combination_name(parts)
+        except InvalidCombinationError as e:
+            raise HTTPError(400, str(e), code="adapters") from e
+
     async def engine_requests(self, request: p.GenerationRequest, chat: bool, client: str = "?",
                               tenant: Tenant | None = None) -> list[AddRequest]:
         """One engine request per (prompt, choice), every field checked and every prompt tokenized first; they
@@ -289,7 +312,7 @@ class APIServer:
         self._accepting()
         self._check_counts(request)
         pick = request.user if request.user is not None else None if request.seed is None else str(request.seed)
-        adapter = await self.resolve(request.model, client, tenant, pick)
+        adapter = await self.adapter_of(request, client, tenant, pick)
         if tenant is not None and "priority" not in request.model_fields_set:
             request = request.model_copy(update={"priority": tenant.priority})
         origin = _origin(client, tenant)

@@ -152,6 +152,8 @@ class GenerationRequest(RequestModel):
     prompt_logprobs: int | None = None  # vLLM's extra field: logprobs of the prompt tokens (top N each)
     cache_salt: str | None = None  # vLLM's: the prefix cache shared only with requests of the same salt
     priority: int = 0  # vLLM's: lower first, with --scheduling-policy priority (else only 0)
+    # a weighted combination of adapters ({name: weight}; `model` names the base model): PEFT's cat combination
+    adapters: dict[str, float] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
