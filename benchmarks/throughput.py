@@ -6,6 +6,8 @@ of ranks 8/16 on all 7 projections. Rows:
   (--batch-invariant: also 8 mixed adapters with EngineConfig.batch_invariant, in the same rounds)
   (--dora: 8 mixed DoRA adapters, the same A and B as the 8 with magnitude vectors, and the 8 plain ones, on one
    engine of 16 slots of their own: mixed8_dora against mixed8_lora on the same engine, in the same rounds)
+  (--combinations: 8 weighted pairs of rank-8 adapters (PEFT's cat: rank 16) against 8 rank-16 adapters, on
+   one engine of 16 slots of their own: mixed8_pairs against mixed8_r16, in the same rounds)
   HF base (transformers generate) / HF PEFT mixed (generate(adapter_names=...))
 Prints tokens/s, the ratios (ours / peer) and one JSON line. Every row first runs once untimed (warm-up:
 caches, and each case's adapters loaded into device slots, as a serving engine keeps them resident),
@@ -101,6 +103,12 @@ def write_dora_adapter(path: str, lora_dir: str, model_path: str) -> str:
     return path
 
 
+def pair_combinations(names: list[str]) -> list[dict[str, float]]:
+    """8 distinct weighted pairs of `names` (4 of them: each ordered pair of neighbours, and of those two apart)."""
+    k = len(names)
+    return [{names[i]: 0.5, names[(i + step) % k]: 1.0} for step in (1, 2) for i in range(k)][:8]
+
+
 def timed(fn):
     start = time.perf_counter()
     result = fn()
@@ -141,7 +149,7 @@ JSON_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLen
 
 
 def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_invariant=False, structured=False,
-                 device="cpu", dora_dirs=None):
+                 device="cpu", dora_dirs=None, combinations=False):
     """base / single / mixed8 (and mixed8 with batch_invariant, or with a quarter of its requests JSON-schema
     constrained, same rounds), then the 32-slot engine's rows."""
     n, eight = len(prompts), {k: adapter_dirs[k] for k in list(adapter_dirs)[:8]}
@@ -155,6 +163,11 @@ def loramux_rows(path, dtype, adapter_dirs, prompts, params, repeats, batch_inva
         engines["dora"] = run_loramux(path, dtype, eight | dora_dirs, prompts, params, 16, device=device)
         cases["mixed8_lora"] = ("dora", mixed)
         cases["mixed8_dora"] = ("dora", [f"d{i % 8}" for i in range(n)])
+    if combinations:  # pairs of rank-8 adapters (a0, a2, ...) against single rank-16 ones (a1, a3, ...)
+        pairs = pair_combinations([f"a{i}" for i in range(0, 32, 2)][:4])
+        engines["combinations"] = run_loramux(path, dtype, adapter_dirs, prompts, params, 16, device=device)
+        cases["mixed8_pairs"] = ("combinations", [pairs[i % 8] for i in range(n)])
+        cases["mixed8_r16"] = ("combinations", [f"a{2 * (i % 8) + 1}" for i in range(n)])
     if structured:
         json_params = replace(params, structured_outputs=StructuredOutputsParams(json=json.dumps(JSON_TEXT)))
         cases["mixed8_json25"] = ("main", mixed, [json_params if i % 4 == 0 else params for i in range(n)])
@@ -264,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also mixed8 with 25%% of the requests JSON-schema constrained (mixed8_json25/mixed8)")
     parser.add_argument("--dora", action="store_true",
                         help="also 8 mixed DoRA adapters of the same ranks (their cost: mixed8_dora/mixed8)")
+    parser.add_argument("--combinations", action="store_true",
+                        help="also 8 weighted pairs of rank-8 adapters against 8 rank-16 ones (mixed8_pairs/mixed8_r16)")
     parser.add_argument("--sweep", action="store_true", help="throughput curves and a PNG chart (loramux bench)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--distinct", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
@@ -299,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
         dora_dirs = {f"d{i}": write_dora_adapter(os.path.join(workdir, f"d{i}"), adapter_dirs[f"a{i}"], path)
                      for i in range(8)} if args.dora else None
         seconds, our_tokens = loramux_rows(path, dtype, adapter_dirs, prompts, params, args.repeats,
-                                           args.batch_invariant, args.structured, args.device, dora_dirs)
+                                           args.batch_invariant, args.structured, args.device, dora_dirs,
+                                           args.combinations)
         if not args.skip_hf:
             peer_seconds, peft_tokens = hf_rows(path, dtype, adapter_dirs, prompts, args.new_tokens, args.repeats,
                                                 args.device)
@@ -339,7 +355,8 @@ def print_report(report: dict, dtypes: list[str]) -> None:
 # the same machine conditions; the median of those per-round ratios is the least noisy of the three.
 PAIRED = {"mixed8/base": ("mixed8", "base"), "distinct32/single(max_loras=32)": ("distinct32", "single_max32"),
           "mixed8_invariant/mixed8": ("mixed8_invariant", "mixed8"), "mixed8_json25/mixed8": ("mixed8_json25", "mixed8"),
-          "mixed8_dora/mixed8_lora": ("mixed8_dora", "mixed8_lora")}
+          "mixed8_dora/mixed8_lora": ("mixed8_dora", "mixed8_lora"),
+          "mixed8_pairs/mixed8_r16": ("mixed8_pairs", "mixed8_r16")}
 
 
 def paired_ratios(dtypes: list[str], runs_of) -> dict:

@@ -23,12 +23,12 @@ def load_script(stem: str = "throughput"):
 def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, capsys):
     model = save_checkpoint(tiny_llama(), tmp_path / "model")
     load_script().main(["--model", model, "--dtypes", "float32", "--requests", "4", "--prompt-len", "6",
-                        "--new-tokens", "3", "--repeats", "2", "--batch-invariant", "--structured", "--dora"])
+                        "--new-tokens", "3", "--repeats", "2", "--batch-invariant", "--structured", "--dora", "--combinations"])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     row = report["float32"]
-    labels = {"base", "single", "mixed8", "mixed8_invariant", "mixed8_json25", "mixed8_lora", "mixed8_dora", "single_max32",
-              "distinct32", "hf_base", "peft_mixed8"}
+    labels = {"base", "single", "mixed8", "mixed8_invariant", "mixed8_json25", "mixed8_lora", "mixed8_dora",
+              "mixed8_pairs", "mixed8_r16", "single_max32", "distinct32", "hf_base", "peft_mixed8"}
     assert set(row["runs_tok_s"]) == labels
     for label in labels:
         runs = row["runs_tok_s"][label]
@@ -44,7 +44,7 @@ def test_throughput_reports_best_and_median_of_repeats_and_ratios(tmp_path, caps
     assert abs(report["ratios_paired"]["float32:mixed8/base"] - paired) < 1e-2 * paired
     assert set(report["ratios_paired"]) == {"float32:mixed8/base", "float32:distinct32/single(max_loras=32)",
                                             "float32:mixed8_invariant/mixed8", "float32:mixed8_json25/mixed8",
-                                            "float32:mixed8_dora/mixed8_lora"}
+                                            "float32:mixed8_dora/mixed8_lora", "float32:mixed8_pairs/mixed8_r16"}
 
 
 def test_a_benchmark_leaves_no_working_directory_behind(tmp_path):

@@ -202,6 +202,7 @@ def build_adapter(
     errors += [_base_copy_problem(name, m, t, base_weight) for m, t in sorted(parts.base_copies.items())]
     copies = {m: _collect(errors, _whole_copy, name, m, w, base_weight, dtype, whole_copies)
               for m, w in sorted(parts.whole.items())}
+    errors.append(_alora_problem(name, spec, modules, parts.whole))
     errors = [e for e in errors if e]
     if errors:
         more = f" (and {len(errors) - 3} more modules)" if len(errors) > 3 else ""
@@ -250,6 +251,18 @@ def _dora_module(name, module, lora, magnitude, dora_scale, module_shapes) -> Mo
     scale = dora_scale(module, lora.a, lora.b, magnitude)
     _check_values(name, "{}'s DoRA scale (magnitude / the norm of W + s B A; a zero norm?)", scale, module)
     return replace(lora, scale=scale)
+
+
+def _alora_problem(name: str, spec: AdapterSpec, modules: dict[str, ModuleLoRA], whole: dict) -> str:
+    """aLoRA acts on a prompt's tokens from its invocation on: on the linear layers' rows. What would act on
+    every token (a saved module, the embedding's rows, the head's whole-vocabulary rows) or scale rows (DoRA) is
+    not run with it."""
+    if not spec.alora_invocation_tokens:
+        return ""
+    other = [m for m, lora in modules.items() if m.rsplit(".", 1)[-1] in _NO_DORA or lora.a.dim() != 2]
+    why = ("it uses DoRA too" if spec.use_dora else f"it has LoRA on {other[0]}" if other
+           else f"it saves {next(iter(whole))}" if whole else "")
+    return f"adapter {name!r} is an aLoRA adapter (alora_invocation_tokens) and {why}: not supported" if why else ""
 
 
 def _collect(errors: list[str], make: Callable, *args):

@@ -26,6 +26,7 @@ from loramux.adapters.store import AdapterStore, Source
 from loramux.config import LoRAConfig
 
 
+NEVER = 1 << 62  # an activation no position reaches
 MAX_COMBINATIONS = 32  # weighted combinations kept built (each holds its parts' weights again in host memory)
 
 
@@ -118,6 +119,16 @@ class LoRAManager:
     def lookup(self, model: str) -> AdapterRef | None:
         """resolve(), or None."""
         return self.store.lookup(model)
+
+    def activation(self, ref: AdapterRef, prompt: Sequence[int]) -> int:
+        """The first position of `prompt` the identity acts on: 0, or for an aLoRA adapter the start of the last
+        occurrence of its invocation tokens in the prompt (PEFT's alora_offsets), NEVER if they are not in it
+        (PEFT then runs the base model for the whole request)."""
+        tokens = self.store.invocation_of(ref)
+        if not tokens:
+            return 0
+        n = len(tokens)
+        return next((i for i in range(len(prompt) - n, -1, -1) if tuple(prompt[i:i + n]) == tokens), NEVER)
 
     def revisions(self, name: str) -> list[AdapterRef]:
         """`name`'s earlier revisions still addressable as name@rev (AdapterRef.revision), oldest first."""

@@ -102,6 +102,10 @@ class NoAdapters:
         return None
 
     @staticmethod
+    def activation(ref, prompt) -> int:
+        return 0
+
+    @staticmethod
     def is_lora(name: str) -> bool:
         return False
 

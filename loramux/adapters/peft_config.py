@@ -22,7 +22,6 @@ _UNSUPPORTED_FIELDS = (
     ("use_qalora", bool, "QALoRA (use_qalora=true)"),
     ("layer_replication", bool, "layer_replication={!r}"),
     ("trainable_token_indices", bool, "trainable_token_indices"),
-    ("alora_invocation_tokens", bool, "aLoRA (alora_invocation_tokens)"),
     ("megatron_config", bool, "megatron_config"),
     ("use_bdlora", bool, "block-diagonal LoRA (use_bdlora)"),
 )
@@ -69,6 +68,15 @@ def saved_modules(config: dict) -> tuple[str, ...]:
     if config.get("ensure_weight_tying") is True and set(saved) & {"embed_tokens", "lm_head"}:
         saved = tuple(dict.fromkeys((*saved, "embed_tokens", "lm_head")))
     return saved
+
+
+def _invocation(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not value or len(value) > 64 or \
+            any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+        raise ValueError(f"alora_invocation_tokens must be a list of 1 to 64 token ids, got {value!r}")
+    return tuple(value)
 
 
 def _rank(value, field: str) -> int:
@@ -173,6 +181,8 @@ class AdapterSpec:
     # lora_B is [out, r] either way, so the LoRA delta is computed the same.
     fan_in_fan_out: bool = False
     use_dora: bool = False  # DoRA: each module's output rows scaled by magnitude / ||W + s B A|| (checkpoint.py)
+    # aLoRA: the token ids whose last occurrence in a prompt activates the adapter (from its first token on)
+    alora_invocation_tokens: tuple[int, ...] = ()
 
     @classmethod
     def from_dict(cls, config: dict) -> AdapterSpec:
@@ -211,6 +221,7 @@ class AdapterSpec:
             ensure_weight_tying=_flag(config, "ensure_weight_tying"),
             target_parameters=tuple(config.get("target_parameters") or ()),
             use_dora=_flag(config, "use_dora"),
+            alora_invocation_tokens=_invocation(config.get("alora_invocation_tokens")),
         )
 
     def targets(self, module: str, all_linear: tuple[str, ...] = ()) -> bool:

@@ -77,6 +77,7 @@ class AdapterStore:
         self._weights: dict[AdapterRef, AdapterWeights] = {}  # the host tier
         self._sources: dict[AdapterRef, Source] = {}  # the disk tier (none for adapters built from tensors)
         self._modules: dict[AdapterRef, frozenset[str]] = {}  # module names each identity has weights for
+        self._invocations: dict[AdapterRef, tuple[int, ...]] = {}  # aLoRA: the tokens that activate it (else ())
         self._copies_bytes: dict[AdapterRef, int] = {}  # bytes of each identity's whole-module copies, any tier
         self._digests: dict[AdapterRef, str] = {}  # what its files held when it was loaded (files.AdapterFiles)
         self._signatures: dict[AdapterRef, Signature | None] = {}  # how they looked then (files.signature)
@@ -142,6 +143,10 @@ class AdapterStore:
     def weights_of(self, ref: AdapterRef) -> AdapterWeights:
         """The identity's host copy (read back from disk first if it left host memory)."""
         return self._weights[self._ensure_in_host(ref)]
+
+    def invocation_of(self, ref: AdapterRef) -> tuple[int, ...]:
+        """An aLoRA identity's invocation tokens (recorded at load, whichever tier it is in); () for any other."""
+        return self._invocations.get(ref, ())
 
     def modules_of(self, ref: AdapterRef) -> frozenset[str]:
         """The module names `ref` has weights for (recorded at load: no disk read, whichever tier it is in)."""
@@ -357,6 +362,7 @@ class AdapterStore:
         if not parked:
             self._weights[ref] = weights
         self._modules[ref] = frozenset(weights.modules)
+        self._invocations[ref] = weights.spec.alora_invocation_tokens
         self._copies_bytes[ref] = weights.copies_nbytes
         self.stats["loads"] += 1
         if source is not None:
@@ -414,7 +420,8 @@ class AdapterStore:
 
     def _remove(self, ref: AdapterRef) -> None:
         self._apply(self.cache.remove(ref))
-        for record in (self._sources, self._modules, self._copies_bytes, self._digests, self._signatures):
+        for record in (self._sources, self._modules, self._invocations, self._copies_bytes, self._digests,
+                       self._signatures):
             record.pop(ref, None)
 
     # ---- pins and tiers --------------------------------------------------------------------------

@@ -179,11 +179,17 @@ class BlockManager:
         return self._hashes(seq, (len(seq) - 1) // self.block_size)
 
     def _hashes(self, seq: Sequence, count: int) -> list[bytes]:
-        """The chain of `seq`'s first `count` block hashes (computed once, kept on the sequence)."""
+        """The chain of `seq`'s first `count` block hashes (computed once, kept on the sequence). It starts from
+        the salt of what computed the first block: the adapter identity's, or for an aLoRA request whose
+        invocation comes later, the base model's; the first block its adapter acts in mixes in the identity's, so
+        the blocks before it are the base model's requests' own."""
         hashes, size = seq.block_hashes, self.block_size
+        first_salt = seq.cache_salt if seq.activation == 0 else seq.base_salt
         while len(hashes) < count:
             i = len(hashes)
-            previous = hashes[-1] if hashes else hashlib.sha256(seq.cache_salt).digest()
+            previous = hashes[-1] if hashes else hashlib.sha256(first_salt).digest()
+            if seq.activation and i * size <= seq.activation < (i + 1) * size:
+                previous = hashlib.sha256(previous + seq.cache_salt).digest()
             tokens = array("q", seq.token_ids[i * size:(i + 1) * size]).tobytes()
             hashes.append(hashlib.sha256(previous + tokens).digest())
         return hashes[:count]

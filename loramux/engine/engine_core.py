@@ -89,7 +89,7 @@ class EngineCore:
                                           self.config.enable_prefix_caching)
         self.loader = self._loader()
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.lookup,
-                                   self.loader.readiness)
+                                   self.loader.readiness, self.adapters.activation)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),
                                    grammar=self.config.grammar_limits,

@@ -73,6 +73,19 @@ def _decode_only(seqs: list[Sequence], is_prefill: bool, spans: list[tuple[int, 
     return all(end - start == 1 and end == len(s) for s, (start, end) in zip(seqs, spans))
 
 
+def _token_slots(seqs: list[Sequence], slots: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    """Each new token's slot: its sequence's, or -1 (the base model) at positions before an aLoRA adapter's
+    activation (Sequence.activation)."""
+    out = []
+    for seq, slot, (start, end) in zip(seqs, slots, spans):
+        if slot < 0 or seq.activation <= start:
+            out += [slot] * (end - start)
+        else:
+            split = min(max(seq.activation, start), end)
+            out += [-1] * (split - start) + [slot] * (end - split)
+    return out
+
+
 def pool(seqs: list[Sequence], spans: list[tuple[int, int]], hidden: torch.Tensor,
          offsets) -> tuple[dict[int, torch.Tensor], dict[int, list[float]]]:
     """Pooling requests' share of a step (SamplingParams.pooling): {i: the mean's running sum with this chunk} for
@@ -196,7 +209,9 @@ class ModelRunner:
         order = batch_order(slots, grouped)
         if spans is not None:  # decode rows first: the paged decode op takes them as one block
             order = sorted(order, key=lambda i: spans[i][1] - spans[i][0] > 1)
-        ordered, ordered_slots = [seqs[i] for i in order], [slots[i] for i in order]
+        ordered = [seqs[i] for i in order]
+        # each row's slot at its last token (aLoRA: the base model's before its invocation)
+        ordered_slots = [slots[i] if len(seqs[i]) - 1 >= seqs[i].activation else -1 for i in order]
         if _decode_only(seqs, is_prefill, spans):
             ordered_spans = [(len(s) - 1, len(s)) for s in ordered]
             hidden, offsets = self._decode(ordered, ordered_slots), range(len(ordered) + 1)
@@ -204,8 +219,9 @@ class ModelRunner:
             ordered_spans = [spans[i] for i in order] if spans is not None else \
                 [(0, len(s)) if is_prefill else (len(s) - 1, len(s)) for s in ordered]
             prepare = self._prepare_mixed if spans is not None else self._prepare_prefill
-            input_ids, positions, meta, token_counts, offsets = prepare(ordered, ordered_spans)
-            hidden = self._forward(input_ids, positions, meta, ordered_slots, token_counts)
+            input_ids, positions, meta, _, offsets = prepare(ordered, ordered_spans)
+            token_slots = _token_slots(ordered, [slots[i] for i in order], ordered_spans)
+            hidden = self._forward(input_ids, positions, meta, token_slots)
         prompt = self._prompt_logprobs(ordered, ordered_slots, ordered_spans, hidden, offsets)
         sums, pooled = pool(ordered, ordered_spans, hidden, offsets)
         done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s) and i not in pooled]
@@ -295,11 +311,8 @@ class ModelRunner:
         mapping = None if base else LoRAMapping(inputs.token_slots, host_slots=slots)
         return self._run_model(inputs.ids, inputs.positions, meta, mapping)
 
-    def _forward(self, input_ids, positions, meta, slots: list[int], token_counts: list[int]):
-        mapping = None
-        if any(s >= 0 for s in slots):
-            token_slots = [slot for slot, n in zip(slots, token_counts) for _ in range(n)]
-            mapping = LoRAMapping.from_slots(token_slots, self.device)
+    def _forward(self, input_ids, positions, meta, token_slots: list[int]):
+        mapping = LoRAMapping.from_slots(token_slots, self.device) if any(s >= 0 for s in token_slots) else None
         return self._run_model(input_ids, positions, meta, mapping)
 
     def _run_model(self, input_ids, positions, meta, mapping: LoRAMapping | None) -> torch.Tensor:

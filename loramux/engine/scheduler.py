@@ -90,13 +90,15 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | NoCache = NoCache(),
                  current: Callable[[str], Hashable | None] = lambda model: None,
-                 ready: Callable[[Hashable, bool], Readiness] = lambda ref, first: Readiness.READY):
+                 ready: Callable[[Hashable, bool], Readiness] = lambda ref, first: Readiness.READY,
+                 activation: Callable[[Hashable, list[int]], int] = lambda ref, prompt: 0):
         """adapters: the engine's AdapterCache (NoCache: base model only); current(model): the identity requests
         for `model` (a name, or name@rev) start on now, None once it is gone (the adapter store's lookup); ready(identity, first): where
         it stands — if not in host memory, its read starts, off the step loop (first: for the head of the
-        queue, past any prefetch limit; the engine's AdapterLoader.readiness; by default always ready)."""
+        queue, past any prefetch limit; the engine's AdapterLoader.readiness; by default always ready);
+        activation(identity, prompt): the first prompt position it acts on (aLoRA; LoRAManager.activation)."""
         self.block_manager = block_manager
-        self.adapters, self.current, self.ready = adapters, current, ready
+        self.adapters, self.current, self.ready, self.activation = adapters, current, ready, activation
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.enable_chunked_prefill
         # Unchunked, a prompt of max_model_len tokens must fit one prefill step, or it could never run.
@@ -292,13 +294,15 @@ class Scheduler:
 
     def _try_admit(self, seq: Sequence, step: _Pass, first: bool = False) -> _Verdict:
         ref = self._ref(seq)
-        salt = b"base" if ref is None else repr(ref).encode()  # its K/V are this identity's alone
-        if seq.origin.tenant is not None:  # and this tenant's
-            salt += b"\0tenant\0" + seq.origin.tenant.encode()
-        if seq.params.cache_salt is not None:  # and this salt's (vLLM's cache_salt)
-            salt += b"\0" + seq.params.cache_salt.encode()
-        if salt != seq.cache_salt:  # its name moved to another identity since it was last looked at
-            seq.cache_salt, seq.block_hashes = salt, []
+        shared = b""  # K/V are shared within a tenant's requests with the same cache_salt (vLLM's), ...
+        if seq.origin.tenant is not None:
+            shared += b"\0tenant\0" + seq.origin.tenant.encode()
+        if seq.params.cache_salt is not None:
+            shared += b"\0" + seq.params.cache_salt.encode()
+        salt = b"base" + shared if ref is None else repr(ref).encode() + shared  # ... and one adapter identity
+        activation = 0 if ref is None else self.activation(ref, seq.token_ids[:seq.num_prompt_tokens])
+        if (salt, activation) != (seq.cache_salt, seq.activation):  # its name moved since it was last looked at
+            seq.cache_salt, seq.base_salt, seq.activation, seq.block_hashes = salt, b"base" + shared, activation, []
         # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).
         if not self._has_room(seq, step):
             return _Verdict.NO_ROOM

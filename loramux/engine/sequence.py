@@ -51,6 +51,10 @@ class Sequence:
         # set at admission), blocks already cached, hashes it is computing, and what its first admission found
         self.block_hashes: list[bytes] = []
         self.cache_salt: bytes | None = None
+        # aLoRA (set at admission): the first position its adapter acts on (0: every position), and the salt of
+        # the blocks before it, computed by the base model (shared with the base model's requests)
+        self.activation = 0
+        self.base_salt: bytes | None = None
         self.num_registered_blocks = 0
         self.claims: list[tuple[int, bytes]] = []
         self.num_cached_tokens: int | None = None

@@ -136,7 +136,7 @@ def build(adapter, shapes=SHAPES, max_rank=64, **config_changes):
         (dict(shapes={k: v for k, v in SHAPES.items() if "v_proj" not in k}), ["v_proj", "does not wrap"]),
         (dict(shapes={k: (64, 48) for k in SHAPES}), ["q_proj", "lora_B (64, 8)", "[48, r]"]),
         (dict(r=4), ["rank 8 in its weights but 4"]),
-        (dict(alora_invocation_tokens=[5, 6], bias="lora_only"), ["aLoRA", "bias='lora_only'"]),
+        (dict(use_qalora=True, bias="lora_only"), ["QALoRA", "bias='lora_only'"]),
         (dict(target_modules=["o_proj"]), ["weights for modules its adapter_config.json does not target", "q_proj"]),
     ],
 )

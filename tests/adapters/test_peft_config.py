@@ -51,11 +51,11 @@ def test_rank_and_scaling(config, module, rank, scaling):
 
 
 def test_every_unsupported_feature_is_named_in_one_error():
-    config = {"r": 8, "target_modules": ["q_proj", "embed_tokens"], "alora_invocation_tokens": [5], "bias": "all",
+    config = {"r": 8, "target_modules": ["q_proj", "embed_tokens"], "use_qalora": True, "bias": "all",
               "modules_to_save": ["lm_head", "score"], "peft_type": "IA3"}
     with pytest.raises(InvalidAdapterError) as err:
         AdapterSpec.from_dict(config)
-    for cause in ("aLoRA", "bias='all'", "modules_to_save=['score'] (only embed_tokens and lm_head", "IA3"):
+    for cause in ("QALoRA", "bias='all'", "modules_to_save=['score'] (only embed_tokens and lm_head", "IA3"):
         assert cause in str(err.value)
     assert len(unsupported_features(config)) == 4  # embedding LoRA and a saved lm_head are supported
 
