@@ -276,3 +276,12 @@ def test_tune_triton_writes_a_table_the_kernels_read(tmp_path, capsys, monkeypat
     finally:
         triton_tiles.tuned_table.cache_clear()
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "tune_triton"
+
+
+def test_alora_times_the_intrinsic_with_the_base_conversation_cached_and_cold(tmp_path, capsys):
+    model = save_checkpoint(tiny_llama(), tmp_path / "model")
+    result = load_script("alora").main(["--model", model, "--config", model, "--dtype", "float32",
+                                        "--conversation", "40", "--repeats", "2"])
+    assert result["cached_tokens"] == [32, 32]  # the conversation's full blocks of 16, from the base model's turn
+    assert set(result["ttft_ms"]) == {"cached", "cold", "plain_after_base"} and result["ratios"]["cached/cold"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "alora"
