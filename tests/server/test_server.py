@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import save_peft_adapter
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
 from support.serving import (CHAT_TEMPLATE, MAX_MODEL_LEN, NO_KEEPALIVE, engine_pid, make_files, metric, openai_client,
@@ -160,6 +161,31 @@ def test_a_dora_adapter_loads_at_runtime_and_answers_as_offline(files, http, cli
         assert served == [llm.generate("hey", params, adapters=m, use_tqdm=False)[0].text for m in ("dora", "s0")]
     finally:
         assert http.post("/v1/unload_lora_adapter", json={"lora_name": "dora"}).status_code == 200
+
+
+def test_an_alora_intrinsic_after_a_base_model_turn_reads_its_blocks_from_the_cache(files, http, client):
+    """An aLoRA adapter loaded at runtime: asked (token ids as the prompt) after the base model answered the same
+    conversation, it reads the conversation's blocks from the cache and answers as the offline engine does (held
+    to PEFT in tests/engine/test_alora.py)."""
+    from conftest import tiny_llama
+    from support.serving import offline_llm
+
+    path = save_peft_adapter(tiny_llama(), os.path.join(files["allowed"], "intrinsic"), seed=13, r=8,
+                             alora_invocation_tokens=[17, 42, 99], task_type="CAUSAL_LM")
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "intrinsic", "lora_path": path}).status_code == 200
+    try:
+        conversation = [(7 * i + 3) % 128 for i in range(40)]  # 2 full blocks of 16 before its last token, and more
+        base = client.completions.create(model="tiny", prompt=conversation, max_tokens=2, temperature=0)
+        asked = client.completions.create(model="intrinsic", prompt=conversation + [17, 42, 99, 5], max_tokens=6,
+                                          temperature=0)
+        assert base.usage.prompt_tokens_details.cached_tokens == 0
+        assert asked.usage.prompt_tokens_details.cached_tokens == 32
+        llm = offline_llm(files, {"intrinsic": path})
+        expected = llm.generate([conversation + [17, 42, 99, 5]], SamplingParams(max_tokens=6, temperature=0),
+                                adapters="intrinsic", use_tqdm=False)[0].text
+        assert asked.choices[0].text == expected
+    finally:
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "intrinsic"}).status_code == 200
 
 
 def test_a_weighted_combination_of_adapters_in_one_request(files, http, client):
