@@ -160,6 +160,22 @@ def _trace(core, seqs, slots, size):
     return trace, out[:len(seqs)].clone()
 
 
+def _assert_graph_shaped(core, first, second) -> None:
+    """Two prefilled batches (sequences, slots) padded to 4 rows: the same ops with the same shapes on the same
+    outside storages, no tensor made from host data, and each padded row equal to the eager forward's."""
+    try:
+        (trace_1, out_1), (trace_2, out_2) = _trace(core, *first, 4), _trace(core, *second, 4)
+        assert trace_1.ops == trace_2.ops and trace_1.outside == trace_2.outside
+        assert not [op for op, _ in trace_1.ops if "lift_fresh" in op or "_local_scalar_dense" in op]
+        for (seqs, slots), padded in ((first, out_1), (second, out_2)):
+            with torch.inference_mode():
+                core.runner.decode_inputs.fill(seqs, slots)
+                eager = core.runner._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
+            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    finally:
+        _release(core, first[0] + second[0])
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_decode_forwards_padded_to_one_size_run_the_same_ops_on_the_same_storages(setup, split, monkeypatch):
     """What a CUDA graph needs of the forward it captures: whatever the batch (sizes, adapters, lengths), the
@@ -177,17 +193,7 @@ def test_decode_forwards_padded_to_one_size_run_the_same_ops_on_the_same_storage
     first = _prefilled(core, [[5, 9, 14, 3], [7, 7, 21, 40, 2, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]],
                        ["a", None])
     second = _prefilled(core, [[2, 3], [4, 4, 4], [6] * 20], ["b", "a", "b"])
-    try:
-        (trace_1, out_1), (trace_2, out_2) = _trace(core, *first, 4), _trace(core, *second, 4)
-        assert trace_1.ops == trace_2.ops and trace_1.outside == trace_2.outside
-        assert not [op for op, _ in trace_1.ops if "lift_fresh" in op or "_local_scalar_dense" in op]
-        for (seqs, slots), padded in ((first, out_1), (second, out_2)):
-            with torch.inference_mode():
-                core.runner.decode_inputs.fill(seqs, slots)
-                eager = core.runner._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
-            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
-    finally:
-        _release(core, first[0] + second[0])
+    _assert_graph_shaped(core, first, second)
 
 
 def test_padding_rows_write_only_the_scratch_rows(setup):
@@ -253,16 +259,7 @@ def test_embedding_lora_runs_through_the_op_in_a_graph_shaped_forward(embedding_
     assert graph_blockers(runner.model, core.config, runner.slots.add_lora, decode_op) == []
     first = _prefilled(core, [[5, 9, 14, 3], [7, 7, 21]], ["emb", None])
     second = _prefilled(core, [[2, 3], [4, 4, 4], [6] * 9], [None, None, "emb"])
-    try:
-        (trace_1, out_1), (trace_2, out_2) = _trace(core, *first, 4), _trace(core, *second, 4)
-        assert trace_1.ops == trace_2.ops and trace_1.outside == trace_2.outside
-        for (seqs, slots), padded in ((first, out_1), (second, out_2)):
-            with torch.inference_mode():
-                core.runner.decode_inputs.fill(seqs, slots)
-                eager = core.runner._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
-            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
-    finally:
-        _release(core, first[0] + second[0])
+    _assert_graph_shaped(core, first, second)
 
 
 def test_a_saved_embedding_table_in_a_slot_turns_decode_eager_and_stays_exact(embedding_setup):
@@ -306,13 +303,4 @@ def test_a_mixture_of_experts_decode_is_graph_shaped_with_expert_lora(tmp_path):
     assert graph_blockers(runner.model, core.config, runner.slots.add_lora, decode_op) == []
     first = _prefilled(core, [[5, 9, 14, 3], [7, 7, 21]], ["experts", None])
     second = _prefilled(core, [[2, 3], [40, 41, 42], [6] * 9], [None, None, None])
-    try:
-        (trace_1, out_1), (trace_2, out_2) = _trace(core, *first, 4), _trace(core, *second, 4)
-        assert trace_1.ops == trace_2.ops and trace_1.outside == trace_2.outside
-        for (seqs, slots), padded in ((first, out_1), (second, out_2)):
-            with torch.inference_mode():
-                core.runner.decode_inputs.fill(seqs, slots)
-                eager = core.runner._decode_forward(len(seqs), slots, max(len(s.block_table) for s in seqs))
-            torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
-    finally:
-        _release(core, first[0] + second[0])
+    _assert_graph_shaped(core, first, second)
