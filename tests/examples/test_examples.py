@@ -48,7 +48,9 @@ def test_lora_over_pre_quantized_gptq_awq_and_bitsandbytes_checkpoints(tmp_path)
     assert out.count("  adapter0 ") == 3
 
 
-def test_a_dora_adapter_beside_lora_and_base_rows_equals_peft_alone():
-    out = run_example("dora_inference.py")
-    assert out.splitlines()[-1] == "DoRA row equals HF + PEFT alone: True"
-    assert [line.split()[0] for line in out.splitlines()[:3]] == ["dora", "pirate", "base"]
+def test_dora_alora_and_a_weighted_pair_beside_lora_and_base_rows_equal_peft_alone():
+    out = run_example("adapter_kinds.py")
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines[:5]] == ["dora", "intrinsic", "pair", "pirate", "base"]
+    assert "(cached prompt tokens: 0)" not in lines[1]  # the intrinsic read the base model's turn from the cache
+    assert lines[-3:] == [f"{kind} row equals HF + PEFT alone: True" for kind in ("dora", "intrinsic", "pair")]
