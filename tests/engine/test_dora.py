@@ -184,3 +184,21 @@ def test_dora_on_a_kept_quantized_base_gives_peft_tokens_on_its_dequantized_weig
     for name in ("dora", "dora_rslora"):
         alone = llm.generate([[9, 10, 11]], params, adapters=[name])[0].token_ids
         assert alone == hf_greedy(reference, adapters[name], [9, 10, 11], 8), name
+
+
+def test_a_dora_adapter_pushed_from_memory_runs_as_its_files(setup):
+    """A trainer's push (PEFT tensors and config from memory, as /v1/load_lora_adapter's uploads and the RL path
+    take them) of a DoRA adapter: the same tokens as the one loaded from its files."""
+    base, adapters, llm = setup
+    with open(os.path.join(adapters["dora"], "adapter_config.json")) as f:
+        config = json.load(f)
+    tensors = load_file(os.path.join(adapters["dora"], "adapter_model.safetensors"))
+    assert llm.load_adapter_from_tensors("dora_pushed", tensors, config)
+    try:
+        prompts = [[3, 4, 5, 6], [9, 8, 7]]
+        pushed = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                              adapters="dora_pushed")
+        read = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapters="dora")
+        assert [o.token_ids for o in pushed] == [o.token_ids for o in read]
+    finally:
+        llm.unload_adapter("dora_pushed")
