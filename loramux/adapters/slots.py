@@ -219,6 +219,9 @@ class AdapterSlots:
         """The linear layers' writes gathered and run at once (SlotWrites): all their parts are checked before
         any is written. (Embeddings and experts, rarer, write their own.)"""
         writes, saved = SlotWrites(), []
+        for layer, modules in self._layers.values() if weights.has_dora else ():
+            if any(weights.modules[m].scale is not None for m in modules if m in weights.modules):
+                layer.ensure_dora_scale()  # (on the steps' stream: see LoRALinear.ensure_dora_scale)
         with self.copies.writing(slot):  # copies into the slot buffers
             for layer, modules in self._layers.values():
                 found = [weights.modules.get(m) for m in modules]

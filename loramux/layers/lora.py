@@ -186,18 +186,23 @@ class LoRALinear(nn.Module):
         squares = base_row_squares(self.base)[rows] + 2 * (b32 * wa).sum(1) + ((b32 @ (a32 @ a32.t())) * b32).sum(1)
         return squares.clamp(min=0).sqrt()
 
+    def ensure_dora_scale(self) -> None:
+        """dora_scale [max_loras + 1, out], all ones (row 0: the base model's), made the first time a DoRA adapter
+        comes to this layer (only layers that ever hold one pay for it). Made on the stream the steps run on, so
+        a step reading other slots' rows of it never races its making (slot writes may run on a side stream)."""
+        if "dora_scale" not in self._buffers:
+            self.register_buffer("dora_scale", torch.ones(self.lora_b.shape[0] + 1, self.out_features,
+                                                          dtype=self.activation_dtype, device=self.lora_a.device),
+                                 persistent=False)
+
     def plan_scale(self, slot: int, scales: Sequence[torch.Tensor | None], writes: SlotWrites) -> None:
         """Add to `writes` slot's DoRA scales (one per output slice, None: no DoRA there, scale 1); a slot
-        without any holds ones, as the base model's row does."""
+        without any holds ones, as the base model's row does. (ensure_dora_scale first, where any is given.)"""
         if all(s is None for s in scales):
             if slot in self.dora_slots:
                 writes.copy(self.dora_scale[slot + 1], torch.ones(self.out_features, dtype=self.dora_scale.dtype))
                 self.dora_slots.discard(slot)
             return
-        if "dora_scale" not in self._buffers:  # (only layers that ever hold a DoRA adapter pay for it)
-            self.register_buffer("dora_scale", torch.ones(self.lora_b.shape[0] + 1, self.out_features,
-                                                          dtype=self.activation_dtype, device=self.lora_a.device),
-                                 persistent=False)
         row = torch.ones(self.out_features)
         start = 0
         for size, scale in zip(self.output_slices, scales):
