@@ -190,8 +190,8 @@ def test_an_alora_intrinsic_after_a_base_model_turn_reads_its_blocks_from_the_ca
 
 def test_a_weighted_combination_of_adapters_in_one_request(files, http, client):
     """`adapters` beside `model` (the base model's name): the offline engine's answer for the same combination
-    (held to PEFT's add_weighted_adapter in tests/engine/test_combinations.py); what cannot be combined is a 400,
-    a part nobody has a 404."""
+    (held to PEFT's add_weighted_adapter in tests/engine/test_combinations.py); what cannot be combined, a part
+    nobody has included, is a 400."""
     from support.serving import offline_llm
 
     combo = {"s1": 0.5, "s0": 1.0}
@@ -201,12 +201,14 @@ def test_a_weighted_combination_of_adapters_in_one_request(files, http, client):
                                        extra_body={"adapters": combo})
     assert answer.choices[0].text == expected and answer.choices[0].text != llm.generate("hey", SamplingParams(
         max_tokens=8, temperature=0), adapters="s0", use_tqdm=False)[0].text
-    cases = [("s0", {"s1": 1.0}, 400, "names the base model"), ("tiny", {"ghost": 1.0}, 404, "ghost"),
+    cases = [("s0", {"s1": 1.0}, 400, "names the base model"), ("tiny", {"ghost": 1.0}, 400, "ghost"),
              ("tiny", {"s0": 1e6}, 400, "at most 100"), ("tiny", {"s3": 1.0, "s4": 1.0}, 400, "above max_lora_rank=32")]
     for model, adapters, status, words in cases:
         response = http.post("/v1/completions", json={"model": model, "prompt": "hey", "max_tokens": 2,
                                                       "adapters": adapters})
         assert response.status_code == status and words in response.text, (adapters, response.text)
+    text = http.get("/metrics").text  # one label for every combination, whatever its weights
+    assert 'model="combination"' in text and 'model="s1*0.5&s0*1.0"' not in text
 
 
 def test_admin_error_codes(files, http):

@@ -20,7 +20,7 @@ import msgspec
 
 from fastapi import Request
 
-from loramux.adapters.names import InvalidCombinationError, combination_name
+from loramux.adapters.names import InvalidCombinationError, combination_name, is_combination
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name, parse_adapter_arg, split_revision
 from loramux.adapters.remote import RemoteAdapterError, RemoteStoreError, check_uri
 from loramux.adapters.status import LoRAStatus
@@ -45,6 +45,7 @@ from loramux.server.engine.wire import (AddRequest, AdapterSource, LoadAdapter, 
                                  ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
 
+COMBINATION_LABEL = "combination"  # the metrics' model_name of requests on a weighted combination of adapters
 logger = logging.getLogger("loramux.server")
 
 
@@ -286,9 +287,9 @@ class APIServer:
     async def adapter_of(self, request: p.GenerationRequest, client: str, tenant: Tenant | None,
                          pick: str | None) -> str | None:
         """The adapter a request runs on: its `model` (resolve), or with `adapters` ({name: weight}, `model` then
-        the base model's name) their weighted combination, each part resolved as a `model` is (404 for a name
-        this client may not use or nobody has). The engine builds the combination (adapters/combinations.py) and
-        refuses, with a 400, what cannot be combined."""
+        the base model's name) their weighted combination, each part resolved as a `model` is (a part this client
+        may not use or nobody has: a 400 saying it does not exist, the same for both). The engine builds the
+        combination (adapters/combinations.py) and refuses, with a 400, what cannot be combined."""
         if request.adapters is None:
             return await self.resolve(request.model, client, tenant, pick)
         if request.model != self.model_name:
@@ -296,7 +297,12 @@ class APIServer:
                                  f"not {request.model!r}", code="adapters")
         parts = {}
         for name, weight in request.adapters.items():
-            resolved = await self.resolve(name, client, tenant, pick)
+            try:
+                resolved = await self.resolve(name, client, tenant, pick)
+            except HTTPError as e:
+                if e.status_code != 404:
+                    raise
+                raise HTTPError(400, f"`adapters`: {e.message}", code="adapters") from None
             if resolved is None:
                 raise HTTPError(400, "the base model is not an adapter to combine", code="adapters")
             parts[resolved] = weight
@@ -449,8 +455,10 @@ class APIServer:
             self.metrics.tenant_tokens.labels(ticket.tenant.name).inc(used)
 
     def timers(self, choices: list[Choice]) -> list[RequestTimer]:
+        """Per-request metrics, labelled by adapter; every weighted combination as one label (a client choosing
+        weights must not be able to grow /metrics without bound)."""
         model = choices[0].request.adapter or self.model_name
-        return [self.metrics.track(model) for _ in choices]
+        return [self.metrics.track(COMBINATION_LABEL if is_combination(model) else model) for _ in choices]
 
     async def complete(self, requests: list[AddRequest], raw: Request, discard: bool = False) -> list[Choice]:
         """Run the requests to the end (a non-streaming response); a client that goes away aborts them.
