@@ -1,5 +1,6 @@
-"""LoRAManager: the adapter system over one model, and its public API (the names of the LoRA managers of
-vLLM, Modular MAX and TensorRT Edge-LLM).
+"""LoRAManager: the adapter system over one model, and its public API in one vocabulary (the engine's, which is
+Modular MAX's and TensorRT Edge-LLM's: load_adapter / unload_adapter / activate_adapter / pin_adapter by name);
+vLLM's manager names are a facade over it (`manager.vllm`, adapters/vllm_names.py).
 
 It builds the three parts side by side and owns them: the AdapterCache (policy: which identity lives in
 which tier), the AdapterSlots (the model's LoRA layers and their slot buffers) and the AdapterStore (names,
@@ -9,6 +10,7 @@ LoRAModel drives a plain HF model with it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
@@ -23,6 +25,7 @@ from loramux.adapters.names import AdapterRef, InvalidAdapterNameError, check_ad
 from loramux.adapters.slots import AdapterSlots
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.adapters.store import AdapterStore, Source
+from loramux.adapters.vllm_names import VLLMNames
 from loramux.config import LoRAConfig
 
 
@@ -173,10 +176,11 @@ class LoRAManager:
                 self.cache.release(ref)
             self.retire()
 
-    # ---- vLLM's manager names (keyed by adapter name; vLLM keys by its int id) -------------------------------
-    def remove_adapter(self, name: str) -> bool:
-        """vLLM's remove_adapter: unload_adapter, True if it was loaded."""
-        return bool(self.unload_adapter(name))
+    # ---- other vocabularies -----------------------------------------------------------------------
+    @functools.cached_property
+    def vllm(self) -> VLLMNames:
+        """vLLM's LoRA model manager names over this manager (adapters/vllm_names.py)."""
+        return VLLMNames(self)
 
     def clone(self, name: str, new_name: str) -> LoRAResult:
         """A second name for `name`'s current weights, sharing their host memory (AdapterStore.clone); each
@@ -186,40 +190,6 @@ class LoRAManager:
         except InvalidAdapterNameError as e:
             return LoRAResult(LoRAStatus.LOAD_INVALID_NAME, str(e))
         return self.store.clone(name, new_name)
-
-    def remove_all_adapters(self) -> None:
-        """Unload every adapter (each goes after the requests running on it, as unload_adapter)."""
-        for name in self.loras:
-            self.unload_adapter(name)
-
-    def remove_oldest_adapter(self) -> bool:
-        """vLLM's LRU manager: drop the least recently used adapter from host memory (and its slot). It stays
-        loaded under its name and is read back from disk on next use; pinned adapters, adapters requests use
-        and adapters with no disk copy are never dropped. False if none could go."""
-        return self.store.evict_oldest()
-
-    def list_adapters(self) -> dict[str, AdapterRef]:
-        """name -> the identity (load) requests for it start on now."""
-        return {name: self.store.current(name) for name in self.store.names}
-
-    def get_adapter(self, name: str) -> AdapterRef | None:
-        return self.identity(name)
-
-    def __len__(self) -> int:
-        """How many adapters are loaded (named), in host memory or not."""
-        return len(self.store.names)
-
-    @property
-    def capacity(self) -> int:
-        """Adapters host memory holds at most (max_cpu_loras; max_cpu_lora_bytes may hold fewer)."""
-        return self.config.max_cpu_loras
-
-    @property
-    def lora_slots(self) -> int:
-        """Device slots (max_loras)."""
-        return self.config.max_loras
-
-    adapter_slots = lora_slots
 
     # ---- queries ---------------------------------------------------------------------------------
     def is_lora(self, name: str) -> bool:

@@ -350,23 +350,26 @@ def test_embedding_and_head_lora_on_a_plain_hf_model_per_row(tmp_path):
 
 
 def test_vllms_manager_names(adapter_dirs):
-    """vLLM's LoRAModelManager API, keyed by name: len, capacity, slots, list / get, remove, remove all, and
-    its LRU manager's remove_oldest_adapter (host memory only here: the name stays, read back on next use)."""
+    """vLLM's LoRAModelManager API (manager.vllm, keyed by name): len, capacity, slots, list / get, activate and
+    deactivate answering whether they changed anything, remove, remove all, and its LRU manager's
+    remove_oldest_adapter (host memory only here: the name stays, read back on next use)."""
     _, model = manager_for(MODEL_FACTORIES["llama"](), max_loras=2, max_cpu_loras=3)
-    manager = model.manager
-    assert (len(manager), manager.capacity, manager.lora_slots, manager.adapter_slots) == (0, 3, 2, 2)
-    assert manager.remove_oldest_adapter() is False  # nothing in host memory
+    manager, vllm = model.manager, model.manager.vllm
+    assert (len(vllm), vllm.capacity, vllm.lora_slots, vllm.adapter_slots) == (0, 3, 2, 2)
+    assert vllm.remove_oldest_adapter() is False  # nothing in host memory
     for name, kind in (("a", "r4"), ("b", "r8_rslora"), ("c", "r16_patterns")):
         assert manager.load_adapter(f"{name}={adapter_dirs['llama', kind]}")
-    assert len(manager) == 3 and list(manager.list_adapters()) == ["a", "b", "c"]
-    assert manager.get_adapter("b") == manager.identity("b") and manager.get_adapter("ghost") is None
-    manager.pin_adapter("a")
-    assert manager.remove_oldest_adapter() is True  # "a" is pinned: "b", the next least recently used, goes
+    assert len(vllm) == 3 and list(vllm.list_adapters()) == ["a", "b", "c"]
+    assert vllm.get_adapter("b") == manager.identity("b") and vllm.get_adapter("ghost") is None
+    assert vllm.activate_adapter("c") is True and vllm.activate_adapter("c") is False
+    assert vllm.deactivate_adapter("c") is True and vllm.deactivate_adapter("c") is False
+    assert vllm.pin_adapter("a") is True
+    assert vllm.remove_oldest_adapter() is True  # "a" is pinned: "b", the next least recently used, goes
     assert not manager.cache.in_host(manager.identity("b")) and manager.cache.in_host(manager.identity("a"))
     assert manager.is_lora("b") and manager.activate_adapter("b") >= 0  # read back on use
-    assert manager.remove_adapter("c") is True and manager.remove_adapter("c") is False
-    manager.remove_all_adapters()
-    assert len(manager) == 0 and manager.list_adapters() == {}
+    assert vllm.remove_adapter("c") is True and vllm.remove_adapter("c") is False
+    vllm.remove_all_adapters()
+    assert len(vllm) == 0 and vllm.list_adapters() == {}
 
 
 def test_clone_is_a_second_name_for_the_same_host_tensors_and_lives_on_its_own(adapter_dirs):
