@@ -26,7 +26,6 @@ from loramux.adapters.files import modules_to_wrap
 from loramux.adapters.manager import LoRAManager
 from loramux.adapters.off import NoAdapters, NoLoader
 from loramux.adapters.store import Source
-from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
@@ -368,30 +367,13 @@ class EngineCore:
             self.adapters.retire()  # an unloaded or replaced identity goes with its last request
 
     # ---- adapters (between steps) ----------------------------------------------------------------------
-    def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
-        """LoRAManager.load_adapter: "name=path", a bare path, or (name, path); read here (at start-up, offline)."""
-        return self.adapters.load_adapter(spec, path, **kwargs)
-
+    # Loads, unloads and pins read nothing off the step loop: callers use the adapter system itself
+    # (self.adapters.load_adapter, ...). A runtime load reads its files on the loader thread:
     def load_adapter_async(self, name: str, path: str, allowed_dirs: tuple[str, ...] = (), replace: bool = False,
                            pinned: bool = False) -> Future:
         """A runtime load (safetensors only, every file inside allowed_dirs): read on the loader thread, so the
         running streams keep stepping; the future's LoRAResult comes once it is installed between steps."""
         return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned)
-
-    def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
-        """LoRAManager.add_adapter: PEFT tensors and config from memory (a trainer's push), between steps."""
-        return self.adapters.add_adapter(name, tensors, peft_config, replace)
-
-    def unload_adapter(self, name: str) -> LoRAResult:
-        """The name goes now: its requests that have not started end with an error at the next step; the
-        started ones finish on the adapter, whose memory goes after the last of them."""
-        return self.adapters.unload_adapter(name)
-
-    def pin_adapter(self, name: str) -> LoRAResult:
-        return self.adapters.pin_adapter(name)
-
-    def unpin_adapter(self, name: str) -> LoRAResult:
-        return self.adapters.unpin_adapter(name)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); how many there were."""

@@ -150,22 +150,22 @@ class LLMEngine:
 
     # ---- adapters (between steps) ----------------------------------------------------------------------
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
-        return self.core.load_adapter(spec, path, **kwargs)
+        return self.adapters.load_adapter(spec, path, **kwargs)
 
     def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
-        return self.core.load_adapter_from_tensors(name, tensors, peft_config, replace)
+        return self.adapters.add_adapter(name, tensors, peft_config, replace)
 
     def unload_adapter(self, name: str) -> LoRAResult:
-        return self.core.unload_adapter(name)
+        return self.adapters.unload_adapter(name)
 
     def pin_adapter(self, name: str) -> LoRAResult:
-        return self.core.pin_adapter(name)
+        return self.adapters.pin_adapter(name)
 
     def reset_prefix_cache(self) -> int:
         return self.core.reset_prefix_cache()
 
     def unpin_adapter(self, name: str) -> LoRAResult:
-        return self.core.unpin_adapter(name)
+        return self.adapters.unpin_adapter(name)
 
 
 __all__ = ["LLMEngine", "LoRAResult", "LoRAStatus", "RequestOutput", "resolve_device"]

@@ -33,7 +33,7 @@ def setup(tmp_path_factory):
                           lora_backend="triton", attention_backend="triton", pointwise_backend="triton")
     core = EngineCore(config)
     for name, path in adapters.items():
-        assert core.load_adapter(name, path)
+        assert core.adapters.load_adapter(name, path)
     return base, adapters, core
 
 
@@ -246,7 +246,7 @@ def embedding_setup(tmp_path_factory):
                           max_model_len=64, max_num_seqs=8, lora_backend="triton", attention_backend="triton",
                           pointwise_backend="triton")
     core = EngineCore(config)
-    assert core.load_adapter("emb", emb) and core.load_adapter("saved", saved)
+    assert core.adapters.load_adapter("emb", emb) and core.adapters.load_adapter("saved", saved)
     return base, {"emb": emb, "saved": saved}, core
 
 
@@ -297,7 +297,7 @@ def test_a_mixture_of_experts_decode_is_graph_shaped_with_expert_lora(tmp_path):
                           max_model_len=64, max_num_seqs=8, lora_backend="triton", attention_backend="triton",
                           pointwise_backend="triton", moe_backend="triton")
     core = EngineCore(config)
-    assert core.load_adapter("experts", experts)
+    assert core.adapters.load_adapter("experts", experts)
     runner = core.runner
     decode_op = runner.model.attention_layers()[0].decode_op
     assert graph_blockers(runner.model, core.config, runner.slots.add_lora, decode_op) == []

@@ -22,7 +22,7 @@ def setup(tmp_path_factory):
     config = EngineConfig(model=save_checkpoint(base, root / "model"), dtype="float32", kv_cache_memory=2**22,
                           lora=LoRAConfig(max_loras=2, max_lora_rank=8), max_model_len=64)
     core = EngineCore(config)
-    assert core.load_adapter("tuned", adapter)
+    assert core.adapters.load_adapter("tuned", adapter)
     return base, adapter, core
 
 
@@ -151,9 +151,9 @@ def test_lora_off_is_a_null_adapter_system_that_refuses_every_change(setup, tmp_
     assert isinstance(core.adapters, NoAdapters) and core.scheduler.max_loras == 0
     with pytest.raises(LookupError, match="base model only"):
         core.add_request("x", [1, 2], GREEDY, "tuned")
-    for result in (core.load_adapter("tuned", adapter), core.load_adapter_from_tensors("t", {}, {}),
-                   core.load_adapter_async("tuned", adapter).result(timeout=1), core.unload_adapter("tuned"),
-                   core.pin_adapter("tuned"), core.unpin_adapter("tuned")):
+    for result in (core.adapters.load_adapter("tuned", adapter), core.adapters.add_adapter("t", {}, {}),
+                   core.load_adapter_async("tuned", adapter).result(timeout=1), core.adapters.unload_adapter("tuned"),
+                   core.adapters.pin_adapter("tuned"), core.adapters.unpin_adapter("tuned")):
         assert not result and result.message == OFF
     assert (core.adapters.loras, core.adapters.pinned, core.adapters.stats, core.adapters.resident) == ([], [], {}, {})
     core.add_request("base", PROMPTS["base"], GREEDY)

@@ -158,7 +158,7 @@ def test_an_adapter_unloaded_while_the_grammar_compiles_ends_the_request_not_the
 
     monkeypatch.setattr(GrammarCompiler, "_matcher", slow)
     core.add_request("a", [5, 6], SamplingParams(structured_outputs=SPECS["choice"]), adapter="r4")
-    assert core.unload_adapter("r4")  # nothing holds it yet: the request is not queued until compiled
+    assert core.adapters.unload_adapter("r4")  # nothing holds it yet: the request is not queued until compiled
     release.set()
     outs = []
     while core.has_unfinished_requests():

@@ -135,7 +135,7 @@ class EngineCoreProc:
         loaded, failed, seconds = [], {}, {}
         for source in adapters:
             started = time.monotonic()
-            result = self.core.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs,
+            result = self.core.adapters.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs,
                                             pinned=source.pinned)
             if result:
                 loaded.append(source)
@@ -215,7 +215,7 @@ class EngineCoreProc:
         if isinstance(msg, Resume):
             return self._resume(msg.control_id)
         if isinstance(msg, PinAdapter):
-            result = core.pin_adapter(msg.name) if msg.pinned else core.unpin_adapter(msg.name)
+            result = core.adapters.pin_adapter(msg.name) if msg.pinned else core.adapters.unpin_adapter(msg.name)
         else:
             return self._unload(msg)
         return self._result(msg.control_id, msg.name, result)
@@ -228,7 +228,7 @@ class EngineCoreProc:
         ref = self.core.adapters.identity(msg.name)
         if ref is None:
             return self._result(msg.control_id, msg.name, self._no_adapter(msg.name))
-        self.unloading.setdefault(ref, []).append((msg, self.core.unload_adapter(msg.name)))
+        self.unloading.setdefault(ref, []).append((msg, self.core.adapters.unload_adapter(msg.name)))
         self._answer_unloads()
         return None
 
