@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import save_checkpoint, tiny_llama
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from loramux.engine.sequence import Sequence

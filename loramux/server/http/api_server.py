@@ -32,7 +32,7 @@ from loramux.server.http import protocol as p
 from loramux.server.http.adapter_admin import AGAIN, REPLACE, Upload, load_kind
 from loramux.server.http.admission import Admission, Ticket
 from loramux.server.http.aliases import Alias, Aliases, make_alias, target_name
-from loramux.server.http.errors import HTTPError, model_not_found
+from loramux.server.http.errors import HTTPError
 from loramux.server.engine.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.http.choices import Choice, new_choices, run_choices
 from loramux.server.http.grammar_checker import GrammarChecker, GrammarSource
