@@ -258,3 +258,22 @@ def test_moe_and_embedding_lora_decode_as_cuda_graphs_equals_eager(tmp_path):
     assert outputs[False] == outputs[True]
     for prompt, adapter, tokens in zip(prompts, rows, outputs[False]):
         assert tokens == hf_greedy(base, adapters.get(adapter), prompt, greedy.max_tokens), adapter
+
+
+def test_dora_alora_and_a_combination_on_cuda_equal_hf_peft_alone(tmp_path):
+    """The three adapter kinds in one batch on the GPU (slot writes on the side stream, DoRA turning decode eager
+    while it holds a slot, aLoRA's base-model prefix), each row's greedy tokens HF + PEFT's (on the CPU)."""
+    from engine.test_adapter_kinds import PAIR, PROMPTS, ROWS, _adapters, _oracle
+    from engine.test_combinations import peft_greedy
+
+    base = tiny_llama()
+    adapters = _adapters(base, tmp_path)
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", device="cuda", kv_cache_memory=2**24,
+              max_model_len=64, lora=LoRAConfig(max_loras=6, max_lora_rank=8))
+    assert llm.engine.runner.graphs is not None  # captured; decode runs eagerly only while DoRA holds a slot
+    for name, path in adapters.items():
+        assert llm.load_adapter(name, path)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapters=ROWS)
+    for prompt, row, out in zip(PROMPTS, ROWS, outs):
+        assert out.token_ids == peft_greedy(_oracle(base, adapters, row), prompt, 6), row
+    assert PAIR in ROWS
