@@ -197,3 +197,17 @@ def test_an_adapter_nobody_registered_is_resolved_by_the_ingress_and_served(http
     assert "acme/legal" in [m["id"] for m in http.get("/v1/models").json()["data"]]
     status, _, body = complete(http, "x", "nobody")
     assert status == 404 and "no adapter resolver has it" in body["error"]["message"], body
+
+
+def test_a_weighted_combination_through_the_ingress_equals_one_engine(http, files):
+    """`adapters` beside the base model's name: the replica the request lands on loads every part first, and the
+    answer is the single engine's; a part nobody has is a 400, as on one server."""
+    combo = {"s2": 0.5, "s0": 1.0}
+    llm = offline_llm(files, {name: files["served"][name] for name in combo})
+    expected = llm.generate("mix", SamplingParams(max_tokens=8, temperature=0), adapters=combo, use_tqdm=False)[0].text
+    for _ in range(2):
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "mix", "max_tokens": 8, "temperature": 0,
+                                               "adapters": combo})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "mix", "max_tokens": 2, "adapters": {"ghost": 1}})
+    assert r.status_code == 400 and "ghost" in r.text

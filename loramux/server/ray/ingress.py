@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from ray import serve
 from ray.exceptions import RayError
 
-from loramux.adapters.names import parse_adapter_arg
+from loramux.adapters.names import MAX_PARTS, parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server.http import protocol as p
 from loramux.server.http import adapter_admin as admin
@@ -143,19 +143,22 @@ class Ingress:
     # ---- requests -------------------------------------------------------------------------------
     async def forward(self, request: Request) -> Response:
         body = await request.body()
-        model = _model_of(body) if request.method == "POST" else None
-        if model is not None:
-            check_use(tenant_of(request), model)  # outside its patterns: 404, and no resolver is asked
-        entry = await self._entry(model) if model is not None else None
-        if model is not None and entry is None and model != (await self._base())["model_name"]:
-            # not registered (or being unloaded, while replicas still hold it): resolved, or 404 as one server
-            await self.on_demand.load(model, (await self._base())["model_root"], client_of(request))
-            entry = await self._entry(model)
-        handle = self.replica.options(stream=True, multiplexed_model_id=entry.name if entry else "")
+        model, parts = _models_of(body) if request.method == "POST" else (None, [])
+        entries = [entry] if model is not None and (entry := await self._entry_for(model, request)) else []
+        for name in parts:
+            try:
+                entry = await self._entry_for(name, request)
+            except HTTPError as e:  # as one server answers for a combination's part
+                if e.status_code != 404:
+                    raise
+                raise HTTPError(400, f"`adapters`: {e.message}", code="adapters") from None
+            entries += [entry] if entry is not None else []
+        # routed by the first adapter (`model`'s, or a weighted combination's first part): the replica loads them all
+        handle = self.replica.options(stream=True, multiplexed_model_id=entries[0].name if entries else "")
         client = request.client.host if request.client else "unknown"
         headers = [*request.headers.raw, (b"x-forwarded-for", client.encode())]
         stream = handle.forward.remote(request.method, request.url.path, request.url.query.encode(), headers, body,
-                                       entry)
+                                       entries)
         try:
             status, response_headers, replica_id = await stream.__anext__()
         except (RayError, StopAsyncIteration) as e:
@@ -163,6 +166,17 @@ class Ingress:
         headers = {k.decode(): v.decode() for k, v in response_headers if k.lower() != b"content-length"}
         headers["x-loramux-replica"] = replica_id
         return StreamingResponse(_rest(stream, headers.get("content-type", "")), status_code=status, headers=headers)
+
+    async def _entry_for(self, name: str, request: Request) -> AdapterEntry | None:
+        """The registry's entry for a name a request uses (None: the base model, or a name the replica answers for,
+        as one server would: 404, or 400 for a combination's part)."""
+        check_use(tenant_of(request), name)  # outside its patterns: 404, and no resolver is asked
+        entry = await self._entry(name)
+        if entry is None and name != (await self._base())["model_name"]:
+            # not registered (or being unloaded, while replicas still hold it): resolved, or 404 as one server
+            await self.on_demand.load(name, (await self._base())["model_root"], client_of(request))
+            entry = await self._entry(name)
+        return entry
 
     async def _entry(self, name: str) -> AdapterEntry | None:
         entry, changes = self._entries.get(name), self._changes
@@ -306,13 +320,16 @@ def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
     return generate_latest(r)
 
 
-def _model_of(body: bytes) -> str | None:
-    """The request's `model`, if the body is a JSON object naming one (else the replica says what is wrong)."""
+def _models_of(body: bytes) -> tuple[str | None, list[str]]:
+    """The request's `model` and the adapters of its weighted combination (`adapters`), where the body is a JSON
+    object naming them (else the replica says what is wrong)."""
     try:
-        model = json.loads(body).get("model")
+        fields = json.loads(body)
+        model, parts = fields.get("model"), fields.get("adapters")
     except (ValueError, AttributeError):
-        return None
-    return model if isinstance(model, str) else None
+        return None, []
+    parts = [p for p in parts if isinstance(p, str)][:MAX_PARTS] if isinstance(parts, dict) else []
+    return (model if isinstance(model, str) else None), parts
 
 
 async def _rest(stream, content_type: str):

@@ -88,28 +88,29 @@ class ServeReplica:
 
     # ---- requests ---------------------------------------------------------------------------------
     async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes,
-                      entry: AdapterEntry | None) -> AsyncIterator:
-        """The server's answer to one HTTP request: first (status, headers, replica id), then body chunks."""
+                      entries: list[AdapterEntry]) -> AsyncIterator:
+        """The server's answer to one HTTP request: first (status, headers, replica id), then body chunks.
+        entries: the adapters it uses (its `model`'s, or a weighted combination's parts), loaded here first."""
         await self._started()
-        if entry is None:
-            async for item in _call_asgi(self.app, method, path, query, headers, body, self.replica_id):
-                yield item
-            return
-        name = entry.name
-        self.entries[name] = entry
-        self._using[name] = self._using.get(name, 0) + 1
+        names = list(dict.fromkeys(entry.name for entry in entries))
+        for entry in entries:
+            self.entries[entry.name] = entry
+        for name in names:
+            self._using[name] = self._using.get(name, 0) + 1
         try:
-            await self.load_adapter(name)  # Serve's record of what this replica holds
-            await self._ensure(name)  # what this engine holds (after an eviction, a cluster-wide reload, ...)
+            for name in names:
+                await self.load_adapter(name)  # Serve's record of what this replica holds
+                await self._ensure(name)  # what this engine holds (after an eviction, a cluster-wide reload, ...)
             async for item in _call_asgi(self.app, method, path, query, headers, body, self.replica_id):
                 yield item
         except HTTPError as e:
             yield e.status_code, [(b"content-type", b"application/json")], self.replica_id
             yield _error_body(e)
         finally:
-            self._using[name] -= 1
-            if not self._holds.get(name):
-                asyncio.ensure_future(self._unload(name, evicted=True))
+            for name in names:
+                self._using[name] -= 1
+                if not self._holds.get(name):
+                    asyncio.ensure_future(self._unload(name, evicted=True))
 
     async def warm(self, entry: AdapterEntry) -> None:
         """Load `entry` here now (the ingress's /v1/load_lora_adapter): its refusal is the caller's answer."""
