@@ -41,13 +41,18 @@ TENANT_KEY = "acme-key"
 
 
 @pytest.fixture(scope="module")
-def server(files, oracle):
+def deployment(files, oracle):
     tenants = files["root"] / "tenants.toml"
     tenants.write_text(f'[tenants.acme]\nkeys = ["sha256:{key_hash(TENANT_KEY)}"]\nmodels = ["s0", "cold"]\n')
     proc, url = start_server(files, "--replicas", "2", "--max-adapters-per-replica", "8", "--api-key", KEY,
                              "--lora-resolver-dir", files["resolvable"], "--tenants", str(tenants))
-    yield url
+    yield proc, url
     stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(deployment):
+    return deployment[1]
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +216,22 @@ def test_a_weighted_combination_through_the_ingress_equals_one_engine(http, file
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "mix", "max_tokens": 2, "adapters": {"ghost": 1}})
     assert r.status_code == 400 and "ghost" in r.text
+
+
+def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deployment, files):
+    """A tenant added to the file: its key is refused, then, after SIGHUP to the deployment's process, accepted
+    by the ingress and by both replicas (base-model requests land on either)."""
+    proc, url = deployment
+    tenants = files["root"] / "tenants.toml"
+    tenants.write_text(tenants.read_text() + f'[tenants.beta]\nkeys = ["sha256:{key_hash("beta-key")}"]\n'
+                                              'models = ["tiny"]\n')
+    with httpx.Client(base_url=url, headers={"Authorization": "Bearer beta-key"}, timeout=120,
+                      limits=NO_KEEPALIVE) as beta:
+        assert complete(beta, "hi", "tiny", 2)[0] == 401
+        proc.send_signal(signal.SIGHUP)
+
+        def everywhere():
+            answers = [complete(beta, f"hi {i}", "tiny", 2) for i in range(6)]
+            return all(status == 200 for status, _, _ in answers) and len({replica for _, replica, _ in answers}) == 2
+
+        wait_until(everywhere, 60, "the new tenant's key accepted by the ingress and both replicas", interval=0.5)

@@ -58,6 +58,7 @@ class AdapterRegistry:
             self.entries[name] = AdapterEntry(name, os.path.realpath(path), next(self._versions), allowed_dirs=())
         self.reports: dict[str, tuple[float, dict]] = {}
         self.generation = 0  # grows with every change; replicas report the one they have applied
+        self.tenants_generation = 0  # grows with every reload of the tenants file (SIGHUP); replicas follow it
 
     def register(self, name: str, path: str, pinned: bool,
                  allowed_dirs: tuple[str, ...] | None = None) -> tuple[AdapterEntry, AdapterEntry | None]:
@@ -92,6 +93,14 @@ class AdapterRegistry:
     def snapshot(self) -> tuple[int, dict[str, AdapterEntry]]:
         return self.generation, dict(self.entries)
 
+    def reload_tenants(self) -> int:
+        """Every replica reads its tenants file again (it follows tenants_generation)."""
+        self.tenants_generation += 1
+        return self.tenants_generation
+
+    def tenants_version(self) -> int:
+        return self.tenants_generation
+
     def get(self, name: str) -> AdapterEntry | None:
         return self.entries.get(name)
 
@@ -119,8 +128,19 @@ class Ingress:
         self._changes = 0  # bumped at each change made here: a lookup begun before one is not kept
         self.on_demand = OnDemand(config, self._install_resolved)  # the replicas' own resolvers are off
         # the same file as the replicas' (they authenticate the forwarded key again: their prefix caches and
-        # quotas are per tenant); read at deployment
+        # quotas are per tenant); read at deployment, and again on SIGHUP (reload_tenants)
         self.tenants = load_tenants(config.tenants_file) if config.tenants_file else Tenants()
+
+    async def reload_tenants(self) -> None:
+        """SIGHUP to `loramux serve --replicas`: this ingress and every replica read the tenants file again; a
+        file that does not read leaves the tenants as they were (logged), here and on each replica."""
+        if self.config.tenants_file:
+            try:
+                self.tenants = load_tenants(self.config.tenants_file)
+                logger.info("tenants reloaded from %s: %d tenant(s)", self.config.tenants_file, len(self.tenants.tenants))
+            except ValueError as e:
+                logger.error("tenants not reloaded (the old ones stay): %s", e)
+        await self.registry.reload_tenants.remote()
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="loramux (Ray Serve)")
@@ -398,13 +418,25 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(
     stop = _stop_on_signal()
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
-        serve.run(scaleout_app(engine_config, server_config, lora_modules, replicas, replica_cpus,
-                               max_adapters_per_replica, replica_gpus), name="loramux", route_prefix="/")
+        ingress = serve.run(scaleout_app(engine_config, server_config, lora_modules, replicas, replica_cpus,
+                                         max_adapters_per_replica, replica_gpus), name="loramux", route_prefix="/")
+        _reload_on_sighup(ingress)
         logger.info("serving on http://%s:%d with %d replicas", server_config.host, server_config.port, replicas)
         stop.wait()
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _reload_on_sighup(ingress) -> None:
+    """SIGHUP: the ingress and every replica read the tenants file again (as one server's front end does)."""
+    import signal
+    import threading
+
+    def reload(*_):  # (a signal handler must not wait on the cluster: the call runs in a thread of its own)
+        threading.Thread(target=lambda: ingress.reload_tenants.remote().result(), daemon=True).start()
+
+    signal.signal(signal.SIGHUP, reload)
 
 
 def _stop_on_signal():
@@ -415,4 +447,5 @@ def _stop_on_signal():
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the deployment is up (_reload_on_sighup)
     return stop

@@ -163,10 +163,15 @@ class ServeReplica:
     async def _follow_registry(self) -> None:
         """Every REPORT_INTERVAL_S: apply the registry (unload what left it, reload new versions, pins), then
         report this replica's state with the registry generation it has applied."""
+        tenants = None
         while True:
             try:
                 generation, current = await self.registry.snapshot.remote()
                 await self._apply(current)
+                latest = await self.registry.tenants_version.remote()
+                if tenants is not None and latest != tenants:
+                    self.server.reload_tenants()  # SIGHUP to the deployment (ingress.reload_tenants)
+                tenants = latest
                 await self.registry.report.remote(self.replica_id, {**await self._stats(), "applied": generation})
             except Exception as e:  # the registry restarting, an adapter failing to reload: next round
                 logger.warning("replica %s: following the adapter registry failed: %s", self.replica_id, e)
