@@ -95,6 +95,9 @@ def test_answers_equal_one_engine_and_each_adapter_stays_on_one_replica(http, fi
     assert len(set().union(*served_by.values())) == 2, served_by  # both replicas serve
     metrics = http.get("/metrics").text
     assert metrics.count("loramux:lora_requests_info{") == 2 and len(replicas(http)) == 2
+    for adapter, (replica,) in served_by.items():  # each adapter resident in host memory where it was served
+        assert f'lora_adapter_resident{{adapter="{adapter}",pinned="false",replica="{replica}",tier="host"}}' in \
+            metrics, adapter
 
 
 def test_streaming_through_the_ingress_equals_the_single_engine(http, oracle):

@@ -327,6 +327,9 @@ def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
     Gauge("loramux:registered_adapters", "Adapters registered cluster-wide", registry=r).set(registered)
     processes = Gauge("loramux:replica_info", "A replica's processes (its server's and its engine's pid)",
                       ["replica", "pid", "engine_pid"], registry=r)
+    resident = Gauge("loramux:lora_adapter_resident", "1 while an adapter is in a tier of a replica (what LoRA-aware "
+                     "routers score on); the series is gone when it leaves", ["replica", "adapter", "tier", "pinned"],
+                     registry=r)
     for rid, state in sorted(replicas.items()):
         engine = state.get("engine") or {}
         processes.labels(rid, str(state["pid"]), str(state["engine_pid"])).set(1)
@@ -337,6 +340,10 @@ def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
             gauges["num_requests_waiting"].labels(rid).set(engine["num_waiting"])
             info.labels(rid, str(engine["max_loras"]), ",".join(engine["running_adapters"]),
                         ",".join(engine["waiting_adapters"])).set(time.time())
+            pinned = set(engine["pinned"])
+            for tier, names in engine["resident"].items():
+                for name in names:
+                    resident.labels(rid, name, tier, str(name in pinned).lower()).set(1)
     return generate_latest(r)
 
 
