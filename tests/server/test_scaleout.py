@@ -130,6 +130,10 @@ def test_the_ingress_scopes_a_tenant_as_one_server_does(server):
         assert [m["id"] for m in acme.get("/v1/models").json()["data"]] == ["s0"]
         assert acme.post("/v1/unload_lora_adapter", json={"lora_name": "s1"}).status_code == 403
         assert acme.get("/metrics").status_code == 403
+    with httpx.Client(base_url=server, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as operator:
+        # the replicas' per-tenant counters, labelled by replica (each counts its own): acme's admitted request
+        wait_until(lambda: re.search(r'loramux:tenant_requests_total\{replica="[^"]+",tenant="acme"\} [1-9]',
+                                     operator.get("/metrics").text), 30, "acme's request in the ingress's metrics")
 
 
 def test_load_and_unload_reach_every_replica(http, files, oracle):

@@ -88,6 +88,15 @@ class Metrics:
         self._engine = _EngineCounters()
         r.register(self._engine)
 
+    def tenant_counts(self) -> dict[str, list[tuple[dict[str, str], float]]]:
+        """The per-tenant counters' samples, {metric name: [(labels, value)]}: what a Ray replica reports for the
+        ingress's /metrics."""
+        out = {}
+        for counter in (self.tenant_requests, self.tenant_tokens, self.tenant_rejected):
+            for family in counter.collect():
+                out[family.name] = [(dict(s.labels), s.value) for s in family.samples if s.name.endswith("_total")]
+        return out
+
     def track(self, model: str) -> RequestTimer:
         return RequestTimer(self, model)
 

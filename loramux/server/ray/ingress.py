@@ -31,6 +31,7 @@ from dataclasses import replace
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from ray import serve
 from ray.exceptions import RayError
 
@@ -330,7 +331,13 @@ def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
     resident = Gauge("loramux:lora_adapter_resident", "1 while an adapter is in a tier of a replica (what LoRA-aware "
                      "routers score on); the series is gone when it leaves", ["replica", "adapter", "tier", "pinned"],
                      registry=r)
+    tenants: dict[str, CounterMetricFamily] = {}
     for rid, state in sorted(replicas.items()):
+        for name, samples in state.get("tenants", {}).items():  # each replica counts its own (quotas are per replica)
+            for labels, value in samples:
+                if name not in tenants:
+                    tenants[name] = CounterMetricFamily(name, f"{name}, per replica", labels=["replica", *labels])
+                tenants[name].add_metric([rid, *labels.values()], value)
         engine = state.get("engine") or {}
         processes.labels(rid, str(state["pid"]), str(state["engine_pid"])).set(1)
         gauges["engine_healthy"].labels(rid).set(state["healthy"])
@@ -344,7 +351,19 @@ def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
             for tier, names in engine["resident"].items():
                 for name in names:
                     resident.labels(rid, name, tier, str(name in pinned).lower()).set(1)
+    if tenants:
+        r.register(_Families(list(tenants.values())))
     return generate_latest(r)
+
+
+class _Families:
+    """A collector of ready-made metric families (the replicas' per-tenant counters)."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
 
 
 def _models_of(body: bytes) -> tuple[str | None, list[str]]:

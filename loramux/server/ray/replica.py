@@ -190,7 +190,8 @@ class ServeReplica:
     async def _stats(self) -> dict:
         engine = self.server.client.engine
         stats = {"loaded": sorted(self.loaded), "healthy": self.server.health() is None, "pid": os.getpid(),
-                 "engine_pid": engine.process.pid if engine is not None else None}
+                 "engine_pid": engine.process.pid if engine is not None else None,
+                 "tenants": self.server.metrics.tenant_counts()}
         if stats["healthy"]:
             try:
                 stats["engine"] = msgspec.structs.asdict(await self.server.client.stats(timeout=2.0))
