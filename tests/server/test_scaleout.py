@@ -242,3 +242,25 @@ def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deploy
             return all(status == 200 for status, _, _ in answers) and len({replica for _, replica, _ in answers}) == 2
 
         wait_until(everywhere, 60, "the new tenant's key accepted by the ingress and both replicas", interval=0.5)
+
+
+def registry_pid(http) -> int | None:
+    try:
+        found = re.search(r'loramux:adapter_registry_info\{pid="(\d+)"\}', http.get("/metrics").text)
+    except httpx.HTTPError:
+        return None
+    return int(found[1]) if found else None
+
+
+def test_runtime_loads_and_pins_survive_a_restart_of_the_registry(http, files):
+    """The adapter registry keeps its state in the cluster's key-value store: its process killed, Serve starts
+    another, and a runtime load and its pin are still registered, listed and served."""
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "kept", "lora_path": files["runtime"]["other"]}) \
+        .status_code == 200
+    assert http.post("/v1/pin_lora_adapter", json={"lora_name": "kept"}).status_code == 200
+    pid = registry_pid(http)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: registry_pid(http) not in (None, pid), 120, "a new adapter registry process", interval=1.0)
+    listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    assert "kept" in listed and complete(http, "kept?", "kept")[0] == 200
+    assert http.post("/v1/unpin_lora_adapter", json={"lora_name": "kept"}).status_code == 200

@@ -21,11 +21,12 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -51,22 +52,48 @@ REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports ev
 
 
 class AdapterRegistry:
-    def __init__(self, lora_modules: list[str]):
-        self._versions = itertools.count(1)
+    """The cluster's adapters. Its state is kept in the Ray cluster's key-value store (GCS) under `state_key`
+    (one per deployment) after every change, and read back when Serve restarts this deployment: runtime loads,
+    pins, versions and generations survive it."""
+
+    def __init__(self, lora_modules: list[str], state_key: str | None = None):
+        self._version = 0
         self.entries: dict[str, AdapterEntry] = {}
         for spec in lora_modules:
             name, path = parse_adapter_arg(spec)
-            self.entries[name] = AdapterEntry(name, os.path.realpath(path), next(self._versions), allowed_dirs=())
+            self.entries[name] = AdapterEntry(name, os.path.realpath(path), self._next_version(), allowed_dirs=())
         self.reports: dict[str, tuple[float, dict]] = {}
         self.generation = 0  # grows with every change; replicas report the one they have applied
         self.tenants_generation = 0  # grows with every reload of the tenants file (SIGHUP); replicas follow it
+        self._state_key = state_key.encode() if state_key else None
+        self._restore()
+
+    def _next_version(self) -> int:
+        self._version += 1
+        return self._version
+
+    def _restore(self) -> None:
+        saved = _kv("get", self._state_key)
+        if saved is None:
+            return
+        state = json.loads(saved)
+        self.entries = {e["name"]: AdapterEntry(**{**e, "allowed_dirs": None if e["allowed_dirs"] is None
+                                                   else tuple(e["allowed_dirs"])}) for e in state["entries"]}
+        self._version, self.generation, self.tenants_generation = state["version"], state["generation"], state["tenants"]
+        logger.info("adapter registry restored after a restart: %d adapter(s)", len(self.entries))
+
+    def _save(self) -> None:
+        state = {"entries": [dataclasses.asdict(e) for e in self.entries.values()], "version": self._version,
+                 "generation": self.generation, "tenants": self.tenants_generation}
+        _kv("put", self._state_key, json.dumps(state).encode())
 
     def register(self, name: str, path: str, pinned: bool,
                  allowed_dirs: tuple[str, ...] | None = None) -> tuple[AdapterEntry, AdapterEntry | None]:
         """(the new entry, the one it replaces)."""
         old = self.entries.get(name)
-        self.entries[name] = AdapterEntry(name, path, next(self._versions), pinned, allowed_dirs)
+        self.entries[name] = AdapterEntry(name, path, self._next_version(), pinned, allowed_dirs)
         self.generation += 1
+        self._save()
         return self.entries[name], old
 
     def restore(self, name: str, old: AdapterEntry | None) -> None:
@@ -74,14 +101,16 @@ class AdapterRegistry:
         if old is None:
             self.entries.pop(name, None)
         else:
-            self.entries[name] = replace(old, version=next(self._versions))
+            self.entries[name] = replace(old, version=self._next_version())
         self.generation += 1
+        self._save()
 
     def remove(self, name: str) -> int | None:
         """The generation that no longer has `name` (None: it was not registered)."""
         if self.entries.pop(name, None) is None:
             return None
         self.generation += 1
+        self._save()
         return self.generation
 
     def set_pinned(self, name: str, pinned: bool) -> int | None:
@@ -89,6 +118,7 @@ class AdapterRegistry:
             return None
         self.entries[name] = replace(self.entries[name], pinned=pinned)
         self.generation += 1
+        self._save()
         return self.generation
 
     def snapshot(self) -> tuple[int, dict[str, AdapterEntry]]:
@@ -97,6 +127,7 @@ class AdapterRegistry:
     def reload_tenants(self) -> int:
         """Every replica reads its tenants file again (it follows tenants_generation)."""
         self.tenants_generation += 1
+        self._save()
         return self.tenants_generation
 
     def tenants_version(self) -> int:
@@ -107,6 +138,9 @@ class AdapterRegistry:
 
     def all(self) -> dict[str, AdapterEntry]:
         return dict(self.entries)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def report(self, replica_id: str, state: dict) -> None:
         self.reports[replica_id] = (time.monotonic(), state)
@@ -313,11 +347,23 @@ class Ingress:
     async def metrics(self, raw: Request) -> Response:
         check_admin(tenant_of(raw))
         replicas = await self.registry.replicas.remote()
-        return Response(render_metrics(replicas, len(await self.registry.all.remote())),
+        return Response(render_metrics(replicas, len(await self.registry.all.remote()), await self.registry.pid.remote()),
                         media_type="text/plain; version=0.0.4")
 
 
-def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
+def _kv(op: str, key: bytes | None, value: bytes | None = None) -> bytes | None:
+    """The Ray cluster's key-value store (GCS; Serve keeps its own state there too), where connected: get or put."""
+    from ray.experimental import internal_kv
+
+    if key is None or not internal_kv._internal_kv_initialized():
+        return None
+    if op == "get":
+        return internal_kv._internal_kv_get(key)
+    internal_kv._internal_kv_put(key, value, overwrite=True)
+    return None
+
+
+def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int) -> bytes:
     """Each replica's engine state, labelled by replica; lora_requests_info as vLLM's, one per replica."""
     r = CollectorRegistry()
     gauges = {key: Gauge(f"loramux:{key}", text, ["replica"], registry=r) for key, text in (
@@ -326,6 +372,8 @@ def render_metrics(replicas: dict[str, dict], registered: int) -> bytes:
     info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                  ["replica", "max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
     Gauge("loramux:registered_adapters", "Adapters registered cluster-wide", registry=r).set(registered)
+    Gauge("loramux:adapter_registry_info", "The adapter registry's process", ["pid"], registry=r).labels(
+        str(registry_pid)).set(1)
     processes = Gauge("loramux:replica_info", "A replica's processes (its server's and its engine's pid)",
                       ["replica", "pid", "engine_pid"], registry=r)
     resident = Gauge("loramux:lora_adapter_resident", "1 while an adapter is in a tier of a replica (what LoRA-aware "
@@ -412,7 +460,7 @@ def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None
     registry = serve.deployment(AdapterRegistry, name="AdapterRegistry", ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(Ingress, name="Ingress", max_ongoing_requests=server_config.max_pending_requests,
                                ray_actor_options={"num_cpus": 0})
-    registry_app = registry.bind(list(lora_modules))
+    registry_app = registry.bind(list(lora_modules), f"loramux:adapter-registry:{uuid.uuid4().hex}")
     # the ingress resolves adapters on demand and registers them cluster-wide; a replica serves the registry
     local = replace(server_config, lora_resolver_dirs=(), lora_resolver_hf=False, lora_resolvers=(),
                     lora_resolver_plugins=False)
