@@ -194,7 +194,7 @@ def _server_config(args) -> ServerConfig:
     if args.enable_auto_tool_choice and parser is None:
         sys.exit("--enable-auto-tool-choice needs --tool-call-parser (one of: hermes)")
     config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                          api_key=args.api_key, tenants_file=args.tenants, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
+                          api_key=args.api_key, public_metrics=args.public_metrics, tenants_file=args.tenants, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
                           lora_resolver_dirs=tuple(args.lora_resolver_dir), lora_resolver_hf=args.lora_resolver_hf,
                           lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser,
                           allowed_adapter_uris=tuple(args.allowed_adapter_uri),
@@ -217,6 +217,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
     access.add_argument("--api-key", default=None, help="the operator's key: every route, every adapter")
+    access.add_argument("--public-metrics", action="store_true",
+                        help="/metrics without a key, as /health (for scrapers that send none, such as an inference "
+                             "gateway's endpoint picker); it names every tenant's adapters")
     access.add_argument("--tenants", default=None, metavar="FILE",
                         help="a TOML file of tenants: each one's API key hashes, the adapter names it may use and change, "
                              "its limits and fair share (docs/server.md, Tenants); reloaded on SIGHUP")

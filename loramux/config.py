@@ -289,6 +289,9 @@ class ServerConfig:
     """The name clients use for the base model; None = the model path's last component."""
     api_key: str | None = None
     """When set, every endpoint but /health needs `Authorization: Bearer <api_key>`."""
+    public_metrics: bool = False
+    """/metrics answered without a key, as /health is (for scrapers such as an inference gateway's endpoint picker,
+    which send none); it names every tenant's adapters, so off by default when keys or tenants are set."""
     tenants_file: str | None = None
     """A TOML file of tenants (server/http/tenants.py): their keys, the adapter names each may use and change, their
     limits and shares; reloaded on SIGHUP. None: no tenants (the API key, if any, opens everything)."""

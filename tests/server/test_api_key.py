@@ -38,3 +38,15 @@ def test_the_key_is_compared_in_constant_time_and_only_the_right_one_passes(monk
     assert call(middleware, "/v1/models", []) == 401
     assert call(middleware, "/health", []) == 200  # /health needs no key
     assert compared == [(b"Bearer s3cret", b"Bearer s3cret"), (b"Bearer s3cre", b"Bearer s3cret"), (b"", b"Bearer s3cret")]
+
+
+def test_public_metrics_need_no_key_and_nothing_else_opens():
+    """--public-metrics (for a gateway's endpoint picker, which scrapes without credentials): /metrics answers
+    without a key, every other path still needs it."""
+    from loramux.config import ServerConfig
+
+    closed = app_module.Auth(ok_app, "s3cret", public=app_module.public_paths(ServerConfig()))
+    public = app_module.Auth(ok_app, "s3cret", public=app_module.public_paths(ServerConfig(public_metrics=True)))
+    assert call(closed, "/metrics", []) == 401 and call(public, "/metrics", []) == 200
+    assert call(public, "/v1/models", []) == 401 and call(public, "/metrics/../v1/models", []) == 401
+    assert call(public, "/health", []) == 200

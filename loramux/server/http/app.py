@@ -169,16 +169,18 @@ class Auth:
     either, every request is the operator's. Keys are compared in constant time and never logged. (Plain ASGI,
     not Starlette's BaseHTTPMiddleware, which hides a client's disconnect from the route.)
 
-    tenants(): the tenants now (a SIGHUP reload swaps them)."""
+    tenants(): the tenants now (a SIGHUP reload swaps them). public: paths answered without a key as /health is
+    (ServerConfig.public_metrics: /metrics)."""
 
-    def __init__(self, app, key: str | None, tenants=lambda: Tenants()):
+    def __init__(self, app, key: str | None, tenants=lambda: Tenants(), public: frozenset[str] = frozenset()):
         self.app, self.tenants = app, tenants
         self.expected = None if key is None else f"Bearer {key}".encode()
+        self.public = frozenset({"/health", *public})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             tenants = self.tenants()
-            if (self.expected is not None or tenants.enabled) and scope["path"] != "/health":
+            if (self.expected is not None or tenants.enabled) and scope["path"] not in self.public:
                 sent = dict(scope["headers"]).get(b"authorization", b"")
                 operator = self.expected is not None and hmac.compare_digest(sent, self.expected)
                 tenant = None
@@ -192,10 +194,16 @@ class Auth:
         await self.app(scope, receive, send)
 
 
+def public_paths(config) -> frozenset[str]:
+    """The paths answered without a key besides /health (Auth)."""
+    return frozenset({"/metrics"}) if config.public_metrics else frozenset()
+
+
 def _add_middleware(app: FastAPI, server: APIServer) -> None:
     app.add_middleware(BodyLimit, limit=server.config.max_body_bytes, upload_limit=server.config.max_adapter_upload_bytes)
     # added last, so it runs first: 401 before 413
-    app.add_middleware(Auth, key=server.config.api_key, tenants=lambda: server.tenants)
+    app.add_middleware(Auth, key=server.config.api_key, tenants=lambda: server.tenants,
+                       public=public_paths(server.config))
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -814,5 +822,6 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
 
     @app.get("/metrics")
     async def metrics(raw: Request):
-        check_admin(tenant_of(raw))  # every tenant's adapter names are in it
+        if not server.config.public_metrics:
+            check_admin(tenant_of(raw))  # every tenant's adapter names are in it
         return Response(await server.render_metrics(), media_type="text/plain; version=0.0.4")

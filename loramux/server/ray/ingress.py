@@ -41,7 +41,7 @@ from loramux.config import EngineConfig, ServerConfig
 from loramux.server.http import protocol as p
 from loramux.server.http import adapter_admin as admin
 from loramux.server.http.api_server import client_of, tenant_of
-from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop
+from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop, public_paths
 from loramux.server.http.tenants import Tenants, allows, check_admin, check_use, load_dirs, load_tenants
 from loramux.server.http.errors import HTTPError, model_not_found
 from loramux.server.http.on_demand import OnDemand
@@ -180,7 +180,8 @@ class Ingress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(title="loramux (Ray Serve)")
         app.add_middleware(BodyLimit, limit=self.config.max_body_bytes)
-        app.add_middleware(Auth, key=self.config.api_key, tenants=lambda: self.tenants)
+        app.add_middleware(Auth, key=self.config.api_key, tenants=lambda: self.tenants,
+                           public=public_paths(self.config))
         app.add_exception_handler(HTTPError, lambda _, e: error_response(e.status_code, e.message, e.err_type, e.code,
                                                                            e.headers))
         app.add_exception_handler(BodyTooLarge, lambda _, e: error_response(413, e.detail))
@@ -345,7 +346,8 @@ class Ingress:
         return error_response(503, f"No replica has a healthy engine ({len(replicas)} reporting).", "service_unavailable")
 
     async def metrics(self, raw: Request) -> Response:
-        check_admin(tenant_of(raw))
+        if not self.config.public_metrics:
+            check_admin(tenant_of(raw))
         replicas = await self.registry.replicas.remote()
         return Response(render_metrics(replicas, len(await self.registry.all.remote()), await self.registry.pid.remote()),
                         media_type="text/plain; version=0.0.4")
