@@ -214,7 +214,13 @@ def build_adapter(
 # PEFT's DoRA (use_dora) keeps a magnitude vector m [out] per module (`<module>.lora_magnitude_vector`) and runs
 # result = bias + (m / ||W + s B A||) * (W x + s B A x), the norm taken per output row and held constant. The
 # scale depends on weights alone, so it is computed once, at load (dora_scale), and applied per row by slot.
-_NO_DORA = ("embed_tokens", "lm_head")
+_WHOLE_TABLE_MODULES = ("embed_tokens", "lm_head")  # rows of a vocabulary, not of a linear layer's outputs
+
+
+def _on_linear_rows(module: str, lora: ModuleLoRA) -> bool:
+    """Whether a module's LoRA acts on a linear layer's output rows (not the embedding, the head or MoE experts):
+    where DoRA's scales and aLoRA's activation apply."""
+    return module.rsplit(".", 1)[-1] not in _WHOLE_TABLE_MODULES and lora.a.dim() == 2
 
 
 def _with_dora(name, spec, magnitudes, modules, dora_scale, module_shapes, errors) -> dict[str, ModuleLoRA]:
@@ -239,7 +245,7 @@ def _with_dora(name, spec, magnitudes, modules, dora_scale, module_shapes, error
 
 
 def _dora_module(name, module, lora, magnitude, dora_scale, module_shapes) -> ModuleLoRA:
-    if module.rsplit(".", 1)[-1] in _NO_DORA or lora.a.dim() != 2:
+    if not _on_linear_rows(module, lora):
         raise InvalidAdapterError(f"adapter {name!r}: DoRA on {module} is not supported (DoRA runs on linear "
                                   "layers, not on the embedding, the output head or MoE experts)")
     out = module_shapes[module][1]
@@ -259,7 +265,7 @@ def _alora_problem(name: str, spec: AdapterSpec, modules: dict[str, ModuleLoRA],
     not run with it."""
     if not spec.alora_invocation_tokens:
         return ""
-    other = [m for m, lora in modules.items() if m.rsplit(".", 1)[-1] in _NO_DORA or lora.a.dim() != 2]
+    other = [m for m, lora in modules.items() if not _on_linear_rows(m, lora)]
     why = ("it uses DoRA too" if spec.use_dora else f"it has LoRA on {other[0]}" if other
            else f"it saves {next(iter(whole))}" if whole else "")
     return f"adapter {name!r} is an aLoRA adapter (alora_invocation_tokens) and {why}: not supported" if why else ""

@@ -18,8 +18,9 @@ from dataclasses import replace
 
 import torch
 
-from loramux.adapters.checkpoint import MAX_ABS_WEIGHT, AdapterWeights, ModuleLoRA
+from loramux.adapters.checkpoint import MAX_ABS_WEIGHT, AdapterWeights, ModuleLoRA, _peak
 from loramux.adapters.names import InvalidCombinationError
+
 
 def combine(name: str, parts: list[tuple[str, AdapterWeights, float]], max_rank: int) -> AdapterWeights:
     """The derived adapter of `parts` ((name, host weights, weight) in order) as PEFT's cat combination."""
@@ -40,7 +41,7 @@ def combine(name: str, parts: list[tuple[str, AdapterWeights, float]], max_rank:
                                           f"above max_lora_rank={max_rank}")
         a = torch.cat([p.a.float() for p, _ in pieces])
         b = torch.cat([p.b.float() * (weight * scaling) for p, weight in pieces], dim=1)  # [out, rank]
-        peak = b.abs().max().item() if b.numel() else 0.0
+        peak = _peak(b)
         if not peak <= MAX_ABS_WEIGHT:
             raise InvalidCombinationError(f"combination {name!r}: its weights make {module}'s lora_B values up to "
                                           f"{peak:.3g}, above {MAX_ABS_WEIGHT:g}")

@@ -20,8 +20,8 @@ from torch import nn
 
 from loramux.adapters.cache import AdapterCache
 from loramux.adapters.combinations import combine
-from loramux.adapters.names import InvalidCombinationError, is_combination, parse_combination
-from loramux.adapters.names import AdapterRef, InvalidAdapterNameError, check_adapter_name, parse_adapter_arg
+from loramux.adapters.names import (AdapterRef, InvalidAdapterNameError, InvalidCombinationError, check_adapter_name,
+                                    is_combination, parse_adapter_arg, parse_combination)
 from loramux.adapters.slots import AdapterSlots
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.adapters.store import AdapterStore, Source

@@ -284,8 +284,7 @@ class AdapterStore:
     def add_weights(self, weights: AdapterWeights) -> LoRAResult:
         """weights (already checked: a combination of loaded adapters) as its name's new identity, in host memory
         only, as add_tensors's."""
-        pinned = weights.pinned() if self.slots.device.type == "cuda" else weights
-        return self.install(weights.name, None, pinned, replace=True)
+        return self.install(weights.name, None, self._on_host_for_device(weights), replace=True)
 
     def clone(self, name: str, new_name: str) -> LoRAResult:
         """`new_name` becomes an adapter of its own with `name`'s current weights: the same host tensors (no
@@ -380,7 +379,11 @@ class AdapterStore:
                                 dtype=slots.activation_dtype, path=path, all_linear=slots.all_linear,
                                 base_weight=slots.base_weights.get, dora_scale=slots.dora_scale, whole_copies=copies,
                                 experts=slots.expert_shapes(), unwrapped_experts=frozenset(slots.unwrapped_experts))
-        return weights.pinned() if slots.device.type == "cuda" else weights
+        return self._on_host_for_device(weights)
+
+    def _on_host_for_device(self, weights: AdapterWeights) -> AdapterWeights:
+        """The host copy as the slots' device wants it: page-locked for a GPU (slot writes as DMA copies)."""
+        return weights.pinned() if self.slots.device.type == "cuda" else weights
 
     def _check_copies_budget(self, name: str, weights: AdapterWeights) -> None:
         """Every loaded adapter's whole-module copies, in host memory or evicted to disk, fit the budget together
