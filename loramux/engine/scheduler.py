@@ -300,8 +300,9 @@ class Scheduler:
         if seq.params.cache_salt is not None:
             shared += b"\0" + seq.params.cache_salt.encode()
         salt = b"base" + shared if ref is None else repr(ref).encode() + shared  # ... and one adapter identity
-        activation = 0 if ref is None else self.activation(ref, seq.token_ids[:seq.num_prompt_tokens])
-        if (salt, activation) != (seq.cache_salt, seq.activation):  # its name moved since it was last looked at
+        if salt != seq.cache_salt:  # first looked at, or its name moved to another identity since
+            # (its activation, aLoRA's, depends on nothing else: worked out here, not at every look)
+            activation = 0 if ref is None else self.activation(ref, seq.token_ids[:seq.num_prompt_tokens])
             seq.cache_salt, seq.base_salt, seq.activation, seq.block_hashes = salt, b"base" + shared, activation, []
         # Room first: a request short of both room and a slot stops the scan (rule: FIFO for memory).
         if not self._has_room(seq, step):
