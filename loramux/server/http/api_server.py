@@ -32,7 +32,7 @@ from loramux.server.http import protocol as p
 from loramux.server.http.adapter_admin import AGAIN, REPLACE, Upload, load_kind
 from loramux.server.http.admission import Admission, Ticket
 from loramux.server.http.aliases import Alias, Aliases, make_alias, target_name
-from loramux.server.http.errors import HTTPError
+from loramux.server.http.errors import HTTPError, combination_part
 from loramux.server.engine.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.http.choices import Choice, new_choices, run_choices
 from loramux.server.http.grammar_checker import GrammarChecker, GrammarSource
@@ -297,12 +297,8 @@ class APIServer:
                                  f"not {request.model!r}", code="adapters")
         parts = {}
         for name, weight in request.adapters.items():
-            try:
+            with combination_part():
                 resolved = await self.resolve(name, client, tenant, pick)
-            except HTTPError as e:
-                if e.status_code != 404:
-                    raise
-                raise HTTPError(400, f"`adapters`: {e.message}", code="adapters") from None
             if resolved is None:
                 raise HTTPError(400, "the base model is not an adapter to combine", code="adapters")
             parts[resolved] = weight

@@ -43,7 +43,7 @@ from loramux.server.http import adapter_admin as admin
 from loramux.server.http.api_server import client_of, tenant_of
 from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop, public_paths
 from loramux.server.http.tenants import Tenants, allows, check_admin, check_use, load_dirs, load_tenants
-from loramux.server.http.errors import HTTPError, model_not_found
+from loramux.server.http.errors import HTTPError, combination_part, model_not_found
 from loramux.server.http.on_demand import OnDemand
 from loramux.server.ray.replica import AdapterEntry, ServeReplica
 
@@ -121,16 +121,14 @@ class AdapterRegistry:
         self._save()
         return self.generation
 
-    def snapshot(self) -> tuple[int, dict[str, AdapterEntry]]:
-        return self.generation, dict(self.entries)
+    def snapshot(self) -> tuple[int, dict[str, AdapterEntry], int]:
+        """(the generation, the entries, the tenants file's generation): what a replica follows, in one call."""
+        return self.generation, dict(self.entries), self.tenants_generation
 
     def reload_tenants(self) -> int:
         """Every replica reads its tenants file again (it follows tenants_generation)."""
         self.tenants_generation += 1
         self._save()
-        return self.tenants_generation
-
-    def tenants_version(self) -> int:
         return self.tenants_generation
 
     def get(self, name: str) -> AdapterEntry | None:
@@ -202,12 +200,8 @@ class Ingress:
         model, parts = _models_of(body) if request.method == "POST" else (None, [])
         entries = [entry] if model is not None and (entry := await self._entry_for(model, request)) else []
         for name in parts:
-            try:
+            with combination_part():  # as one server answers for it
                 entry = await self._entry_for(name, request)
-            except HTTPError as e:  # as one server answers for a combination's part
-                if e.status_code != 404:
-                    raise
-                raise HTTPError(400, f"`adapters`: {e.message}", code="adapters") from None
             entries += [entry] if entry is not None else []
         # routed by the first adapter (`model`'s, or a weighted combination's first part): the replica loads them all
         handle = self.replica.options(stream=True, multiplexed_model_id=entries[0].name if entries else "")

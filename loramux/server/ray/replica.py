@@ -166,9 +166,8 @@ class ServeReplica:
         tenants = None
         while True:
             try:
-                generation, current = await self.registry.snapshot.remote()
+                generation, current, latest = await self.registry.snapshot.remote()
                 await self._apply(current)
-                latest = await self.registry.tenants_version.remote()
                 if tenants is not None and latest != tenants:
                     self.server.reload_tenants()  # SIGHUP to the deployment (ingress.reload_tenants)
                 tenants = latest
