@@ -291,8 +291,8 @@ class ModelRunner:
 
     def _decode(self, seqs: list[Sequence], slots: list[int]) -> torch.Tensor:
         """A decode step (one new token per sequence) through the decode inputs: replayed as the CUDA graph of
-        the smallest captured size that holds it, else run eagerly on exactly its rows (also while a slot holds a
-        saved embedding table, which graphs cannot replay). -> hidden [rows, hidden]"""
+        the smallest captured size that holds it, else run eagerly on exactly its rows (also while a slot holds what
+        graphs cannot replay: AdapterSlots.needs_eager). -> hidden [rows, hidden]"""
         graphs = self.graphs is not None and not self.slots.needs_eager
         size = self.graphs.size_for(len(seqs)) if graphs else None
         self.decode_inputs.fill(seqs, slots, size)
