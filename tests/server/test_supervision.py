@@ -20,6 +20,11 @@ def files(tmp_path_factory):
     return make_files(tmp_path_factory)
 
 
+# For the tests that freeze the engine (SIGSTOP) while they probe the server: the frozen-engine watchdog (30 s by
+# default) must not kill it meanwhile, however slow the machine (the test waits for states, not for a time).
+FROZEN_FOR_AS_LONG_AS_IT_TAKES = ("--engine-kill-timeout", "600")
+
+
 def health(url: str) -> int:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code
@@ -201,7 +206,9 @@ def test_sigterm_refuses_new_work_ends_what_outlives_the_grace_period_and_exits_
 
 
 def test_sigterm_lets_a_running_request_finish_within_the_grace_period(files):
-    proc, url = start_server(files, "--shutdown-timeout", "30")
+    # the engine stays frozen until the test has seen the server refuse new work: the grace period may not run out
+    # meanwhile either, however slow the machine
+    proc, url = start_server(files, "--shutdown-timeout", "300", *FROZEN_FOR_AS_LONG_AS_IT_TAKES)
     client = openai_client(url)
     stream = iter(client.completions.create(model="s1", prompt="x", max_tokens=30, temperature=0, stream=True,
                                             extra_body={"ignore_eos": True}))
@@ -233,7 +240,8 @@ def complete_offline(files, adapter: str, prompt: str, max_tokens: int) -> str:
 
 
 def test_past_the_admission_limits_requests_get_429_with_retry_after(files):
-    proc, url = start_server(files, "--max-pending-requests", "2", "--max-pending-per-client", "0")
+    proc, url = start_server(files, "--max-pending-requests", "2", "--max-pending-per-client", "0",
+                             *FROZEN_FOR_AS_LONG_AS_IT_TAKES)
     try:
         pid = engine_pid(proc.pid)
         os.kill(pid, signal.SIGSTOP)  # nothing finishes: two requests fill the queue
@@ -260,7 +268,8 @@ def test_past_the_admission_limits_requests_get_429_with_retry_after(files):
 
 
 def test_the_token_and_per_client_limits_get_429_naming_the_limit(files):
-    proc, url = start_server(files, "--max-pending-tokens", "40", "--max-pending-per-client", "1")
+    proc, url = start_server(files, "--max-pending-tokens", "40", "--max-pending-per-client", "1",
+                             *FROZEN_FOR_AS_LONG_AS_IT_TAKES)
     try:
         pid = engine_pid(proc.pid)
         os.kill(pid, signal.SIGSTOP)  # nothing finishes while the limits are probed
@@ -296,7 +305,7 @@ def test_the_token_and_per_client_limits_get_429_naming_the_limit(files):
 
 
 def test_clients_that_go_away_free_their_requests(files):
-    proc, url = start_server(files)
+    proc, url = start_server(files, *FROZEN_FOR_AS_LONG_AS_IT_TAKES)
     try:
         pid = engine_pid(proc.pid)
         os.kill(pid, signal.SIGSTOP)
