@@ -89,6 +89,11 @@ def _engine_args(parser: argparse.ArgumentParser) -> None:
     batching.add_argument("--enforce-eager", action="store_true",
                           help="decode on a GPU op by op, without CUDA graphs (as vLLM's; graphs are captured at start "
                                "for batch sizes 1, 2, 4, 8, 16, ... up to --max-num-seqs)")
+    batching.add_argument("--speculative-config", default=None, metavar="JSON",
+                          help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 5, '
+                               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (each decoding request proposes the '
+                               'tokens that followed its last n tokens earlier; one pass with its adapter keeps those '
+                               'the model agrees with: the same output, fewer passes where text repeats)')
     batching.add_argument("--batch-invariant", action="store_true",
                           help="a request's tokens never depend on its batch mates, bf16 included (as vLLM's "
                                "VLLM_BATCH_INVARIANT; slower: see docs/reliability.md)")
@@ -111,7 +116,7 @@ def _engine_config(args, usage: str) -> EngineConfig:
                         prefill_slowdown_cap=getattr(args, "prefill_slowdown_cap", None),
                         enable_prefix_caching=args.enable_prefix_caching,
                         batch_invariant=args.batch_invariant, enforce_eager=args.enforce_eager, usage=usage, scheduling_policy=args.scheduling_policy,
-                        **budget)
+                        speculative_config=args.speculative_config, **budget)
 
 
 def serve(args) -> None:

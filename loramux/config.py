@@ -1,10 +1,67 @@
 """Frozen configuration objects. Stdlib only: the scheduler and the server read these too."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's --speculative-config: each decoding request proposes up to
+    num_speculative_tokens next tokens, and one forward pass over them, with the request's own adapter, keeps
+    those the model itself would have produced (greedy: token for token; sampled: the same distribution)."""
+
+    method: str = "ngram"
+    """"ngram": prompt lookup, the tokens that followed the last earlier occurrence of the request's last n
+    tokens (prompt and output), n from prompt_lookup_max down to prompt_lookup_min."""
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int | None = None
+    """None: prompt_lookup_min, or 5 when neither is given (vLLM's)."""
+    prompt_lookup_min: int | None = None
+    """None: prompt_lookup_max, or 5 when neither is given."""
+    disable_by_batch_size: int | None = None
+    """No request proposes while more than this many decode in a step (a full batch gains little from
+    speculation). None: the engine's default, 8 on a CPU (where a batch of 8 already fills the cores) and 32 on
+    a GPU. Below it, each request proposes only while its own acceptance pays (engine/speculative.py)."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
+        _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        low, high = (5, 5) if low is high is None else (low if low is not None else high, high if high is not None else low)
+        _check_positive("prompt_lookup_min", low)
+        _check_positive("prompt_lookup_max", high)
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        if self.disable_by_batch_size is not None:
+            _check_positive("disable_by_batch_size", self.disable_by_batch_size)
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From what a user passes: a SpeculativeConfig, a dict or a JSON object (vLLM's spelling); unknown
+        keys are refused, naming them."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                             f"{', '.join(cls.__dataclass_fields__)}")
+        return cls(**value)
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # A GPU step's default token budget, as vLLM's EngineArgs: usage -> (smaller GPU, >= 70 GiB and not an A100)
 GPU_STEP_TOKENS = {"offline": (8192, 16384), "server": (2048, 8192)}
@@ -220,9 +277,12 @@ class EngineConfig:
     every GEMM on a fixed row count (the LoRA op's too: torch-fixed-rows), attention per sequence length.
     Without it, bf16 results can change in the last bits with the batch, and greedy tokens then diverge.
     Costs speed: see benchmarks/README.md."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding (SpeculativeConfig; a dict or JSON string is parsed); None: off."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "startup_adapters", tuple(self.startup_adapters))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
@@ -241,6 +301,9 @@ class EngineConfig:
         if self.batch_invariant and self.enable_chunked_prefill:
             raise ValueError("batch_invariant prefills each sequence whole; it cannot be combined with "
                              "enable_chunked_prefill")
+        if self.batch_invariant and self.speculative_config is not None:
+            raise ValueError("batch_invariant decodes one token per row on a fixed row count; it cannot be combined "
+                             "with speculative_config (a verification pass has several tokens per row)")
         if self.batch_invariant and self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"batch_invariant runs attention in torch; attention_backend={self.attention_backend!r} "
                              "is not batch-invariant")

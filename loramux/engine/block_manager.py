@@ -87,21 +87,35 @@ class BlockManager:
         return index < len(hashes) and hashes[index] in self._in_flight
 
     # ---- decoding --------------------------------------------------------------------------------
-    def can_append(self, seq: Sequence) -> bool:
-        """Whether a decode step can write K/V for position len(seq) - 1."""
-        return len(seq.block_table) >= seq.num_blocks_needed(self.block_size) or bool(self._free)
+    def can_append(self, seq: Sequence, lookahead: int = 0) -> bool:
+        """Whether a decode step can write K/V for positions len(seq) - 1 .. len(seq) - 1 + lookahead (the
+        proposed tokens of speculative decoding)."""
+        return self._missing(seq, lookahead) <= len(self._free)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Add a block when position len(seq) - 1 starts a new one (one token per decode step)."""
-        missing = seq.num_blocks_needed(self.block_size) - len(seq.block_table)
-        if missing <= 0:
-            return
-        if missing > 1:
+    def may_append(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Add the blocks positions up to len(seq) - 1 + lookahead need (a decode step: one token, and the
+        `lookahead` proposed ones)."""
+        missing = self._missing(seq, lookahead)
+        if len(seq.block_table) < -(-(len(seq) - 1) // self.block_size):
             raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short: it grew by more than one "
                                "token since its last step, or was never allocated")
-        if not self._free:
+        if missing > len(self._free):
             raise RuntimeError(f"no free block to extend sequence {seq.seq_id}; check can_append first")
-        seq.block_table.append(self._take())
+        seq.block_table += [self._take() for _ in range(missing)]
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past those its len(seq) positions need: blocks of proposed tokens that were not
+        accepted (never cached: only the blocks of computed, kept tokens are)."""
+        keep = seq.num_blocks_needed(self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
+    def _missing(self, seq: Sequence, lookahead: int) -> int:
+        return max(0, -(-(len(seq) + lookahead) // self.block_size) - len(seq.block_table))
 
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: the full blocks whose K/V are now all computed become cached (prompt and output

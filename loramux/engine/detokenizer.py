@@ -21,12 +21,14 @@ class Detokenizer:
         self.stopped = False  # a stop string was found: the text is final
         self.min_tokens, self.num_tokens = min_tokens, 0  # stop strings count from min_tokens on (as vLLM)
         self._stop_from = 0  # a stop string must end after this position of `decoded`
+        self.unused = 0  # tokens of the last update after the one whose text completed a stop string
 
     def update(self, new_token_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add this step's tokens; returns (newly released text, hit a stop string). After a stop string
         nothing more is released."""
         if self.stopped:  # tokens the engine made before it heard of the stop
             return "", False
+        ends = []  # len(decoded) after each token
         for token_id in new_token_ids:
             if self.num_tokens == self.min_tokens - 1:  # the min_tokens-th token: stops may end in its text on
                 self._stop_from = len(self.decoded)
@@ -34,24 +36,30 @@ class Detokenizer:
             piece = self.stream.step(self.backend, token_id)
             if piece:
                 self.decoded += piece
-        stop_at = self._find_stop() if self.num_tokens >= self.min_tokens else None  # (held back all the same)
-        if stop_at is not None:
+            ends.append(len(self.decoded))
+        found = self._find_stop() if self.num_tokens >= self.min_tokens else None  # (held back all the same)
+        stop_at = None
+        if found is not None:  # several tokens at once (speculative decoding): those after the stop are not used
+            stop_at, stop_end = found
+            self.unused = len(ends) - next((i + 1 for i, end in enumerate(ends) if end >= stop_end), len(ends))
+            self.num_tokens -= self.unused
             self.decoded, final, self.stopped = self.decoded[:stop_at], True, True
         end = len(self.decoded) if final else len(self.decoded) - self._holdback()
         delta = self.decoded[len(self.text):end] if end > len(self.text) else ""
         self.text += delta
         return delta, stop_at is not None
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, int] | None:
         """The first stop string in the text not yet released (released text never ends with the start of
-        one: it is held back) that ends in the text of the min_tokens-th token or later (as vLLM)."""
+        one: it is held back) that ends in the text of the min_tokens-th token or later (as vLLM): (where it
+        starts, where it ends)."""
         hits = []
         for stop in self.stop:
             i = self.decoded.find(stop, len(self.text))
             while i >= 0 and i + len(stop) <= self._stop_from:
                 i = self.decoded.find(stop, i + 1)
             if i >= 0:
-                hits.append(i)
+                hits.append((i, i + len(stop)))
         return min(hits) if hits else None
 
     def _holdback(self) -> int:

@@ -32,10 +32,12 @@ from loramux.engine.block_manager import BlockManager
 from loramux.engine.fair_queue import Origin
 from loramux.engine.grammar import GrammarCompiler
 from loramux.engine.input_processor import EngineLimits
-from loramux.engine.model_runner import ModelRunner, Sampled
+from loramux.engine.model_runner import ModelRunner, Sampled, Verified
 from loramux.engine.output import CoreOutput
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
+from loramux.engine.speculative import Speculator
+from loramux.logprobs import Logprobs
 from loramux.models.loader import load_model
 from loramux.sampling_params import SamplingParams
 
@@ -44,6 +46,16 @@ GRAMMAR_WAIT_S = 0.05  # an idle step waits this long at most for a grammar bein
 LOAD_WAIT_S = 0.05  # and for an adapter being read
 NON_FINITE = ("the model produced NaN or Inf logits for this request (check its adapter's weights and "
               "scaling); it was stopped")
+
+
+def _checked(result: Sampled | Verified) -> Sampled | Verified | str:
+    """A step's result, or the error that ends its request (its grammar refused the token; non-finite logits
+    where its next token was to come)."""
+    if isinstance(result, Verified):
+        return NON_FINITE if result.tokens[0].token is None else result
+    if result.error:
+        return result.error
+    return NON_FINITE if result.token is None and result.embedding is None else result
 
 
 def resolve_device(name: str) -> torch.device:
@@ -87,8 +99,10 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.loader = self._loader()
+        spec = self.config.speculative_config
+        self.speculator = Speculator(spec, self.device.type) if spec is not None else None
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.lookup,
-                                   self.loader.readiness, self.adapters.activation)
+                                   self.loader.readiness, self.adapters.activation, self.speculator)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
                                    vocab_size=int(getattr(self.hf_config, "vocab_size", 0) or len(self.hf_tokenizer)),
                                    grammar=self.config.grammar_limits,
@@ -227,6 +241,9 @@ class EngineCore:
                 if isinstance(result, str):
                     outputs.append(self._fail(seq, result))
                     continue
+                if isinstance(result, Verified):
+                    outputs.append(self._verified(seq, result))
+                    continue
                 seq.num_computed_tokens = spans[id(seq)][1] if spans is not None else len(seq)
                 self.block_manager.cache_computed(seq)  # its full blocks of computed K/V can be shared now
                 if result is not None:  # None: a prompt chunk that does not end the prompt samples nothing
@@ -320,27 +337,59 @@ class EngineCore:
                         for t in self._run([seq], [slot], is_prefill, None if spans is None else [spans[i]])]
             logger.exception("request %s failed in a step", seqs[0].request_id)
             return [f"the engine failed on this request: {type(e).__name__}: {e}"]
-        return [r if r is None else r.error or (NON_FINITE if r.token is None and r.embedding is None else r)
-                for r in results]
+        return [r if r is None else _checked(r) for r in results]
 
     def _append(self, seq: Sequence, result: Sampled) -> CoreOutput:
-        token = result.token
+        reason = self._take(seq, result.token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        return self._output(seq, [result.token], reason, result.logprobs, result.prompt_logprobs)
+
+    def _verified(self, seq: Sequence, result: Verified) -> CoreOutput:
+        """A speculating sequence's step: its new tokens up to the first that ends it; K/V stays for the
+        positions before its newest token, the blocks of rejected proposals go back."""
+        if self.speculator is not None:
+            self.speculator.verified(seq, result.proposed, result.accepted)
+        kept, reason = [], None
+        for sampled in result.tokens:
+            kept.append(sampled)
+            reason = self._take(seq, sampled.token)
+            if reason is not None:
+                break
+        seq.num_computed_tokens = len(seq) - 1
+        self.block_manager.cache_computed(seq)
+        self.block_manager.trim(seq)
+        seq.draft_ids = []
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._forget(seq)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = Logprobs()
+            for sampled in kept:
+                logprobs.extend(sampled.logprobs)
+        return self._output(seq, [s.token for s in kept], reason, logprobs)
+
+    def _take(self, seq: Sequence, token: int) -> str | None:
+        """Append a sampled token; the reason it ends the request, if it does."""
         seq.append_token(token)
         params = seq.params
         # a grammar only lets EOS through once it is complete: then the request ends, even with ignore_eos
         eos = token in self.eos_token_ids and (not params.ignore_eos or seq.grammar is not None)
-        by_token = token in params.stop_token_ids or eos
-        reason = "stop" if by_token else None
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or len(seq) >= self.limits.max_model_len):
-            reason = "length"
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            self._forget(seq)
-        first = seq.num_output_tokens == 1
+        if token in params.stop_token_ids or eos:
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.limits.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, tokens: list[int], reason: str | None, logprobs: Logprobs | None,
+                prompt_logprobs: Logprobs | None = None) -> CoreOutput:
+        first = seq.num_output_tokens == len(tokens)
         cached = (seq.num_cached_tokens or 0) if first else 0  # in its first output only, as the revision
         revision = seq.adapter_ref.revision if first and seq.adapter_ref is not None else None
-        return CoreOutput(seq.request_id, [token], reason, logprobs=result.logprobs,
-                          prompt_logprobs=result.prompt_logprobs, num_cached_tokens=cached, revision=revision)
+        return CoreOutput(seq.request_id, tokens, reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          num_cached_tokens=cached, revision=revision)
 
     def _pooled(self, seq: Sequence, result: Sampled) -> CoreOutput:
         """A pooling request's one output: its vector; it ends (no token)."""

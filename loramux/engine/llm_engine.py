@@ -125,6 +125,12 @@ class LLMEngine:
         # a stop token ends the text before it: it is kept in token_ids, left out of the text
         text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
         delta, hit_stop = request.detokenizer.update(text_ids, final=reason is not None)
+        new_ids = list(out.new_token_ids)
+        unused = request.detokenizer.unused + len(new_ids) - len(text_ids) if hit_stop else 0
+        if unused:  # tokens after the stop string (several came in one step: speculative decoding)
+            del request.token_ids[-unused:], new_ids[-unused:]
+            if request.logprobs is not None:
+                request.logprobs = request.logprobs.slice(0, len(request.token_ids))
         if hit_stop and reason is None:
             self.core.abort_request(out.request_id)
             reason = "stop"
@@ -133,7 +139,7 @@ class LLMEngine:
         elif finished_only:
             return None
         return RequestOutput(out.request_id, request.prompt, request.prompt_token_ids, request.detokenizer.text,
-                             list(request.token_ids), request.adapter, reason, delta, list(out.new_token_ids),
+                             list(request.token_ids), request.adapter, reason, delta, new_ids,
                              out.error, _copy(request.logprobs), request.prompt_logprobs, request.num_cached_tokens,
                              request.revision, out.embedding)
 

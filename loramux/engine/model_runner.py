@@ -46,6 +46,22 @@ class Sampled(NamedTuple):
     embedding: list[float] | None = None  # a pooling request's vector (SamplingParams.pooling): no token
 
 
+class Verified(NamedTuple):
+    """A speculating sequence's result of a step (Sequence.draft_ids verified): its new tokens in order, the
+    proposed ones the model agreed with and then its own next one (fewer where logits were not finite: a first
+    token of None fails the request), and how many tokens it had proposed."""
+
+    tokens: list[Sampled]
+    proposed: int
+    accepted: int  # the proposed tokens kept
+
+
+def _position_seed(seed: int, index: int) -> int:
+    """The seed of a seeded request's output token `index` where speculation is on: its draws then depend on
+    the request alone, not on how many tokens each step verified."""
+    return (seed * 0x9E3779B97F4A7C15 + index) % 2**64
+
+
 def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -71,6 +87,11 @@ def _decode_only(seqs: list[Sequence], is_prefill: bool, spans: list[tuple[int, 
     if spans is None:
         return not is_prefill
     return all(end - start == 1 and end == len(s) for s, (start, end) in zip(seqs, spans))
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """Its tokens at positions [start, end): past its last one, the tokens it proposes (speculative decoding)."""
+    return seq.token_ids[start:end] if end <= len(seq) else (seq.token_ids + seq.draft_ids)[start:end]
 
 
 def _token_slots(seqs: list[Sequence], slots: list[int], spans: list[tuple[int, int]]) -> list[int]:
@@ -163,6 +184,7 @@ class ModelRunner:
         self._generator_device = "cuda" if device.type == "cuda" else "cpu"
         self._shared_generator = torch.Generator(device=self._generator_device).manual_seed(config.seed)
         self._generators: dict[int, torch.Generator] = {}
+        self._position_seeded = config.speculative_config is not None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def _allocate_kv_cache(self, hf_config) -> int:
@@ -225,17 +247,22 @@ class ModelRunner:
         prompt = self._prompt_logprobs(ordered, ordered_slots, ordered_spans, hidden, offsets)
         sums, pooled = pool(ordered, ordered_spans, hidden, offsets)
         done = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end == len(s) and i not in pooled]
+        verify = [i for i, (s, (_, end)) in enumerate(zip(ordered, ordered_spans)) if end > len(s)]
         last = hidden if len(done) == hidden.shape[0] else hidden[[offsets[i + 1] - 1 for i in done]]
         sampled = self._sample([ordered[i] for i in done], last, [ordered_slots[i] for i in done])
+        verified = self._verify([ordered[i] for i in verify], hidden, [offsets[i] for i in verify],
+                                [ordered_slots[i] for i in verify])
         # Nothing raised: commit. (Sampling advanced generators and grammars, so it comes last: a step that
         # raises is rerun per sequence and must not have changed any sequence's state.)
         for i, parts in prompt.items():
             ordered[i].prompt_logprobs = parts
         for i, total in sums.items():
             ordered[i].pooled_sum = total
-        result: list[Sampled | None] = [None] * len(seqs)
+        result: list[Sampled | Verified | None] = [None] * len(seqs)
         for i, out in zip(done, sampled):  # the prompt's logprobs go out with the chunk that completes it
             result[order[i]] = out._replace(prompt_logprobs=prompt.get(i))
+        for i, out in zip(verify, verified):
+            result[order[i]] = out
         for i, vector in pooled.items():
             result[order[i]] = Sampled(None, embedding=vector)
         return result
@@ -257,6 +284,38 @@ class ModelRunner:
                                             self.argmax)
         errors = [self._advance_grammar(s, t) for s, t in zip(seqs, tokens)]
         return [Sampled(t, logprobs.get(i), None, e) for i, (t, e) in enumerate(zip(tokens, errors))]
+
+    def _verify(self, seqs: list[Sequence], hidden: torch.Tensor, firsts: list[int], slots: list[int]) -> list[Verified]:
+        """Speculative decoding: each sequence's k proposed tokens (Sequence.draft_ids) were fed after its last
+        token, its rows of `hidden` from firsts[i] on ([k + 1, hidden]). Position p's token is drawn as without
+        speculation, from the model's distribution given the proposed tokens before it (penalties, min_tokens and
+        bad words see them); the sequence keeps the draws up to the first that differs from its proposal (or
+        the last position's). With a one-token proposal that is exact rejection sampling: the kept tokens have
+        the distribution (greedy: the tokens) of decoding one at a time."""
+        if not seqs:
+            return []
+        lengths = [len(s.draft_ids) + 1 for s in seqs]
+        rows = [first + p for first, n in zip(firsts, lengths) for p in range(n)]
+        logits = self._logits(hidden[rows], [slot for slot, n in zip(slots, lengths) for _ in range(n)])
+        sampling = [self._sampling_row(s, logits.shape[1], s.draft_ids[:p]) for s, n in zip(seqs, lengths)
+                    for p in range(n)]
+        owners = [s for s, n in zip(seqs, lengths) for _ in range(n)]
+        scored = {r: s.params.logprobs for r, s in enumerate(owners) if s.params.logprobs is not None}
+        tokens, logprobs = sample_and_score(logits, sampling, scored, self.argmax)
+        out, row = [], 0
+        for seq, n in zip(seqs, lengths):
+            kept = []
+            for p in range(n):
+                token = tokens[row + p]
+                if token is None and kept:  # the next step computes this position again, and fails it then
+                    break
+                kept.append(Sampled(token, logprobs.get(row + p)))
+                if token is None or p == n - 1 or token != seq.draft_ids[p]:
+                    break
+            agreed = sum(p < n - 1 and k.token == seq.draft_ids[p] for p, k in enumerate(kept))
+            out.append(Verified(kept, n - 1, agreed))
+            row += n
+        return out
 
     @staticmethod
     def _advance_grammar(seq: Sequence, token: int | None) -> str | None:
@@ -370,7 +429,7 @@ class ModelRunner:
         for n in lengths:
             offsets.append(offsets[-1] + n)
         num_decode = sum(n == 1 for n in lengths)  # run() put them first
-        input_ids = self._tensor([t for s, (a, b) in zip(seqs, spans) for t in s.token_ids[a:b]])
+        input_ids = self._tensor([t for s, (a, b) in zip(seqs, spans) for t in _tokens(s, a, b)])
         positions = self._tensor([p for a, b in spans for p in range(a, b)])
         cache_rows = self._tensor([i for s, (a, b) in zip(seqs, spans) for i in self._cache_index(s, range(a, b))])
         if self.rows_attention:
@@ -402,12 +461,16 @@ class ModelRunner:
         return self._tensor(self._cache_index(seq, range(end))), mask
 
     # ---- sampling state ------------------------------------------------------------------------------
-    def _sampling_row(self, seq: Sequence, vocab_size: int) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, vocab_size: int, proposed: list[int] = ()) -> SamplingRow:
+        """The row that draws `seq`'s next token, after the `proposed` tokens (speculative decoding) if any."""
         params = seq.params
+        out = seq.output_token_ids + list(proposed)
         if params.greedy:
             generator = None
         elif params.seed is None:
             generator = self._shared_generator
+        elif self._position_seeded:
+            generator = torch.Generator(self._generator_device).manual_seed(_position_seed(params.seed, len(out)))
         else:
             generator = self._generators.get(seq.seq_id)
             if generator is None:
@@ -415,12 +478,12 @@ class ModelRunner:
                 generator = self._generators[seq.seq_id] = torch.Generator(self._generator_device).manual_seed(seed)
         allowed = None if seq.grammar is None else allowed_tokens(seq.grammar.compute_bitmask(), vocab_size)
         prompt = seq.token_ids[:seq.num_prompt_tokens] if params.repetition_penalty != 1.0 else []
-        return SamplingRow(params, seq.output_token_ids, generator, allowed, self._blocked(seq), prompt)
+        return SamplingRow(params, out, generator, allowed, self._blocked(seq, out), prompt)
 
-    def _blocked(self, seq: Sequence) -> list[int]:
-        """Tokens the sequence may not take next: EOS and stop tokens before min_tokens, and the last token of
-        any bad word whose other tokens were just generated."""
-        params, out = seq.params, seq.output_token_ids
+    def _blocked(self, seq: Sequence, out: list[int]) -> list[int]:
+        """Tokens the sequence may not take after its output `out`: EOS and stop tokens before min_tokens, and
+        the last token of any bad word whose other tokens were just generated."""
+        params = seq.params
         vocab = self.model.config.vocab_size  # ids past it cannot be sampled anyway (and would not index)
         early = len(out) < params.min_tokens
         blocked = [t for t in (*self.eos_token_ids, *params.stop_token_ids) if t < vocab] if early else []

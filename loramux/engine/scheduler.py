@@ -34,6 +34,7 @@ from loramux.config import EngineConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.fair_queue import FairQueue
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.speculative import Speculator
 from loramux.engine.step_cost import StepCost
 
 FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled or adapter gone; error: failed in a step
@@ -91,14 +92,17 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterCache | NoCache = NoCache(),
                  current: Callable[[str], Hashable | None] = lambda model: None,
                  ready: Callable[[Hashable, bool], Readiness] = lambda ref, first: Readiness.READY,
-                 activation: Callable[[Hashable, list[int]], int] = lambda ref, prompt: 0):
+                 activation: Callable[[Hashable, list[int]], int] = lambda ref, prompt: 0,
+                 speculator: Speculator | None = None):
         """adapters: the engine's AdapterCache (NoCache: base model only); current(model): the identity requests
         for `model` (a name, or name@rev) start on now, None once it is gone (the adapter store's lookup); ready(identity, first): where
         it stands — if not in host memory, its read starts, off the step loop (first: for the head of the
         queue, past any prefetch limit; the engine's AdapterLoader.readiness; by default always ready);
-        activation(identity, prompt): the first prompt position it acts on (aLoRA; LoRAManager.activation)."""
+        activation(identity, prompt): the first prompt position it acts on (aLoRA; LoRAManager.activation);
+        speculator: what decoding requests propose each step (speculative decoding; None: off)."""
         self.block_manager = block_manager
         self.adapters, self.current, self.ready, self.activation = adapters, current, ready, activation
+        self.speculator = speculator
         self.max_num_seqs = config.max_num_seqs
         self.chunked = config.enable_chunked_prefill
         # Unchunked, a prompt of max_model_len tokens must fit one prefill step, or it could never run.
@@ -202,7 +206,10 @@ class Scheduler:
             spans = spans if any(start for start, _ in spans) else None
             return ScheduledBatch(seqs=admitted, is_prefill=True, preempted=fair, failed=failed, spans=spans)
         seqs, preempted = self._schedule_running()
-        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed)
+        self._speculate(seqs, self.max_num_batched_tokens - len(seqs))
+        spans = [(s.num_computed_tokens, len(s) + len(s.draft_ids)) for s in seqs]
+        spans = spans if any(s.draft_ids for s in seqs) else None
+        return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed, spans=spans)
 
     def _prompt_allowance(self) -> int | None:
         """The step bound's prompt tokens for the next step; the batch about to decode is counted only where
@@ -213,13 +220,18 @@ class Scheduler:
 
     def observe(self, seqs: list[Sequence], spans: list[tuple[int, int]] | None, seconds: float) -> None:
         """A chunked step of `seqs` over `spans` (as schedule() gave them, before they advance) ran in `seconds`:
-        what the step bound learns from."""
+        what the step bound (and speculative decoding's costs) learn from."""
         if spans is None:
+            if self.speculator is not None and seqs and not any(s.is_prefilling for s in seqs):
+                self.speculator.observe(len(seqs), 0, seconds)  # an unchunked decode step
             return
         decode_rows = sum(not s.is_prefilling for s in seqs)
         prompt_tokens = sum((end - start) * s.prompt_token_cost for s, (start, end) in zip(seqs, spans)
                             if s.is_prefilling)
-        self.step_cost.observe(decode_rows, prompt_tokens, seconds)
+        drafts = sum(end - start - 1 for s, (start, end) in zip(seqs, spans) if not s.is_prefilling)
+        if self.speculator is not None and not prompt_tokens:
+            self.speculator.observe(decode_rows, drafts, seconds)
+        self.step_cost.observe(decode_rows, prompt_tokens + drafts, seconds)  # (verified tokens cost as prompt ones)
 
     def _schedule_chunked(self, failed: list[Sequence], allowance: int | None,
                           fair: list[Sequence]) -> ScheduledBatch:
@@ -230,12 +242,13 @@ class Scheduler:
         running, preempted = self._schedule_running()
         decodes = [s for s in running if not s.is_prefilling]
         budget = self.max_num_batched_tokens - len(decodes)
+        budget -= self._speculate(decodes, budget)
         if allowance is not None:
             budget = min(budget, allowance)
         admitted = self._admit(budget=budget)
         chunks = self._chunks([s for s in running if s.is_prefilling] + admitted, budget)
         seqs = decodes + [seq for seq, _ in chunks]
-        spans = [(s.num_computed_tokens, len(s)) for s in decodes] + [span for _, span in chunks]
+        spans = [(s.num_computed_tokens, len(s) + len(s.draft_ids)) for s in decodes] + [span for _, span in chunks]
         work = [(len(s) - s.num_computed_tokens) * s.prompt_token_cost for s in admitted]
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed, spans=spans,
                               new_prompt_work=sum(w for w in work if w <= self.max_num_batched_tokens))
@@ -376,11 +389,32 @@ class Scheduler:
                 scheduled.append(seq)
         return scheduled, preempted
 
+    def _speculate(self, decodes: list[Sequence], budget: int) -> int:
+        """Speculative decoding: each decoding sequence's proposed tokens for this step (Sequence.draft_ids),
+        within what max_tokens and max_model_len leave, `budget` tokens in all and the KV blocks free (a proposal
+        never preempts anyone); returns the tokens proposed."""
+        for seq in self.running:  # last step's proposals are spent (a sequence left out of it trims here too)
+            if seq.draft_ids:
+                seq.draft_ids = []
+                self.block_manager.trim(seq)
+        if self.speculator is None or not decodes:
+            return 0
+        limits = [min(s.params.max_tokens - s.num_output_tokens - 1,
+                      (self.max_model_len or len(s) + budget) - len(s) - 1) for s in decodes]
+        total = 0
+        for seq, draft in zip(decodes, self.speculator.drafts(decodes, limits)):
+            draft = draft[:max(0, budget - total)]
+            if draft and self.block_manager.can_append(seq, len(draft)):
+                self.block_manager.may_append(seq, len(draft))
+                seq.draft_ids, total = draft, total + len(draft)
+        return total
+
     def _preempt(self, seq: Sequence, front: bool = True) -> None:
         """Recompute preemption: drop the K/V and re-prefill later, ahead of newer arrivals (front), or (a fair
         share's victim) queued again as a new arrival of its share."""
         self.running.remove(seq)
         self._free(seq)
+        seq.draft_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -58,6 +58,10 @@ class Sequence:
         self.num_registered_blocks = 0
         self.claims: list[tuple[int, bytes]] = []
         self.num_cached_tokens: int | None = None
+        # speculative decoding (engine/speculative.py): the tokens it proposes for the step being scheduled (their
+        # K/V are written at positions len..len+k-1 and kept only where accepted), and its acceptance so far
+        self.draft_ids: list[int] = []
+        self.acceptance = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

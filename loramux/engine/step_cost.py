@@ -94,6 +94,10 @@ class StepCost:
             self._costs = fixed, per_row, per_chunk
         return self._costs
 
+    def seen(self, steps: int) -> bool:
+        """Whether at least `steps` steps of each kind (decode-only, with prompt tokens) have been observed."""
+        return self._decode.count >= steps and self._mixed.count >= steps
+
     def decode_time(self, rows: int) -> float:
         """A decode-only step of `rows` rows."""
         fixed, per_row, _ = self.costs()

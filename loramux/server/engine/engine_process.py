@@ -24,7 +24,8 @@ from loramux.config import EngineConfig
 from loramux.server.engine import prctl
 from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
                                  LoadAdapter, Outputs, Pause, PauseState, PinAdapter, PrefixCacheReset, Ready,
-                                 ResetPrefixCache, Resume, StartupFailed, UnloadAdapter, decode_to_engine, encode)
+                                 ResetPrefixCache, Resume, SpecDecodeStats, StartupFailed, UnloadAdapter,
+                                 decode_to_engine, encode)
 
 logger = logging.getLogger("loramux.engine")
 IDLE_POLL_MS = 50  # an idle engine blocks this long on its inbox at most (a message wakes it at once)
@@ -94,6 +95,15 @@ def _live_with_parent(parent_pid: int, ipc_dir: str, heartbeat) -> None:
     if os.getppid() != parent_pid:
         stop()
     threading.Thread(target=beat, name="loramux-heartbeat", daemon=True).start()
+
+
+def _spec_decode(speculator) -> SpecDecodeStats | None:
+    """Speculative decoding's counters for /metrics (None: off)."""
+    if speculator is None:
+        return None
+    stats = speculator.stats
+    return SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_pos), {k or "": list(v) for k, v in stats.by_adapter.items()})
 
 
 def _build_engine(config: EngineConfig):
@@ -305,4 +315,5 @@ class EngineCoreProc:
             kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
             lora_slot_bytes=adapters.slot_bytes, lora_host_bytes=adapters.host_bytes, finished=dict(core.num_finished),
             prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits,
-            paused=self.paused, resident=adapters.resident, revisions=adapters.kept_revisions)
+            paused=self.paused, resident=adapters.resident, revisions=adapters.kept_revisions,
+            spec_decode=_spec_decode(core.speculator))

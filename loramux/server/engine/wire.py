@@ -141,6 +141,16 @@ class AdapterResult(msgspec.Struct, tag="adapter_result"):
     revision: str = ""  # a load's name@rev (LoRAResult.revision)
 
 
+class SpecDecodeStats(msgspec.Struct):
+    """Speculative decoding's counters (engine/speculative.py SpecStats), as vLLM's spec_decode metrics."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    by_adapter: dict[str, list[int]]  # adapter name ("" for the base model) -> [draft tokens, accepted]
+
+
 class EngineStats(msgspec.Struct, tag="engine_stats"):
     """The engine's state for /metrics."""
 
@@ -166,6 +176,7 @@ class EngineStats(msgspec.Struct, tag="engine_stats"):
     paused: bool = False  # Pause: no step runs until Resume
     resident: dict[str, list[str]] = {}  # tier ("host", "device") -> adapter names there (LoRAManager.resident)
     revisions: dict[str, list[str]] = {}  # name -> its earlier revisions still addressable, name@rev, oldest first
+    spec_decode: SpecDecodeStats | None = None  # speculative decoding's counters (None: off)
 
 
 class ControlFailed(msgspec.Struct, tag="control_failed"):

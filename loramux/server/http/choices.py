@@ -61,6 +61,11 @@ class Choice:
         # an engine "stop" is a stop token: kept in the count, left out of the text
         text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
         delta, hit_stop = self.detokenizer.update(text_ids, final=reason is not None)
+        unused = self.detokenizer.unused + len(out.new_token_ids) - len(text_ids) if hit_stop else 0
+        if unused:  # tokens after the stop string (several came in one step: speculative decoding)
+            self.num_tokens -= unused
+            if self.logprobs is not None:
+                self.logprobs = self.logprobs.slice(0, len(self.logprobs) - unused)
         if hit_stop and reason in (None, "length"):  # a stop string in its last tokens ends it, as in vLLM
             reason = "stop"
         self.finish_reason, self.error, self.status = reason, out.error, out.status

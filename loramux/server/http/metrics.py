@@ -34,6 +34,30 @@ class _EngineCounters:
         for reason, count in sorted(getattr(self.stats, "finished", {}).items()):
             finished.add_metric([reason], count)
         yield finished
+        yield from _spec_decode(getattr(self.stats, "spec_decode", None))
+
+
+def _spec_decode(spec):
+    """Speculative decoding's counters, named as vLLM's (spec_decode_*), and per adapter (absent when off)."""
+    if spec is None:
+        return
+    for key, help_text in (("num_drafts", "Proposals verified (one per request and step that speculated)"),
+                           ("num_draft_tokens", "Proposed tokens verified"),
+                           ("num_accepted_tokens", "Proposed tokens accepted")):
+        family = CounterMetricFamily(f"loramux:spec_decode_{key}", help_text)
+        family.add_metric([], getattr(spec, key))
+        yield family
+    per_pos = CounterMetricFamily("loramux:spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposed tokens accepted, by position in the proposal", labels=["position"])
+    for position, count in enumerate(spec.accepted_per_pos):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
+    for key, index, help_text in (("draft_tokens", 0, "Proposed tokens verified, by adapter (\"\": the base model)"),
+                                  ("accepted_tokens", 1, "Proposed tokens accepted, by adapter (\"\": the base model)")):
+        family = CounterMetricFamily(f"loramux:spec_decode_adapter_{key}", help_text, labels=["adapter"])
+        for name, counts in sorted(spec.by_adapter.items()):
+            family.add_metric([name], counts[index])
+        yield family
 
 
 class Metrics:

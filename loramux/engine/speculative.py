@@ -1,0 +1,161 @@
+"""Speculative decoding's policy: what each decoding request proposes, and whether proposing pays. No torch.
+
+A request proposes up to k next tokens (NgramProposer: prompt lookup); the model runner verifies them in one
+forward pass over its k + 1 positions with its own adapter and keeps the longest run the model agrees with,
+plus the model's own next token (engine/model_runner.py: _verify). A proposal is a single token per position
+(a one-hot draft distribution), so drawing each position from the model's own distribution and stopping at the
+first draw that differs from the draft is exact rejection sampling: greedy rows get the tokens they would get
+without speculation, sampled rows the same distribution.
+
+Whether it pays, per request and step (Speculator.draft): the i-th proposed token is accepted with probability
+about a^i, where a is the request's own acceptance so far (Acceptance); verifying one more token costs `per_row`
+seconds, and an accepted token is worth what one token of a step costs that row, step / rows. So a request
+proposes k tokens where a^k >= per_row * rows / step, from the step times the engine measured (StepCost);
+a step whose expected gain is below the fixed cost of a verification pass proposes nothing. A request whose
+acceptance fell to nothing proposes one token every PROBE_EVERY steps, to notice when its text turns
+repetitive again.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from loramux.config import SpeculativeConfig
+from loramux.engine.step_cost import StepCost
+
+DEFAULT_THRESHOLD = 0.25  # until the step times are known: propose the i-th token while a^i >= this
+KNOWN_AFTER = 16  # steps of each kind (decode-only, verifying) before the learned costs are trusted
+DECAY = 0.8  # a request's acceptance: the weight of its earlier verifications against the newest
+PRIOR = (3.0, 0.5)  # (accepted, rejected) a request starts with: a ~ 0.8, so a new request proposes
+PROBE_EVERY = 8  # steps between one-token probes of a request whose acceptance pays for nothing
+MAX_DISABLE_BY_BATCH = {"cpu": 8, "cuda": 32}  # SpeculativeConfig.disable_by_batch_size's default by device
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's "ngram"): the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens, for the longest n in [min_n, max_n] that occurs."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0 or len(tokens) <= self.min_n:
+            return []
+        data = array("q", tokens).tobytes()  # one bytes search per n, aligned to whole tokens below
+        width = 8
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            suffix = data[-n * width:]
+            end = len(data) - width  # an occurrence must end before the last token: something follows it
+            while (start := data.rfind(suffix, 0, end)) >= 0:
+                if start % width == 0:
+                    after = start // width + n
+                    return tokens[after:after + k]
+                end = start + len(suffix) - 1
+        return []
+
+
+@dataclass
+class Acceptance:
+    """One request's speculation so far: decayed counts of accepted and rejected proposed tokens, and the steps
+    since it last proposed."""
+
+    accepted: float = PRIOR[0]
+    rejected: float = PRIOR[1]
+    idle: int = 0
+
+    @property
+    def rate(self) -> float:
+        """The chance that a proposed token is accepted, given the one before it was."""
+        return self.accepted / (self.accepted + self.rejected)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (accepted < proposed)
+        self.idle = 0
+
+    def worth(self, threshold: float, most: int) -> int:
+        """How many tokens to propose: the i-th while rate^i >= threshold (a probe of one after PROBE_EVERY
+        steps of none)."""
+        k, p = 0, self.rate
+        while k < most and p >= threshold:
+            k, p = k + 1, p * self.rate
+        if k == 0:
+            self.idle += 1
+            if self.idle >= PROBE_EVERY:
+                self.idle, k = 0, min(1, most)
+        return k
+
+
+@dataclass
+class SpecStats:
+    """Counters, as vLLM's spec_decode metrics, and per adapter (None: the base model)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    by_adapter: dict[str | None, list[int]] = field(default_factory=dict)  # name -> [draft tokens, accepted]
+
+    def add(self, adapter: str | None, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+        counts = self.by_adapter.setdefault(adapter, [0, 0])
+        counts[0] += proposed
+        counts[1] += accepted
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu"):
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.max_batch = config.disable_by_batch_size or MAX_DISABLE_BY_BATCH.get(device_type, 32)
+        self.cost = StepCost(None)  # steps that decode: fixed + per_row x tokens + per_chunk x [it verifies]
+        self.stats = SpecStats()
+
+    def drafts(self, seqs: list, limits: list[int]) -> list[list[int]]:
+        """Each decoding sequence's proposal for the next step (limits: the most tokens each may propose:
+        max_tokens, max_model_len, the step's budget). Empty past disable_by_batch_size, for a structured or
+        pooling request, where nothing repeats, or where it does not pay."""
+        if not seqs or len(seqs) > self.max_batch:
+            return [[] for _ in seqs]
+        threshold, gain_per_token, fixed = self._economics(len(seqs))
+        out, gain = [], 0.0
+        for seq, limit in zip(seqs, limits):
+            if seq.grammar is not None or seq.params.pooling is not None or limit <= 0:
+                out.append([])
+                continue
+            state = seq.acceptance or Acceptance()
+            seq.acceptance = state
+            k = state.worth(threshold, min(self.k, limit))
+            draft = self.proposer.propose(seq.token_ids, k)
+            gain += sum(state.rate ** (i + 1) for i in range(len(draft))) * gain_per_token
+            out.append(draft)
+        if gain < fixed:
+            return [[] for _ in seqs]
+        return out
+
+    def _economics(self, rows: int) -> tuple[float, float, float]:
+        """(the threshold on a^i, an accepted token's worth in seconds, a verification pass's fixed cost) for a
+        step of `rows` decoding rows; the defaults until the step times are known."""
+        fixed, per_row, per_chunk = self.cost.costs()
+        step = fixed + per_row * rows
+        if not self.cost.seen(KNOWN_AFTER) or not per_row or not step:
+            return DEFAULT_THRESHOLD, 1.0, 0.0
+        worth = step / rows
+        return per_row / worth, worth, per_chunk
+
+    def observe(self, rows: int, draft_tokens: int, seconds: float) -> None:
+        """A step that only decoded ran: `rows` rows with `draft_tokens` proposed tokens among them, in
+        `seconds`."""
+        self.cost.observe(rows, draft_tokens, seconds)
+
+    def verified(self, seq, proposed: int, accepted: int) -> None:
+        """`seq`'s proposal of `proposed` tokens was verified: the first `accepted` were kept."""
+        if seq.acceptance is not None:
+            seq.acceptance.update(proposed, accepted)
+        self.stats.add(seq.adapter, proposed, accepted)
