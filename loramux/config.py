@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
 LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -15,9 +15,14 @@ class SpeculativeConfig:
     num_speculative_tokens next tokens, and one forward pass over them, with the request's own adapter, keeps
     those the model itself would have produced (greedy: token for token; sampled: the same distribution)."""
 
-    method: str = "ngram"
+    method: str | None = None
     """"ngram": prompt lookup, the tokens that followed the last earlier occurrence of the request's last n
-    tokens (prompt and output), n from prompt_lookup_max down to prompt_lookup_min."""
+    tokens (prompt and output), n from prompt_lookup_max down to prompt_lookup_min. "draft_model": a smaller
+    model of the same tokenizer (`model`) proposes greedily. None: "draft_model" when `model` is given, else
+    "ngram"."""
+    model: str | None = None
+    """The draft model (method "draft_model"): an HF directory or a GGUF file with the target's vocabulary; it
+    runs without adapters, in the engine's dtype, beside the target in the same KV-cache blocks."""
     num_speculative_tokens: int = 5
     prompt_lookup_max: int | None = None
     """None: prompt_lookup_min, or 5 when neither is given (vLLM's)."""
@@ -29,9 +34,13 @@ class SpeculativeConfig:
     a GPU. Below it, each request proposes only while its own acceptance pays (engine/speculative.py)."""
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "ngram" if self.model is None else "draft_model")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, got {self.method!r}")
         _check_positive("num_speculative_tokens", self.num_speculative_tokens)
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError('speculative method "draft_model" needs a `model` (the draft), and only it takes one')
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         low, high = (5, 5) if low is high is None else (low if low is not None else high, high if high is not None else low)
         _check_positive("prompt_lookup_min", low)

@@ -91,6 +91,12 @@ def test_serve_passes_its_flags_to_the_server(monkeypatch):
 
     with pytest.raises(SystemExit, match="--enable-auto-tool-choice"):
         main(["serve", "--tool-call-parser", "hermes"])
+    with pytest.raises(SystemExit):
+        main(["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    spec = seen["engine"].speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 4, 4)
+    with pytest.raises(SystemExit, match="speculative config: unknown key.*'draft_model'"):
+        main(["serve", "--speculative-config", '{"draft_model": "x"}'])
 
 
 def test_serve_refuses_a_bare_path_that_is_no_adapter_name(monkeypatch):

@@ -103,10 +103,10 @@ class BlockManager:
             raise RuntimeError(f"no free block to extend sequence {seq.seq_id}; check can_append first")
         seq.block_table += [self._take() for _ in range(missing)]
 
-    def trim(self, seq: Sequence) -> None:
-        """Give back the blocks past those its len(seq) positions need: blocks of proposed tokens that were not
-        accepted (never cached: only the blocks of computed, kept tokens are)."""
-        keep = seq.num_blocks_needed(self.block_size)
+    def trim(self, seq: Sequence, lookahead: int = 0) -> None:
+        """Give back the blocks past those its len(seq) + lookahead positions need: blocks of proposed tokens
+        that were not accepted, or not proposed (never cached: only the blocks of computed, kept tokens are)."""
+        keep = -(-(len(seq) + lookahead) // self.block_size)
         for block in reversed(seq.block_table[keep:]):
             self._refs[block] -= 1
             if self._refs[block] == 0:

@@ -99,8 +99,7 @@ class EngineCore:
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.loader = self._loader()
-        spec = self.config.speculative_config
-        self.speculator = Speculator(spec, self.device.type) if spec is not None else None
+        self.speculator = self._speculator()
         self.scheduler = Scheduler(self.config, self.block_manager, self.adapters.cache, self.adapters.lookup,
                                    self.loader.readiness, self.adapters.activation, self.speculator)
         self.limits = EngineLimits(max_model_len=loaded.max_model_len,
@@ -131,6 +130,18 @@ class EngineCore:
             logger.info("wrapped %s for the start-up adapters (%s): %.1f MB of those slot buffers", ", ".join(added),
                         asked, adapters.slots.slot_bytes_of(added) / 2**20)
         return adapters
+
+    def _speculator(self) -> Speculator | None:
+        """Speculative decoding's policy and proposer (None: off); a draft model shares the runner's KV blocks."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        proposer = None
+        if spec.method == "draft_model":
+            from loramux.engine.draft_model import DraftModel
+
+            proposer = DraftModel(self.config, self.device, self.runner.num_blocks, int(self.hf_config.vocab_size))
+        return Speculator(spec, self.device.type, proposer)
 
     def _loader(self) -> AdapterLoader | NoLoader:
         """Adapter files read off the step loop (adapter_loader.py); with LoRA off, nothing is ever read."""
@@ -358,6 +369,7 @@ class EngineCore:
             if reason is not None:
                 break
         seq.num_computed_tokens = len(seq) - 1
+        seq.draft_computed = min(seq.draft_computed, len(seq) - 1)  # a draft model's K/V of rejected tokens
         self.block_manager.cache_computed(seq)
         self.block_manager.trim(seq)
         seq.draft_ids = []

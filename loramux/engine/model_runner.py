@@ -146,8 +146,10 @@ def padding_indices(offsets: list[int], lengths: list[int], device) -> tuple[tor
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, slots: AdapterSlots | NoSlots,
-                 eos_token_ids: frozenset[int] = frozenset()):
-        """slots: the model's LoRA layers, already wrapped (NoSlots: LoRA is off)."""
+                 eos_token_ids: frozenset[int] = frozenset(), num_blocks: int | None = None):
+        """slots: the model's LoRA layers, already wrapped (NoSlots: LoRA is off); num_blocks: the KV cache's
+        blocks (None: as many as its memory budget holds; a draft model takes the target's, to share its block
+        tables)."""
         self.model, self.config, self.device = loaded.model, config, device
         self.eos_token_ids = eos_token_ids  # blocked before a request's min_tokens
         self.max_model_len = loaded.max_model_len
@@ -176,7 +178,7 @@ class ModelRunner:
         # one per prompt and layer); on a CPU one call per prompt is as fast for equal lengths, and padding
         # unequal ones costs up to 2x (benchmarks/mixed_attention.py).
         self.pad_fresh_chunks = device.type == "cuda"
-        self.num_blocks = self._allocate_kv_cache(loaded.hf_config)
+        self.num_blocks = self._allocate_kv_cache(loaded.hf_config, num_blocks)
         self.decode_inputs = DecodeInputs(config.max_num_seqs, math.ceil(self.max_model_len / self.block_size),
                                           self.block_size, self.num_blocks * self.block_size, device)
         self.graphs = self._capture_graphs(attention.decode_attention) if device.type == "cuda" else None
@@ -187,13 +189,14 @@ class ModelRunner:
         self._position_seeded = config.speculative_config is not None
 
     # ---- KV cache ------------------------------------------------------------------------------
-    def _allocate_kv_cache(self, hf_config) -> int:
+    def _allocate_kv_cache(self, hf_config, num_blocks: int | None = None) -> int:
         layers = self.model.attention_layers()
         kv_heads, head_dim = layers[0].num_kv_heads, head_dim_of(hf_config)
         block_bytes = 2 * len(layers) * self.block_size * kv_heads * head_dim * self.dtype.itemsize
         budget = self.config.kv_cache_memory or int(available_memory(self.device) * self.config.kv_cache_fraction)
         blocks_per_seq = math.ceil(self.max_model_len / self.block_size)
-        num_blocks = min(budget // block_bytes, self.config.max_num_seqs * blocks_per_seq)
+        if num_blocks is None:
+            num_blocks = min(budget // block_bytes, self.config.max_num_seqs * blocks_per_seq)
         if num_blocks < blocks_per_seq:
             raise ValueError(f"the KV cache budget ({budget} bytes) holds {num_blocks} blocks of {self.block_size} "
                              f"tokens, fewer than one max_model_len={self.max_model_len} sequence needs ({blocks_per_seq})")

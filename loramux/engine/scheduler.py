@@ -401,20 +401,25 @@ class Scheduler:
             return 0
         limits = [min(s.params.max_tokens - s.num_output_tokens - 1,
                       (self.max_model_len or len(s) + budget) - len(s) - 1) for s in decodes]
-        total = 0
-        for seq, draft in zip(decodes, self.speculator.drafts(decodes, limits)):
-            draft = draft[:max(0, budget - total)]
-            if draft and self.block_manager.can_append(seq, len(draft)):
-                self.block_manager.may_append(seq, len(draft))
-                seq.draft_ids, total = draft, total + len(draft)
-        return total
+        ks, total = self.speculator.plan(decodes, limits), 0
+        for i, seq in enumerate(decodes):  # blocks first: a draft model writes its K/V at the proposed positions
+            ks[i] = min(ks[i], max(0, budget - total))
+            if ks[i] and self.block_manager.can_append(seq, ks[i]):
+                self.block_manager.may_append(seq, ks[i])
+                total += ks[i]
+            else:
+                ks[i] = 0
+        for seq, draft in zip(decodes, self.speculator.propose(decodes, ks)):
+            seq.draft_ids = draft
+            self.block_manager.trim(seq, len(draft))
+        return sum(len(s.draft_ids) for s in decodes)
 
     def _preempt(self, seq: Sequence, front: bool = True) -> None:
         """Recompute preemption: drop the K/V and re-prefill later, ahead of newer arrivals (front), or (a fair
         share's victim) queued again as a new arrival of its share."""
         self.running.remove(seq)
         self._free(seq)
-        seq.draft_ids = []
+        seq.draft_ids, seq.draft_computed = [], 0
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -62,6 +62,7 @@ class Sequence:
         # K/V are written at positions len..len+k-1 and kept only where accepted), and its acceptance so far
         self.draft_ids: list[int] = []
         self.acceptance = None
+        self.draft_computed = 0  # a draft model's positions with K/V (engine/draft_model.py)
 
     def __len__(self) -> int:
         return len(self.token_ids)

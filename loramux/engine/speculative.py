@@ -35,8 +35,13 @@ class NgramProposer:
     """Prompt lookup (vLLM's "ngram"): the tokens that followed the latest earlier occurrence of the sequence's
     last n tokens, for the longest n in [min_n, max_n] that occurs."""
 
+    checks_gain = True  # its proposals cost nothing to make: a step whose expected gain is too low drops them
+
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+
+    def propose_all(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        return [self.propose(seq.token_ids, k) for seq, k in zip(seqs, ks)]
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) <= self.min_n:
@@ -110,34 +115,44 @@ class SpecStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu"):
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu", proposer=None):
+        """proposer: a draft model's (engine/draft_model.py; method "draft_model"); None: n-gram lookup."""
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.max_batch = config.disable_by_batch_size or MAX_DISABLE_BY_BATCH.get(device_type, 32)
         self.cost = StepCost(None)  # steps that decode: fixed + per_row x tokens + per_chunk x [it verifies]
         self.stats = SpecStats()
 
-    def drafts(self, seqs: list, limits: list[int]) -> list[list[int]]:
-        """Each decoding sequence's proposal for the next step (limits: the most tokens each may propose:
-        max_tokens, max_model_len, the step's budget). Empty past disable_by_batch_size, for a structured or
-        pooling request, where nothing repeats, or where it does not pay."""
+    def plan(self, seqs: list, limits: list[int]) -> list[int]:
+        """How many tokens each decoding sequence may propose in the next step (limits: the most each may:
+        max_tokens, max_model_len, the step's budget): 0 past disable_by_batch_size, for a structured or pooling
+        request, or where it does not pay."""
         if not seqs or len(seqs) > self.max_batch:
-            return [[] for _ in seqs]
-        threshold, gain_per_token, fixed = self._economics(len(seqs))
-        out, gain = [], 0.0
+            return [0] * len(seqs)
+        threshold = self._economics(len(seqs))[0]
+        out = []
         for seq, limit in zip(seqs, limits):
             if seq.grammar is not None or seq.params.pooling is not None or limit <= 0:
-                out.append([])
+                out.append(0)
                 continue
-            state = seq.acceptance or Acceptance()
-            seq.acceptance = state
-            k = state.worth(threshold, min(self.k, limit))
-            draft = self.proposer.propose(seq.token_ids, k)
-            gain += sum(state.rate ** (i + 1) for i in range(len(draft))) * gain_per_token
-            out.append(draft)
-        if gain < fixed:
-            return [[] for _ in seqs]
+            seq.acceptance = seq.acceptance or Acceptance()
+            out.append(seq.acceptance.worth(threshold, min(self.k, limit)))
         return out
+
+    def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
+        """Each sequence's proposal of at most ks[i] tokens (empty where nothing repeats, or, for proposals that
+        cost nothing to make, where the step's expected gain is below a verification pass's fixed cost)."""
+        drafts = self.proposer.propose_all(seqs, ks) if any(ks) else [[] for _ in seqs]
+        if getattr(self.proposer, "checks_gain", False) and any(drafts):
+            _, gain_per_token, fixed = self._economics(len(seqs))
+            gain = sum(s.acceptance.rate ** (i + 1) for s, d in zip(seqs, drafts) for i in range(len(d)))
+            if gain * gain_per_token < fixed:
+                return [[] for _ in seqs]
+        return drafts
+
+    def drafts(self, seqs: list, limits: list[int]) -> list[list[int]]:
+        """plan, then propose: each decoding sequence's proposal for the next step."""
+        return self.propose(seqs, self.plan(seqs, limits))
 
     def _economics(self, rows: int) -> tuple[float, float, float]:
         """(the threshold on a^i, an accepted token's worth in seconds, a verification pass's fixed cost) for a

@@ -213,14 +213,15 @@ def test_sampled_tokens_keep_the_model_distribution(setup, monkeypatch):
     llm = make(setup, {**SPEC, "disable_by_batch_size": 64}, max_num_seqs=64)
     speculator = llm.engine.core.speculator
 
-    def propose(seqs, limits):  # the greedy next token, then the greedy one after it
+    def propose(seqs, ks):  # the greedy next token, then the greedy one after it
         drafts = []
-        for seq, limit in zip(seqs, limits):
+        for seq, k in zip(seqs, ks):
             first = int(probs(seq.token_ids).argmax())
-            drafts.append([first, int(probs(seq.token_ids + [first]).argmax())][:limit])
+            drafts.append([first, int(probs(seq.token_ids + [first]).argmax())][:k])
         return drafts
 
-    monkeypatch.setattr(speculator, "drafts", propose)
+    monkeypatch.setattr(speculator, "plan", lambda seqs, limits: list(limits))  # as many as max_tokens leaves
+    monkeypatch.setattr(speculator, "propose", propose)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=4, temperature=temperature))
     stats = speculator.stats
     assert stats.num_accepted_tokens > n / 4 and stats.num_draft_tokens - stats.num_accepted_tokens > n / 4, stats
@@ -317,3 +318,37 @@ def test_speculative_config_is_parsed_and_checked():
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(speculative_config={}, batch_invariant=True)
     assert copy.copy(config).speculative_config is config.speculative_config
+
+
+# ---- a draft model ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    """Two draft models for the dense tiny model: itself (every greedy proposal right) and another tiny model of
+    its vocabulary (most proposals wrong)."""
+    root = tmp_path_factory.mktemp("drafts")
+    return {"same": None, "other": save_checkpoint(tiny_llama(seed=5, num_hidden_layers=1), root / "other")}
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_a_draft_models_proposals_keep_every_row_as_without_speculation(setup, drafts, draft):
+    if setup[0].config.hidden_size != 64:
+        pytest.skip("the drafts are made for the dense model")
+    prompts = repetitive_prompts(len(ROWS), seed=19)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, logprobs=1)
+    plain = make(setup).generate(prompts, params, adapters=ROWS)
+    spec = {"model": drafts[draft] or setup[1], "num_speculative_tokens": 3, "disable_by_batch_size": 16}
+    llm = make(setup, spec)
+    assert llm.engine.core.config.speculative_config.method == "draft_model"
+    assert_same(plain, llm.generate(prompts, params, adapters=ROWS), logprobs=True)
+    proposed, accepted = spec_stats(llm).by_adapter[None]  # the base rows
+    # the model drafting for itself is right every time (its K/V kept in step with each row's kept tokens); the
+    # adapters' rows differ from it, and so does the other draft
+    assert proposed > 10 and (accepted == proposed if draft == "same" else accepted < proposed)
+
+
+def test_a_draft_model_must_share_the_vocabulary(setup, tmp_path):
+    if setup[0].config.hidden_size != 64:
+        pytest.skip("one model is enough")
+    other = save_checkpoint(tiny_llama(vocab_size=96), tmp_path / "small-vocab")
+    with pytest.raises(ValueError, match="vocabulary of 96 tokens"):
+        make(setup, {"model": other})
