@@ -152,11 +152,14 @@ def llama_models(gguf: str, context: int):
 
 
 def batch_phase(args, llm: LLM, vocab: int) -> dict:
-    """32 random prompts over 8 adapters (nothing to look up but chance n-grams), speculation on vs off."""
+    """32 random prompts over 8 adapters, sampled (temperature 1: little repeats, so most proposals fail),
+    speculation on vs off; and the acceptance of the proposals made."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, vocab, (64,), generator=gen).tolist() for _ in range(32)]
     names = [f"b{i % 8}" for i in range(32)]
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=i, ignore_eos=True) for i in range(32)]
+    stats = llm.engine.core.speculator.stats
+    before = (stats.num_draft_tokens, stats.num_accepted_tokens)
     speculator = llm.engine.core.speculator
     speculator.max_batch, default = 64, speculator.max_batch
     out = {}
@@ -166,7 +169,9 @@ def batch_phase(args, llm: LLM, vocab: int) -> dict:
             results = with_speculation(llm, on).generate(prompts, params, adapters=names, use_tqdm=False)
             out.setdefault(label, []).append(sum(len(r.token_ids) for r in results) / (time.perf_counter() - start))
     speculator.max_batch = default
-    return {label: statistics.median(v) for label, v in out.items()}
+    result = {label: statistics.median(v) for label, v in out.items()}
+    proposed, accepted = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    return {**result, "proposed_tokens": proposed, "acceptance": accepted / max(1, proposed)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -175,10 +180,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-dir", default=None, help="HF directory with the config and tokenizer of --model")
     parser.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 5, '
                                                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    parser.add_argument("--dtype", default="auto", help="loramux's activations (auto: a GGUF's is float32)")
     parser.add_argument("--max-tokens", type=int, default=192)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-llama-cpp", action="store_true")
     parser.add_argument("--batch", action="store_true", help="also the batch of 32 with low acceptance")
+    parser.add_argument("--skip-prompts", action="store_true", help="only the batch of 32 (with --batch)")
     args = parser.parse_args(argv)
 
     from transformers import AutoConfig, AutoTokenizer
@@ -189,16 +196,16 @@ def main(argv: list[str] | None = None) -> None:
     adapter = write_adapter(os.path.join(workdir, "a0"), hf_config, 16, seed=0)
     prompts = {name: chat_prompt(tokenizer, text) for name, text in PROMPTS.items()}
     context = max(map(len, prompts.values())) + args.max_tokens + 16
-    llm = LLM(model=args.model, lora=LoRAConfig(max_loras=8, max_lora_rank=16), max_num_seqs=32,
+    llm = LLM(model=args.model, dtype=args.dtype, lora=LoRAConfig(max_loras=8, max_lora_rank=16), max_num_seqs=32,
               max_model_len=max(context, 160), speculative_config=args.speculative_config,
               enable_prefix_caching=False)  # each repeat prefills its prompt again, as llama.cpp does after reset()
     assert llm.load_adapter("a0", adapter)
     report = {"model": os.path.basename(args.model or default_gguf_path()), "adapter": "random, rank 16, 7 projections",
-              "speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens,
+              "speculative_config": json.loads(args.speculative_config), "max_tokens": args.max_tokens, "dtype": args.dtype,
               "threads": torch.get_num_threads(), "load_before": cpu_load(), "prompts": {}}
-    if not args.skip_llama_cpp:
+    if not args.skip_llama_cpp and not args.skip_prompts:
         args.llama_models = llama_models(gguf_of(args.model), context)
-    for name, prompt in prompts.items():
+    for name, prompt in ({} if args.skip_prompts else prompts).items():
         report["prompts"][name] = interleaved(phases_for(args, llm, prompt, "a0"), args.repeats)
         report["prompts"][name]["prompt_tokens"] = len(prompt)
         print(name, json.dumps(report["prompts"][name]), flush=True)
@@ -221,6 +228,7 @@ def ratios(report: dict) -> dict:
             out[f"{name}: llama_lookup/llama"] = phases["llama_lookup"]["decode_tok_s"] / phases["llama"]["decode_tok_s"]
     if "batch" in report:
         out["batch 32: spec/plain"] = report["batch"]["batch_spec"] / report["batch"]["batch_plain"]
+        out["batch 32: acceptance"] = report["batch"]["acceptance"]
     return out
 
 

@@ -12,11 +12,12 @@ about a^i, where a is the request's own acceptance so far (Acceptance); verifyin
 seconds, and an accepted token is worth what one token of a step costs that row, step / rows. So a request
 proposes k tokens where a^k >= per_row * rows / step, from the step times the engine measured (StepCost);
 a step whose expected gain is below the fixed cost of a verification pass proposes nothing. A request whose
-acceptance fell to nothing proposes one token every PROBE_EVERY steps, to notice when its text turns
-repetitive again.
+acceptance fell to nothing proposes one token after PROBE_EVERY steps, to notice when its text turns
+repetitive again (twice as long after each probe that fails, up to MAX_PROBE_EVERY).
 """
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ DEFAULT_THRESHOLD = 0.25  # until the step times are known: propose the i-th tok
 KNOWN_AFTER = 16  # steps of each kind (decode-only, verifying) before the learned costs are trusted
 DECAY = 0.8  # a request's acceptance: the weight of its earlier verifications against the newest
 PRIOR = (3.0, 0.5)  # (accepted, rejected) a request starts with: a ~ 0.8, so a new request proposes
-PROBE_EVERY = 8  # steps between one-token probes of a request whose acceptance pays for nothing
+PROBE_EVERY = 8  # steps between one-token probes of a request whose acceptance pays for nothing, at first:
+MAX_PROBE_EVERY = 128  # each probe that fails doubles the wait, up to this; one that succeeds resets it
 MAX_DISABLE_BY_BATCH = {"cpu": 8, "cuda": 32}  # SpeculativeConfig.disable_by_batch_size's default by device
 
 
@@ -67,6 +69,7 @@ class Acceptance:
     accepted: float = PRIOR[0]
     rejected: float = PRIOR[1]
     idle: int = 0
+    patience: int = PROBE_EVERY  # idle steps before the next probe
 
     @property
     def rate(self) -> float:
@@ -77,16 +80,17 @@ class Acceptance:
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (accepted < proposed)
         self.idle = 0
+        self.patience = PROBE_EVERY if accepted else min(2 * self.patience, MAX_PROBE_EVERY)
 
     def worth(self, threshold: float, most: int) -> int:
-        """How many tokens to propose: the i-th while rate^i >= threshold (a probe of one after PROBE_EVERY
+        """How many tokens to propose: the i-th while rate^i >= threshold (a probe of one after `patience`
         steps of none)."""
         k, p = 0, self.rate
         while k < most and p >= threshold:
             k, p = k + 1, p * self.rate
         if k == 0:
             self.idle += 1
-            if self.idle >= PROBE_EVERY:
+            if self.idle >= self.patience:
                 self.idle, k = 0, min(1, most)
         return k
 
@@ -121,6 +125,7 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.max_batch = config.disable_by_batch_size or MAX_DISABLE_BY_BATCH.get(device_type, 32)
         self.cost = StepCost(None)  # steps that decode: fixed + per_row x tokens + per_chunk x [it verifies]
+        self._proposing = 0.0  # seconds the proposer took for the step about to run (a draft model's passes)
         self.stats = SpecStats()
 
     def plan(self, seqs: list, limits: list[int]) -> list[int]:
@@ -142,7 +147,9 @@ class Speculator:
     def propose(self, seqs: list, ks: list[int]) -> list[list[int]]:
         """Each sequence's proposal of at most ks[i] tokens (empty where nothing repeats, or, for proposals that
         cost nothing to make, where the step's expected gain is below a verification pass's fixed cost)."""
+        started = time.perf_counter()
         drafts = self.proposer.propose_all(seqs, ks) if any(ks) else [[] for _ in seqs]
+        self._proposing = time.perf_counter() - started
         if getattr(self.proposer, "checks_gain", False) and any(drafts):
             _, gain_per_token, fixed = self._economics(len(seqs))
             gain = sum(s.acceptance.rate ** (i + 1) for s, d in zip(seqs, drafts) for i in range(len(d)))
@@ -166,8 +173,10 @@ class Speculator:
 
     def observe(self, rows: int, draft_tokens: int, seconds: float) -> None:
         """A step that only decoded ran: `rows` rows with `draft_tokens` proposed tokens among them, in
-        `seconds`."""
-        self.cost.observe(rows, draft_tokens, seconds)
+        `seconds` (to which the time its proposals took to make is added: a draft model's passes are what
+        speculating costs too)."""
+        self.cost.observe(rows, draft_tokens, seconds + self._proposing)
+        self._proposing = 0.0
 
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """`seq`'s proposal of `proposed` tokens was verified: the first `accepted` were kept."""

@@ -17,7 +17,7 @@ from loramux.config import EngineConfig, SpeculativeConfig
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import Detokenizer
 from loramux.engine.sequence import Sequence
-from loramux.engine.speculative import PROBE_EVERY, Acceptance, NgramProposer, Speculator
+from loramux.engine.speculative import MAX_PROBE_EVERY, PROBE_EVERY, Acceptance, NgramProposer, Speculator
 from loramux.llm import LLM
 from loramux.tokenizer import Tokenizer
 
@@ -265,12 +265,17 @@ def test_acceptance_proposes_fewer_tokens_as_they_are_rejected_and_probes_when_n
     assert state.worth(0.25, 5) >= 3
     for _ in range(6):
         state.update(proposed=3, accepted=0)
-    assert state.worth(0.25, 5) == 0
-    probes = [state.worth(0.25, 5) for _ in range(2 * PROBE_EVERY)]
-    assert sorted(probes)[-3:] == [0, 1, 1]  # one token every PROBE_EVERY steps
+    assert state.worth(0.25, 5) == 0 and state.patience == MAX_PROBE_EVERY  # every failure doubled the wait
     for _ in range(10):
         state.update(proposed=5, accepted=5)
-    assert state.worth(0.25, 5) == 5
+    assert state.worth(0.25, 5) == 5 and state.patience == PROBE_EVERY
+
+    hopeless = Acceptance(accepted=0.1, rejected=5.0)
+    probes = [hopeless.worth(0.25, 5) for _ in range(2 * PROBE_EVERY)]
+    assert probes.count(1) == 2 and set(probes) == {0, 1}  # one token every PROBE_EVERY steps
+    hopeless.update(proposed=1, accepted=0)  # a failed probe: the next comes after twice as long
+    waits = [hopeless.worth(0.25, 5) for _ in range(2 * PROBE_EVERY)]
+    assert waits.index(1) == 2 * PROBE_EVERY - 1
 
 
 def test_speculator_is_off_past_its_batch_size_and_for_structured_rows():
