@@ -22,7 +22,7 @@ from loramux.models.loader import load_model
 
 
 class DraftModel:
-    checks_gain = False  # (its proposals cost a pass each: made only for the tokens the plan asked for)
+    free = False  # its proposals cost a pass each: made only for the tokens the plan asked for
 
     def __init__(self, config: EngineConfig, device: torch.device, num_blocks: int, vocab_size: int):
         """config: the engine's (the draft's path in speculative_config.model); num_blocks: the target's KV-cache

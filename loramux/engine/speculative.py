@@ -13,7 +13,7 @@ seconds, and an accepted token is worth what one token of a step costs that row,
 proposes k tokens where a^k >= per_row * rows / step, from the step times the engine measured (StepCost);
 a step whose expected gain is below the fixed cost of a verification pass proposes nothing. A request whose
 acceptance fell to nothing proposes one token after PROBE_EVERY steps, to notice when its text turns
-repetitive again (twice as long after each probe that fails, up to MAX_PROBE_EVERY).
+repetitive again (a draft model's: twice as long after each probe that fails, up to MAX_PROBE_EVERY).
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class NgramProposer:
     """Prompt lookup (vLLM's "ngram"): the tokens that followed the latest earlier occurrence of the sequence's
     last n tokens, for the longest n in [min_n, max_n] that occurs."""
 
-    checks_gain = True  # its proposals cost nothing to make: a step whose expected gain is too low drops them
+    free = True  # its proposals cost nothing to make (none where nothing matches): a step whose expected gain
+    # is too low drops them, and a request whose probes fail keeps probing at the same pace
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
@@ -76,11 +77,14 @@ class Acceptance:
         """The chance that a proposed token is accepted, given the one before it was."""
         return self.accepted / (self.accepted + self.rejected)
 
-    def update(self, proposed: int, accepted: int) -> None:
+    def update(self, proposed: int, accepted: int, back_off: bool = True) -> None:
+        """A proposal of `proposed` tokens kept `accepted`; back_off: a failure doubles the wait for the next probe
+        (where proposing costs something)."""
         self.accepted = DECAY * self.accepted + accepted
         self.rejected = DECAY * self.rejected + (accepted < proposed)
         self.idle = 0
-        self.patience = PROBE_EVERY if accepted else min(2 * self.patience, MAX_PROBE_EVERY)
+        if accepted or back_off:
+            self.patience = PROBE_EVERY if accepted else min(2 * self.patience, MAX_PROBE_EVERY)
 
     def worth(self, threshold: float, most: int) -> int:
         """How many tokens to propose: the i-th while rate^i >= threshold (a probe of one after `patience`
@@ -150,7 +154,7 @@ class Speculator:
         started = time.perf_counter()
         drafts = self.proposer.propose_all(seqs, ks) if any(ks) else [[] for _ in seqs]
         self._proposing = time.perf_counter() - started
-        if getattr(self.proposer, "checks_gain", False) and any(drafts):
+        if self.proposer.free and any(drafts):
             _, gain_per_token, fixed = self._economics(len(seqs))
             gain = sum(s.acceptance.rate ** (i + 1) for s, d in zip(seqs, drafts) for i in range(len(d)))
             if gain * gain_per_token < fixed:
@@ -181,5 +185,5 @@ class Speculator:
     def verified(self, seq, proposed: int, accepted: int) -> None:
         """`seq`'s proposal of `proposed` tokens was verified: the first `accepted` were kept."""
         if seq.acceptance is not None:
-            seq.acceptance.update(proposed, accepted)
+            seq.acceptance.update(proposed, accepted, back_off=not self.proposer.free)
         self.stats.add(seq.adapter, proposed, accepted)
