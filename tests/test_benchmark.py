@@ -287,3 +287,17 @@ def test_alora_times_the_intrinsic_with_the_base_conversation_cached_and_cold(tm
     assert result["cached_tokens"] == [32, 32]  # the conversation's full blocks of 16, from the base model's turn
     assert set(result["ttft_ms"]) == {"cached", "cold", "plain_after_base"} and result["ratios"]["cached/cold"] > 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "alora"
+
+
+def test_speculative_runs_every_prompt_with_and_without_speculation_and_the_batch(tmp_path, capsys):
+    model = save_checkpoint(tiny_llama(max_position_embeddings=2048), tmp_path / "model")
+    with open(os.path.join(model, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}>")
+    load_script("speculative").main(["--model", model, "--config-dir", model, "--dtype", "float32",
+                                     "--max-tokens", "12", "--repeats", "1", "--skip-llama-cpp", "--batch"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["prompts"]) == {"edit", "document", "code", "fresh"}
+    for phases in report["prompts"].values():
+        assert phases["spec"]["tokens"] == phases["plain"]["tokens"] and phases["spec"]["decode_tok_s"] > 0
+    assert report["batch"]["batch_spec"] > 0 and 0 <= report["batch"]["acceptance"] <= 1
+    assert "edit: spec/plain" in report["ratios"] and "batch 32: spec/plain" in report["ratios"]
