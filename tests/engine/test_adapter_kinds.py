@@ -6,9 +6,10 @@ import copy
 import pytest
 import torch
 
-from conftest import save_checkpoint, save_peft_adapter, tiny_llama
+from conftest import save_peft_adapter
 from engine.test_combinations import peft_combination, peft_greedy
 from engine.test_dora import save_dora_adapter
+from models.test_quantized import dense_or_gguf
 from loramux import LoRAConfig, SamplingParams
 from loramux.llm import LLM
 
@@ -27,19 +28,7 @@ def _adapters(base, root) -> dict[str, str]:
 @pytest.fixture(scope="module", params=["dense", "gguf"])
 def setup(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"kinds-{request.param}")
-    if request.param == "dense":
-        reference = tiny_llama()
-        model = save_checkpoint(reference, root / "model")
-    else:
-        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-        from models.test_quantized import GGUF_CASES, WIDE
-        from support.gguf_files import write_gguf
-
-        torch.manual_seed(0)
-        hf = LlamaForCausalLM(LlamaConfig(**WIDE, tie_word_embeddings=True)).eval()
-        model = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: GGUF_CASES["q4_k_m"][2](name))
-        reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+    model, reference = dense_or_gguf(request.param, root)
     adapters = _adapters(reference, root)
     llm = LLM(model=model, dtype="float32", kv_cache_memory=2**24, max_model_len=64,
               lora=LoRAConfig(max_loras=6, max_lora_rank=8))

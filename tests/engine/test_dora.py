@@ -147,16 +147,10 @@ def test_what_dora_cannot_run_is_refused_naming_it(setup, tmp_path):
 def gguf_setup(tmp_path_factory):
     """A Q4_K_M-style GGUF kept quantized, the same weights dequantized by transformers' GGUF loader (the oracle's
     base), and DoRA adapters made on that base."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from models.test_quantized import q4_k_m_llama
 
-    from models.test_quantized import GGUF_CASES, WIDE
-    from support.gguf_files import write_gguf
-
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(LlamaConfig(**WIDE, tie_word_embeddings=True)).eval()
     root = tmp_path_factory.mktemp("dora-gguf")
-    path = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: GGUF_CASES["q4_k_m"][2](name))
-    reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+    path, reference = q4_k_m_llama(root)
     adapters = {"dora": save_dora_adapter(reference, root / "dora", 1),
                 "dora_rslora": save_dora_adapter(reference, root / "dora_rslora", 2, r=4, lora_alpha=8, use_rslora=True),
                 "plain": save_peft_adapter(reference, root / "plain", seed=3, r=8)}

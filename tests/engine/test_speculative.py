@@ -6,12 +6,14 @@ never reaches the prefix cache; and the proposer, the acceptance policy and the 
 import copy
 import math
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import char_tokenizer, hf_greedy, save_checkpoint, save_peft_adapter, tiny_llama
 from engine.test_llm import record_preemptions
+from models.test_quantized import dense_or_gguf
 from loramux import LoRAConfig, SamplingParams
 from loramux.config import EngineConfig, SpeculativeConfig
 from loramux.engine.block_manager import BlockManager
@@ -38,20 +40,8 @@ def repetitive_prompts(n, seed=0, period=11, repeats=3):
 @pytest.fixture(scope="module", params=["dense", "gguf"])
 def setup(request, tmp_path_factory):
     """(reference HF model, model path, {adapter: dir})."""
-    root = tmp_path_factory.mktemp(f"spec-{request.param}")
-    if request.param == "dense":
-        reference = tiny_llama()
-        model = save_checkpoint(reference, root / "model")
-    else:
-        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-        from models.test_quantized import GGUF_CASES, WIDE
-        from support.gguf_files import write_gguf
-
-        torch.manual_seed(0)
-        hf = LlamaForCausalLM(LlamaConfig(**WIDE, tie_word_embeddings=True)).eval()
-        model = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: GGUF_CASES["q4_k_m"][2](name))
-        reference = AutoModelForCausalLM.from_pretrained(str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+    model, reference = dense_or_gguf(request.param, tmp_path_factory.mktemp(f"spec-{request.param}"))
+    root = Path(model).parent
     adapters = {"r4": save_peft_adapter(reference, root / "r4", seed=1, r=4, lora_alpha=8),
                 "r8_rslora": save_peft_adapter(reference, root / "r8", seed=2, r=8, lora_alpha=8, use_rslora=True),
                 "r16": save_peft_adapter(reference, root / "r16", seed=3, r=16, lora_alpha=32)}

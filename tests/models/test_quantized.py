@@ -146,6 +146,28 @@ def test_gguf_quantization_none_dequantizes_everything(gguf_case):
     torch.testing.assert_close(prefill_logits(loaded.model, input_ids), expected, atol=2e-5, rtol=1e-4)
 
 
+def q4_k_m_llama(root) -> tuple[str, torch.nn.Module]:
+    """A Q4_K_M-style GGUF of a tiny Llama (WIDE: K-quant shapes) at root/model.gguf, and the same weights
+    dequantized by transformers' GGUF loader: the base an oracle runs against the quantized model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(**WIDE, tie_word_embeddings=True)).eval()
+    path = write_gguf(hf, str(root / "model.gguf"), lambda name, is_2d: GGUF_CASES["q4_k_m"][2](name))
+    return path, AutoModelForCausalLM.from_pretrained(str(root), gguf_file="model.gguf", dtype=torch.float32).eval()
+
+
+def dense_or_gguf(kind: str, root) -> tuple[str, torch.nn.Module]:
+    """(model path, the oracle's base) for a module that runs on both bases: "dense", the tiny Llama as an HF
+    checkpoint; "gguf", q4_k_m_llama."""
+    if kind == "gguf":
+        return q4_k_m_llama(root)
+    from conftest import tiny_llama
+
+    reference = tiny_llama()
+    return save_checkpoint(reference, root / "model"), reference
+
+
 @pytest.fixture(scope="module")
 def mixed_setup(tmp_path_factory):
     """A Q4_K_M-style GGUF of a tiny Llama and three PEFT adapters of different ranks for it."""
