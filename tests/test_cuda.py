@@ -277,3 +277,31 @@ def test_dora_alora_and_a_combination_on_cuda_equal_hf_peft_alone(tmp_path):
     for prompt, row, out in zip(PROMPTS, ROWS, outs):
         assert out.token_ids == peft_greedy(_oracle(base, adapters, row), prompt, 6), row
     assert PAIR in ROWS
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_speculative_decoding_on_cuda_keeps_every_rows_tokens(tmp_path, draft):
+    """n-gram lookup (and the model drafting for itself) on the GPU: verification steps run eagerly beside graph
+    decode steps, and every row of a mixed batch gets the tokens it gets without speculation."""
+    from engine.test_speculative import ROWS, repetitive_prompts
+
+    base = tiny_llama()
+    model = save_checkpoint(base, tmp_path / "model")
+    adapters = {"r4": save_peft_adapter(base, tmp_path / "r4", seed=1, r=4),
+                "r8_rslora": save_peft_adapter(base, tmp_path / "r8", seed=2, r=8, use_rslora=True),
+                "r16": save_peft_adapter(base, tmp_path / "r16", seed=3, r=16)}
+    spec = {"model": model, "num_speculative_tokens": 3} if draft else \
+        {"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+    def run(speculative_config):
+        llm = LLM(model=model, dtype="float32", device="cuda", kv_cache_memory=2**24, max_model_len=128,
+                  lora=LoRAConfig(max_loras=4, max_lora_rank=16), speculative_config=speculative_config)
+        for name, path in adapters.items():
+            assert llm.load_adapter(name, path)
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        return llm, llm.generate(repetitive_prompts(len(ROWS)), params, adapters=ROWS)
+
+    _, plain = run(None)
+    llm, spec_outs = run({**spec, "disable_by_batch_size": 16})
+    assert [o.token_ids for o in plain] == [o.token_ids for o in spec_outs]
+    assert llm.engine.core.speculator.stats.num_accepted_tokens > 0
