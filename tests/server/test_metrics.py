@@ -33,3 +33,17 @@ def test_speculative_decoding_has_vllms_counters_and_one_series_per_adapter():
                  'loramux:spec_decode_adapter_accepted_tokens_total{adapter="a"} 5.0'):
         assert line in lines, line
     assert "spec_decode" not in Metrics().render(stats({}, [])).decode()  # off: no series
+
+
+def test_the_ray_ingress_shows_each_replicas_speculative_decoding_counters():
+    import msgspec
+
+    from loramux.server.ray.ingress import render_metrics
+
+    engine = msgspec.structs.asdict(EngineStats(1, 0, 0, [], [], 4, 0, [], 0, 0, 0, 10, 10, 1, 1, 1, {},
+                                                spec_decode=SpecDecodeStats(3, 9, 5, [2, 2, 1], {})))
+    replica = {"loaded": [], "healthy": 1, "pid": 11, "engine_pid": 12, "engine": engine}
+    text = render_metrics({"r1": replica, "r2": {**replica, "engine": {**engine, "spec_decode": None}}}, 0, 1).decode()
+    assert 'loramux:spec_decode_num_accepted_tokens_total{replica="r1"} 5.0' in text
+    assert 'loramux:spec_decode_num_drafts_total{replica="r1"} 3.0' in text and 'replica="r2"} ' not in \
+        "".join(line for line in text.splitlines() if "spec_decode" in line)

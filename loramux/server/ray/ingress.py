@@ -359,6 +359,9 @@ def _kv(op: str, key: bytes | None, value: bytes | None = None) -> bytes | None:
     return None
 
 
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # (engine's SpecDecodeStats fields)
+
+
 def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int) -> bytes:
     """Each replica's engine state, labelled by replica; lora_requests_info as vLLM's, one per replica."""
     r = CollectorRegistry()
@@ -376,6 +379,8 @@ def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int
                      "routers score on); the series is gone when it leaves", ["replica", "adapter", "tier", "pinned"],
                      registry=r)
     tenants: dict[str, CounterMetricFamily] = {}
+    spec = {key: CounterMetricFamily(f"loramux:spec_decode_{key}", f"Speculative decoding's {key}, per replica",
+                                     labels=["replica"]) for key in SPEC_COUNTERS}
     for rid, state in sorted(replicas.items()):
         for name, samples in state.get("tenants", {}).items():  # each replica counts its own (quotas are per replica)
             for labels, value in samples:
@@ -395,8 +400,12 @@ def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int
             for tier, names in engine["resident"].items():
                 for name in names:
                     resident.labels(rid, name, tier, str(name in pinned).lower()).set(1)
-    if tenants:
-        r.register(_Families(list(tenants.values())))
+            if engine.get("spec_decode") is not None:
+                for key, family in spec.items():
+                    family.add_metric([rid], getattr(engine["spec_decode"], key))
+    families = list(tenants.values()) + [f for f in spec.values() if f.samples]
+    if families:
+        r.register(_Families(families))
     return generate_latest(r)
 
 
