@@ -29,6 +29,7 @@ from loramux.adapters.store import Source
 from loramux.config import EngineConfig, LoRAConfig
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.draft_model import DraftModel
 from loramux.engine.fair_queue import Origin
 from loramux.engine.grammar import GrammarCompiler
 from loramux.engine.input_processor import EngineLimits
@@ -138,8 +139,6 @@ class EngineCore:
             return None
         proposer = None
         if spec.method == "draft_model":
-            from loramux.engine.draft_model import DraftModel
-
             proposer = DraftModel(self.config, self.device, self.runner.num_blocks, int(self.hf_config.vocab_size))
         return Speculator(spec, self.device.type, proposer)
 
