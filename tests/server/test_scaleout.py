@@ -43,7 +43,11 @@ TENANT_KEY = "acme-key"
 @pytest.fixture(scope="module")
 def deployment(files, oracle):
     tenants = files["root"] / "tenants.toml"
-    tenants.write_text(f'[tenants.acme]\nkeys = ["sha256:{key_hash(TENANT_KEY)}"]\nmodels = ["s0", "cold"]\n')
+    tenants.write_text(f'[tenants.acme]\nkeys = ["sha256:{key_hash(TENANT_KEY)}"]\nmodels = ["s0", "cold"]\n'
+                       f'[tenants.capped]\nkeys = ["sha256:{key_hash("capped-key")}"]\nmodels = ["tiny"]\n'
+                       f'rpm_limit = 4\n'
+                       f'[tenants.metered]\nkeys = ["sha256:{key_hash("metered-key")}"]\nmodels = ["tiny"]\n'
+                       f'tpm_limit = 30\n')
     proc, url = start_server(files, "--replicas", "2", "--max-adapters-per-replica", "8", "--api-key", KEY,
                              "--lora-resolver-dir", files["resolvable"], "--tenants", str(tenants))
     yield proc, url
@@ -223,6 +227,31 @@ def test_a_weighted_combination_through_the_ingress_equals_one_engine(http, file
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected, r.text
     r = http.post("/v1/completions", json={"model": "tiny", "prompt": "mix", "max_tokens": 2, "adapters": {"ghost": 1}})
     assert r.status_code == 400 and "ghost" in r.text
+
+
+def test_a_tenants_limits_hold_for_the_whole_deployment(server):
+    """rpm_limit 4 over two replicas: 4 requests answered, then 429s from the ingress (no replica answered them),
+    with Retry-After, wherever Serve would have sent them (base-model requests land on either replica; counted per
+    replica, up to 8 got through). tpm_limit: tokens one replica counted refuse the next request at the ingress."""
+    with httpx.Client(base_url=server, headers={"Authorization": "Bearer capped-key"}, timeout=120,
+                      limits=NO_KEEPALIVE) as capped:
+        answers = [capped.post("/v1/completions", json={"model": "tiny", "prompt": f"hi {i}", "max_tokens": 2})
+                   for i in range(8)]
+    assert [r.status_code for r in answers] == [200] * 4 + [429] * 4
+    assert all("x-loramux-replica" not in r.headers and int(r.headers["retry-after"]) >= 1 for r in answers[4:])
+    assert "rpm_limit" in answers[4].json()["error"]["message"]
+    assert 'loramux:tenant_rejected_total{limit="rpm_limit",replica="ingress",tenant="capped"} 4.0' in \
+        httpx.get(f"{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    with httpx.Client(base_url=server, headers={"Authorization": "Bearer metered-key"}, timeout=120,
+                      limits=NO_KEEPALIVE) as metered:
+        body = {"model": "tiny", "prompt": "a long enough prompt", "max_tokens": 24, "ignore_eos": True}
+        assert metered.post("/v1/completions", json=body).status_code == 200  # ~45 tokens: past 30
+
+        def refused_here():
+            r = metered.post("/v1/completions", json={**body, "max_tokens": 1})
+            return r.status_code == 429 and "x-loramux-replica" not in r.headers and "tpm_limit" in r.text
+
+        wait_until(refused_here, 30, "the ingress refusing once a replica's report counts the tokens", interval=0.3)
 
 
 def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deployment, files):

@@ -197,10 +197,14 @@ class Quotas:
 
     def finished(self, tenant: Tenant, tokens: int) -> None:
         """One of its requests ended, having used `tokens` (prompt + generated, every choice)."""
-        usage = self._usage[tenant.name]
-        usage.in_flight -= 1
+        self._usage[tenant.name].in_flight -= 1
+        self.spent(tenant.name, tokens)
+
+    def spent(self, name: str, tokens: float) -> None:
+        """Tenant `name` used `tokens` now (counted apart from its requests where another process counts them:
+        the Ray ingress learns them from its replicas' reports)."""
         if tokens:
-            usage.tokens.append((self.clock(), tokens))
+            self._usage[name].tokens.append((self.clock(), tokens))
 
 
 def _expire(usage: _Usage, now: float) -> None:

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -42,10 +43,10 @@ from loramux.server.http import protocol as p
 from loramux.server.http import adapter_admin as admin
 from loramux.server.http.api_server import client_of, tenant_of
 from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_response, json_off_the_loop, public_paths
-from loramux.server.http.tenants import Tenants, allows, check_admin, check_use, load_dirs, load_tenants
+from loramux.server.http.tenants import Quotas, Tenant, Tenants, allows, check_admin, check_use, load_dirs, load_tenants
 from loramux.server.http.errors import HTTPError, combination_part, model_not_found
 from loramux.server.http.on_demand import OnDemand
-from loramux.server.ray.replica import AdapterEntry, ServeReplica
+from loramux.server.ray.replica import REPORT_INTERVAL_S, AdapterEntry, ServeReplica
 
 logger = logging.getLogger("loramux.server")
 REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports every 0.5 s)
@@ -160,9 +161,16 @@ class Ingress:
         self._entries: dict[str, AdapterEntry] = {}
         self._changes = 0  # bumped at each change made here: a lookup begun before one is not kept
         self.on_demand = OnDemand(config, self._install_resolved)  # the replicas' own resolvers are off
-        # the same file as the replicas' (they authenticate the forwarded key again: their prefix caches and
-        # quotas are per tenant); read at deployment, and again on SIGHUP (reload_tenants)
+        # the same file as the replicas' (they authenticate the forwarded key again: their prefix caches are per
+        # tenant); read at deployment, and again on SIGHUP (reload_tenants)
         self.tenants = load_tenants(config.tenants_file) if config.tenants_file else Tenants()
+        # A tenant's limits hold for the whole deployment: every request passes here. (Each replica keeps its own
+        # count as well, of its share, which is never the stricter.) Its tokens are counted by the replicas and
+        # learned from their reports (_tokens_reported).
+        self.quotas = Quotas()
+        self._rejected: collections.Counter[tuple[str, str]] = collections.Counter()  # (tenant, limit) -> 429s here
+        self._tokens_seen: dict[tuple[str, str], float] = {}  # (replica, tenant) -> its token counter last read
+        self._tokens_read = 0.0
 
     async def reload_tenants(self) -> None:
         """SIGHUP to `loramux serve --replicas`: this ingress and every replica read the tenants file again; a
@@ -203,6 +211,26 @@ class Ingress:
             with combination_part():  # as one server answers for it
                 entry = await self._entry_for(name, request)
             entries += [entry] if entry is not None else []
+        tenant = tenant_of(request) if request.method == "POST" and request.url.path in GENERATION_PATHS else None
+        if tenant is not None:
+            await self._tokens_reported(tenant)
+            try:
+                self.quotas.admit(tenant)  # over a limit: 429 with Retry-After, as one server answers
+            except HTTPError as e:
+                self._rejected[tenant.name, e.code] += 1
+                raise
+        try:
+            status, headers, rest = await self._send(request, body, entries)
+        except BaseException:
+            self._release(tenant)
+            raise
+        if status is None:
+            self._release(tenant)
+            return rest
+        return StreamingResponse(self._released(rest, tenant), status_code=status, headers=headers)
+
+    async def _send(self, request: Request, body: bytes, entries: list[AdapterEntry]):
+        """Forward the request to a replica: (status, headers, the body's rest), or (None, None, a 503 response)."""
         # routed by the first adapter (`model`'s, or a weighted combination's first part): the replica loads them all
         handle = self.replica.options(stream=True, multiplexed_model_id=entries[0].name if entries else "")
         client = request.client.host if request.client else "unknown"
@@ -212,10 +240,36 @@ class Ingress:
         try:
             status, response_headers, replica_id = await stream.__anext__()
         except (RayError, StopAsyncIteration) as e:
-            return error_response(503, f"The replica serving this request failed: {e}", "service_unavailable")
+            return None, None, error_response(503, f"The replica serving this request failed: {e}", "service_unavailable")
         headers = {k.decode(): v.decode() for k, v in response_headers if k.lower() != b"content-length"}
         headers["x-loramux-replica"] = replica_id
-        return StreamingResponse(_rest(stream, headers.get("content-type", "")), status_code=status, headers=headers)
+        return status, headers, _rest(stream, headers.get("content-type", ""))
+
+    async def _released(self, rest, tenant: Tenant | None):
+        """The answer's body; the tenant's request counts as in flight until it has gone (or the client left)."""
+        try:
+            async for chunk in rest:
+                yield chunk
+        finally:
+            self._release(tenant)
+
+    def _release(self, tenant: Tenant | None) -> None:
+        if tenant is not None:
+            self.quotas.finished(tenant, 0)  # (its tokens come from the replicas' reports)
+
+    async def _tokens_reported(self, tenant: Tenant) -> None:
+        """Feed the quotas what the replicas counted of each tenant's tokens since the last look (their reports
+        come every REPORT_INTERVAL_S; looked at no more often), for a tenant with a tokens-per-minute limit."""
+        if tenant.tpm_limit is None or time.monotonic() - self._tokens_read < REPORT_INTERVAL_S:
+            return
+        first, self._tokens_read = not self._tokens_read, time.monotonic()
+        for rid, state in (await self.registry.replicas.remote()).items():
+            for labels, total in state.get("tenants", {}).get("loramux:tenant_tokens", []):
+                key = (rid, labels.get("tenant", ""))
+                seen = self._tokens_seen.get(key, 0.0)
+                self._tokens_seen[key] = total
+                if not first:  # (this ingress's first look is the baseline; a restarted replica counts from 0)
+                    self.quotas.spent(key[1], total - seen if total >= seen else total)
 
     async def _entry_for(self, name: str, request: Request) -> AdapterEntry | None:
         """The registry's entry for a name a request uses (None: the base model, or a name the replica answers for,
@@ -343,7 +397,9 @@ class Ingress:
         if not self.config.public_metrics:
             check_admin(tenant_of(raw))
         replicas = await self.registry.replicas.remote()
-        return Response(render_metrics(replicas, len(await self.registry.all.remote()), await self.registry.pid.remote()),
+        rejected = [({"tenant": tenant, "limit": limit}, n) for (tenant, limit), n in sorted(self._rejected.items())]
+        return Response(render_metrics(replicas, len(await self.registry.all.remote()), await self.registry.pid.remote(),
+                                       {"loramux:tenant_rejected": rejected} if rejected else {}),
                         media_type="text/plain; version=0.0.4")
 
 
@@ -362,8 +418,9 @@ def _kv(op: str, key: bytes | None, value: bytes | None = None) -> bytes | None:
 SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # (engine's SpecDecodeStats fields)
 
 
-def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int) -> bytes:
-    """Each replica's engine state, labelled by replica; lora_requests_info as vLLM's, one per replica."""
+def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int, own: dict | None = None) -> bytes:
+    """Each replica's engine state, labelled by replica; lora_requests_info as vLLM's, one per replica. own: the
+    ingress's per-tenant counters (its 429s), labelled replica="ingress"."""
     r = CollectorRegistry()
     gauges = {key: Gauge(f"loramux:{key}", text, ["replica"], registry=r) for key, text in (
         ("num_requests_running", "Requests in the running batch"), ("num_requests_waiting", "Requests waiting to run"),
@@ -378,15 +435,9 @@ def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int
     resident = Gauge("loramux:lora_adapter_resident", "1 while an adapter is in a tier of a replica (what LoRA-aware "
                      "routers score on); the series is gone when it leaves", ["replica", "adapter", "tier", "pinned"],
                      registry=r)
-    tenants: dict[str, CounterMetricFamily] = {}
     spec = {key: CounterMetricFamily(f"loramux:spec_decode_{key}", f"Speculative decoding's {key}, per replica",
                                      labels=["replica"]) for key in SPEC_COUNTERS}
     for rid, state in sorted(replicas.items()):
-        for name, samples in state.get("tenants", {}).items():  # each replica counts its own (quotas are per replica)
-            for labels, value in samples:
-                if name not in tenants:
-                    tenants[name] = CounterMetricFamily(name, f"{name}, per replica", labels=["replica", *labels])
-                tenants[name].add_metric([rid, *labels.values()], value)
         engine = state.get("engine") or {}
         processes.labels(rid, str(state["pid"]), str(state["engine_pid"])).set(1)
         gauges["engine_healthy"].labels(rid).set(state["healthy"])
@@ -403,10 +454,24 @@ def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int
             if engine.get("spec_decode") is not None:
                 for key, family in spec.items():
                     family.add_metric([rid], getattr(engine["spec_decode"], key))
-    families = list(tenants.values()) + [f for f in spec.values() if f.samples]
+    counted = [("ingress", own or {})] + [(rid, state.get("tenants", {})) for rid, state in sorted(replicas.items())]
+    families = _tenant_families(counted) + [f for f in spec.values() if f.samples]
     if families:
         r.register(_Families(families))
     return generate_latest(r)
+
+
+def _tenant_families(counted: list[tuple[str, dict]]) -> list[CounterMetricFamily]:
+    """The per-tenant counters of each (replica, {metric: [(labels, value)]}): each replica counts its own
+    requests and tokens; the ingress, the 429s of the deployment-wide limits."""
+    tenants: dict[str, CounterMetricFamily] = {}
+    for rid, families in counted:
+        for name, samples in families.items():
+            for labels, value in samples:
+                if name not in tenants:
+                    tenants[name] = CounterMetricFamily(name, f"{name}, per replica", labels=["replica", *labels])
+                tenants[name].add_metric([rid, *labels.values()], value)
+    return list(tenants.values())
 
 
 class _Families:
@@ -429,6 +494,10 @@ def _models_of(body: bytes) -> tuple[str | None, list[str]]:
         return None, []
     parts = [p for p in parts if isinstance(p, str)][:MAX_PARTS] if isinstance(parts, dict) else []
     return (model if isinstance(model, str) else None), parts
+
+
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings"})
+"""The routes whose requests count against a tenant's limits (as one server's admission counts them)."""
 
 
 async def _rest(stream, content_type: str):
