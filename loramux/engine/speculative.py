@@ -1,17 +1,19 @@
 """Speculative decoding's policy: what each decoding request proposes, and whether proposing pays. No torch.
 
-A request proposes up to k next tokens (NgramProposer: prompt lookup); the model runner verifies them in one
+A request proposes up to k next tokens (NgramProposer: prompt lookup; or a draft model, engine/draft_model.py,
+passed in as the proposer); the model runner verifies them in one
 forward pass over its k + 1 positions with its own adapter and keeps the longest run the model agrees with,
 plus the model's own next token (engine/model_runner.py: _verify). A proposal is a single token per position
 (a one-hot draft distribution), so drawing each position from the model's own distribution and stopping at the
 first draw that differs from the draft is exact rejection sampling: greedy rows get the tokens they would get
 without speculation, sampled rows the same distribution.
 
-Whether it pays, per request and step (Speculator.draft): the i-th proposed token is accepted with probability
+Whether it pays, per request and step (Speculator.plan): the i-th proposed token is accepted with probability
 about a^i, where a is the request's own acceptance so far (Acceptance); verifying one more token costs `per_row`
 seconds, and an accepted token is worth what one token of a step costs that row, step / rows. So a request
-proposes k tokens where a^k >= per_row * rows / step, from the step times the engine measured (StepCost);
-a step whose expected gain is below the fixed cost of a verification pass proposes nothing. A request whose
+proposes k tokens where a^k >= per_row * rows / step, from the step times the engine measured (StepCost; the
+time a draft model took to propose counts as part of its step); with free proposals (lookup), a step whose
+expected gain is below the fixed cost of a verification pass proposes nothing. A request whose
 acceptance fell to nothing proposes one token after PROBE_EVERY steps, to notice when its text turns
 repetitive again (a draft model's: twice as long after each probe that fails, up to MAX_PROBE_EVERY).
 """
