@@ -467,7 +467,7 @@ class ModelRunner:
     def _sampling_row(self, seq: Sequence, vocab_size: int, proposed: list[int] = ()) -> SamplingRow:
         """The row that draws `seq`'s next token, after the `proposed` tokens (speculative decoding) if any."""
         params = seq.params
-        out = seq.output_token_ids + list(proposed)
+        out = seq.output_token_ids + list(proposed) if proposed else seq.output_token_ids
         if params.greedy:
             generator = None
         elif params.seed is None:

@@ -393,11 +393,13 @@ class Scheduler:
         """Speculative decoding: each decoding sequence's proposed tokens for this step (Sequence.draft_ids),
         within what max_tokens and max_model_len leave, `budget` tokens in all and the KV blocks free (a proposal
         never preempts anyone); returns the tokens proposed."""
+        if self.speculator is None:
+            return 0
         for seq in self.running:  # last step's proposals are spent (a sequence left out of it trims here too)
             if seq.draft_ids:
                 seq.draft_ids = []
                 self.block_manager.trim(seq)
-        if self.speculator is None or not decodes:
+        if not decodes:
             return 0
         limits = [min(s.params.max_tokens - s.num_output_tokens - 1,
                       (self.max_model_len or len(s) + budget) - len(s) - 1) for s in decodes]
