@@ -7,7 +7,7 @@ from loramux.config import EngineConfig
 from loramux.engine.engine_core import EngineCore
 from loramux.server.engine.engine_process import EngineCoreProc
 from loramux.adapters.status import LoRAStatus
-from loramux.server.engine.wire import (Abort, AdapterResult, AddRequest, AdapterSource, EngineStats, GetStats, LoadAdapter,
+from loramux.server.engine.wire import (Abort, AdapterResult, AddRequest, AdapterRecord, EngineStats, GetStats, LoadAdapter,
                                  Outputs, Pause, PauseState, PinAdapter, Resume, UnloadAdapter, decode_from_engine,
                                  decode_to_engine, encode)
 
@@ -35,8 +35,8 @@ def loop(tmp_path):
                                    lora=LoRAConfig(max_loras=2, max_lora_rank=8), kv_cache_memory=2**22,
                                    max_model_len=64))
     loop = EngineCoreProc(core, Outbox())
-    ready = loop.ready([AdapterSource("a", save_peft_adapter(base, tmp_path / "a", r=8)),
-                        AdapterSource("gone", str(tmp_path / "missing"))], str(tmp_path / "tok"))
+    ready = loop.ready([AdapterRecord("a", save_peft_adapter(base, tmp_path / "a", r=8)),
+                        AdapterRecord("gone", str(tmp_path / "missing"))], str(tmp_path / "tok"))
     assert [a.name for a in ready.adapters] == ["a"] and "does not exist" in ready.failed_adapters["gone"]
     assert (tmp_path / "tok" / "tokenizer.json").is_file() and ready.max_model_len == 64
     return loop

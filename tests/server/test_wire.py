@@ -6,7 +6,7 @@ import pytest
 from loramux.adapters.status import LoRAStatus
 from loramux.engine.output import CoreOutput
 from loramux.sampling_params import SamplingParams
-from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
+from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterRecord, ControlFailed, EngineStats, GetStats,
                                  LoadAdapter, Outputs, PinAdapter, Ready, StartupFailed, UnloadAdapter,
                                  decode_from_engine, decode_to_engine, encode)
 
@@ -21,7 +21,7 @@ TO_ENGINE = [
     GetStats(6),
 ]
 FROM_ENGINE = [
-    Ready("/models/m", "/tmp/tok", 4096, 49152, [AdapterSource("a", "/p", ("/d",), True)], {"b": "gone"}),
+    Ready("/models/m", "/tmp/tok", 4096, 49152, [AdapterRecord("a", "/p", ("/d",), True)], {"b": "gone"}),
     StartupFailed("ValueError: no"),
     Outputs([CoreOutput("r-1", [5, 6]), CoreOutput("r-2", [], "error", "the adapter is gone", 404),
              CoreOutput("r-3", [2], "stop")]),

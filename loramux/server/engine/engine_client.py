@@ -31,7 +31,7 @@ from loramux.config import EngineConfig
 from loramux.engine.output import CoreOutput
 from loramux.server.engine import prctl
 from loramux.server.engine.engine_process import run_engine
-from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, Control, ControlAnswer,
+from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterRecord, Control, ControlAnswer,
                                  ControlFailed, EngineStats, GetStats, Outputs, Pause, PauseState, PrefixCacheReset,
                                  Ready, StartupFailed, decode_from_engine, encode)
 
@@ -61,7 +61,7 @@ class Supervision:
 class EngineProcess:
     """One engine process with its sockets, IPC directory and heartbeat."""
 
-    def __init__(self, config: EngineConfig, adapters: list[AdapterSource]):
+    def __init__(self, config: EngineConfig, adapters: list[AdapterRecord]):
         self.dir = tempfile.mkdtemp(prefix="loramux-ipc-")
         self.ctx = zmq.asyncio.Context()
         self.send_sock, self.recv_sock = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
@@ -142,7 +142,7 @@ class OutputStream:
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig, sources: Callable[[], list[AdapterSource]],
+    def __init__(self, config: EngineConfig, sources: Callable[[], list[AdapterRecord]],
                  on_ready: Callable[[Ready], None], supervision: Supervision = Supervision()):
         """sources(): the adapters an engine (re)start loads; on_ready(ready): told after every (re)start."""
         self.config, self.sources, self.on_ready, self.supervision = config, sources, on_ready, supervision

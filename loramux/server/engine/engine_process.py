@@ -22,7 +22,7 @@ import zmq
 
 from loramux.config import EngineConfig
 from loramux.server.engine import prctl
-from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterSource, ControlFailed, EngineStats, GetStats,
+from loramux.server.engine.wire import (Abort, AddRequest, AdapterResult, AdapterRecord, ControlFailed, EngineStats, GetStats,
                                  LoadAdapter, Outputs, Pause, PauseState, PinAdapter, PrefixCacheReset, Ready,
                                  ResetPrefixCache, Resume, SpecDecodeStats, StartupFailed, UnloadAdapter,
                                  decode_to_engine, encode)
@@ -33,7 +33,7 @@ LOAD_POLL_MS = 5  # while adapters are read on the loader thread: their results 
 HEARTBEAT_S = 0.25
 
 
-def run_engine(config: EngineConfig, adapters: list[AdapterSource], ipc_dir: str, heartbeat, parent_pid: int,
+def run_engine(config: EngineConfig, adapters: list[AdapterRecord], ipc_dir: str, heartbeat, parent_pid: int,
                log_level: int = 0) -> None:
     """Child process entry point: build the engine, then serve until told to stop or the parent goes away.
     log_level: the front end's (its --log-level): the engine's own lines (the model's weights, the slot memory,
@@ -138,7 +138,7 @@ class EngineCoreProc:
         """How long the loop may wait for a message: not at all while busy, a little while adapters load."""
         return 0 if self.busy else LOAD_POLL_MS if self.loading or self.core.loading else IDLE_POLL_MS
 
-    def ready(self, adapters: list[AdapterSource], tokenizer_dir: str) -> Ready:
+    def ready(self, adapters: list[AdapterRecord], tokenizer_dir: str) -> Ready:
         """Load the start-up adapters (a failing one is reported, not fatal after a restart) and describe the
         engine; saves the tokenizer for the front end."""
         self.core.hf_tokenizer.save_pretrained(tokenizer_dir)

@@ -99,15 +99,20 @@ class PauseState(msgspec.Struct, tag="pause_state"):
     paused: bool
 
 
-class AdapterSource(msgspec.Struct, array_like=True):
-    """An adapter the engine loads at start: after a restart, every adapter the front end had registered."""
+class AdapterRecord(msgspec.Struct, array_like=True):
+    """One registered adapter, the one record of it everywhere: what the engine loads at start (after a restart,
+    every adapter the front end had registered), the front end's registry, and the Ray Serve registry that the
+    ingress and the replicas follow."""
 
     name: str
     path: str
-    allowed_dirs: tuple[str, ...] = ()  # runtime loads were read under these; a reload reads under them again
+    allowed_dirs: tuple[str, ...] | None = ()
+    """Where its files must resolve: () anywhere (--lora-modules); the directories a runtime load or a resolver
+    read it under (a reload reads under them again); None, on Ray, --allowed-adapter-dir (an admin load)."""
     pinned: bool = False
     resolved: bool = False  # loaded on its first request (server/http/on_demand.py): after a restart, on the next one
     uri: str = ""  # fetched from a store (adapters/remote.py) into `path`, the local cache's copy
+    version: int = 0  # on Ray: grows with every registration of the name (a reload in place), which replicas follow
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -115,7 +120,7 @@ class Ready(msgspec.Struct, tag="ready"):
     tokenizer_dir: str  # the engine's tokenizer, saved for the front end (loramux.tokenizer.Tokenizer.from_dir)
     max_model_len: int
     vocab_size: int
-    adapters: list[AdapterSource]  # the start-up adapters that loaded
+    adapters: list[AdapterRecord]  # the start-up adapters that loaded
     failed_adapters: dict[str, str] = {}  # name -> why it did not load (a restart after its file went away)
     eos_token_ids: list[int] = []  # the model's end tokens (the front end's grammar checks compile with them)
     priority_scheduling: bool = False  # EngineLimits.priority_scheduling

@@ -41,7 +41,7 @@ from loramux.server.http.metrics import Metrics, RequestTimer
 from loramux.server.http.on_demand import OnDemand, remote_cache
 from loramux.server.http.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
 from loramux.server.http.uploads import Uploads, discard
-from loramux.server.engine.wire import (AddRequest, AdapterSource, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
+from loramux.server.engine.wire import (AddRequest, AdapterRecord, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
                                  ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
 
@@ -53,7 +53,7 @@ class ShuttingDown(Exception):
     """The server is draining: no new work, and what still runs at the deadline is stopped."""
 
 
-def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
+def _registry(lora_modules: list[str]) -> dict[str, AdapterRecord]:
     registry = {}
     for spec in lora_modules:
         try:
@@ -65,7 +65,7 @@ def _registry(lora_modules: list[str]) -> dict[str, AdapterSource]:
                              f"write NAME={spec}") from e
         except ValueError as e:
             raise ValueError(f"--lora-modules {spec}: {e}") from e
-        registry[name] = AdapterSource(name, path)
+        registry[name] = AdapterRecord(name, path)
     return registry
 
 
@@ -96,7 +96,7 @@ def share_of(client: str) -> str:
     return "client:" + hashlib.sha256(client.encode()).hexdigest()[:16]
 
 
-def _kept(source: AdapterSource) -> bool:
+def _kept(source: AdapterRecord) -> bool:
     """Whether an engine restart loads the adapter again (else it is resolved on its next request)."""
     return not source.resolved or source.pinned
 
@@ -125,7 +125,7 @@ class APIServer:
         self.uploads = _uploads(config, state_file, self.keep_revisions)
         if state_file is not None and os.path.isfile(state_file):
             with open(state_file, "rb") as f:
-                self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterSource])}
+                self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterRecord])}
         supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
         self.client = EngineClient(engine_config, self._preloaded, self._on_ready, supervision)
         state_dir = os.path.dirname(state_file) if state_file else None
@@ -202,7 +202,7 @@ class APIServer:
             f.write(msgspec.json.encode(list(self.registry.values())))
         os.replace(tmp, self.state_file)
 
-    def _preloaded(self) -> list[AdapterSource]:
+    def _preloaded(self) -> list[AdapterRecord]:
         """What an engine (re)start loads: the registry, less the adapters resolved on demand (they are
         resolved again on their next request, rather than all read at once) unless pinned (a pin keeps an
         adapter loaded, across restarts too; it stays an on-demand adapter: unpinned, it is not loaded at the
@@ -495,7 +495,7 @@ class APIServer:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
         self.metrics.load_seconds.labels("resolver" if resolved else "runtime").observe(time.monotonic() - started)
-        self.registry[name] = AdapterSource(name, path, dirs, result.pinned, resolved, uri)
+        self.registry[name] = AdapterRecord(name, path, dirs, result.pinned, resolved, uri)
         self._save_registry()
         return result.revision
 

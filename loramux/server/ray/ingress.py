@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ import time
 import uuid
 from dataclasses import replace
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -46,7 +46,8 @@ from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_respons
 from loramux.server.http.tenants import Quotas, Tenant, Tenants, allows, check_admin, check_use, load_dirs, load_tenants
 from loramux.server.http.errors import HTTPError, combination_part, model_not_found
 from loramux.server.http.on_demand import OnDemand
-from loramux.server.ray.replica import REPORT_INTERVAL_S, AdapterEntry, ServeReplica
+from loramux.server.engine.wire import AdapterRecord
+from loramux.server.ray.replica import REPORT_INTERVAL_S, ServeReplica
 
 logger = logging.getLogger("loramux.server")
 REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports every 0.5 s)
@@ -59,10 +60,10 @@ class AdapterRegistry:
 
     def __init__(self, lora_modules: list[str], state_key: str | None = None):
         self._version = 0
-        self.entries: dict[str, AdapterEntry] = {}
+        self.entries: dict[str, AdapterRecord] = {}
         for spec in lora_modules:
             name, path = parse_adapter_arg(spec)
-            self.entries[name] = AdapterEntry(name, os.path.realpath(path), self._next_version(), allowed_dirs=())
+            self.entries[name] = AdapterRecord(name, os.path.realpath(path), (), version=self._next_version())
         self.reports: dict[str, tuple[float, dict]] = {}
         self.generation = 0  # grows with every change; replicas report the one they have applied
         self.tenants_generation = 0  # grows with every reload of the tenants file (SIGHUP); replicas follow it
@@ -78,31 +79,30 @@ class AdapterRegistry:
         if saved is None:
             return
         state = json.loads(saved)
-        self.entries = {e["name"]: AdapterEntry(**{**e, "allowed_dirs": None if e["allowed_dirs"] is None
-                                                   else tuple(e["allowed_dirs"])}) for e in state["entries"]}
+        self.entries = {e.name: e for e in msgspec.json.decode(json.dumps(state["entries"]), type=list[AdapterRecord])}
         self._version, self.generation, self.tenants_generation = state["version"], state["generation"], state["tenants"]
         logger.info("adapter registry restored after a restart: %d adapter(s)", len(self.entries))
 
     def _save(self) -> None:
-        state = {"entries": [dataclasses.asdict(e) for e in self.entries.values()], "version": self._version,
+        state = {"entries": msgspec.to_builtins(list(self.entries.values())), "version": self._version,
                  "generation": self.generation, "tenants": self.tenants_generation}
         _kv("put", self._state_key, json.dumps(state).encode())
 
     def register(self, name: str, path: str, pinned: bool,
-                 allowed_dirs: tuple[str, ...] | None = None) -> tuple[AdapterEntry, AdapterEntry | None]:
+                 allowed_dirs: tuple[str, ...] | None = None) -> tuple[AdapterRecord, AdapterRecord | None]:
         """(the new entry, the one it replaces)."""
         old = self.entries.get(name)
-        self.entries[name] = AdapterEntry(name, path, self._next_version(), pinned, allowed_dirs)
+        self.entries[name] = AdapterRecord(name, path, allowed_dirs, pinned, version=self._next_version())
         self.generation += 1
         self._save()
         return self.entries[name], old
 
-    def restore(self, name: str, old: AdapterEntry | None) -> None:
+    def restore(self, name: str, old: AdapterRecord | None) -> None:
         """Undo a registration that no replica could load."""
         if old is None:
             self.entries.pop(name, None)
         else:
-            self.entries[name] = replace(old, version=self._next_version())
+            self.entries[name] = msgspec.structs.replace(old, version=self._next_version())
         self.generation += 1
         self._save()
 
@@ -117,12 +117,12 @@ class AdapterRegistry:
     def set_pinned(self, name: str, pinned: bool) -> int | None:
         if name not in self.entries:
             return None
-        self.entries[name] = replace(self.entries[name], pinned=pinned)
+        self.entries[name] = msgspec.structs.replace(self.entries[name], pinned=pinned)
         self.generation += 1
         self._save()
         return self.generation
 
-    def snapshot(self) -> tuple[int, dict[str, AdapterEntry], int]:
+    def snapshot(self) -> tuple[int, dict[str, AdapterRecord], int]:
         """(the generation, the entries, the tenants file's generation): what a replica follows, in one call."""
         return self.generation, dict(self.entries), self.tenants_generation
 
@@ -132,10 +132,10 @@ class AdapterRegistry:
         self._save()
         return self.tenants_generation
 
-    def get(self, name: str) -> AdapterEntry | None:
+    def get(self, name: str) -> AdapterRecord | None:
         return self.entries.get(name)
 
-    def all(self) -> dict[str, AdapterEntry]:
+    def all(self) -> dict[str, AdapterRecord]:
         return dict(self.entries)
 
     def pid(self) -> int:
@@ -158,7 +158,7 @@ class Ingress:
         # The registry's entries as this ingress last saw them: a request's lookup costs no actor call. This
         # (single) ingress changes the registry itself and updates the copy as it does; a name missing here
         # is asked of the registry, so a copy behind it only costs a call.
-        self._entries: dict[str, AdapterEntry] = {}
+        self._entries: dict[str, AdapterRecord] = {}
         self._changes = 0  # bumped at each change made here: a lookup begun before one is not kept
         self.on_demand = OnDemand(config, self._install_resolved)  # the replicas' own resolvers are off
         # the same file as the replicas' (they authenticate the forwarded key again: their prefix caches are per
@@ -229,7 +229,7 @@ class Ingress:
             return rest
         return StreamingResponse(self._released(rest, tenant), status_code=status, headers=headers)
 
-    async def _send(self, request: Request, body: bytes, entries: list[AdapterEntry]):
+    async def _send(self, request: Request, body: bytes, entries: list[AdapterRecord]):
         """Forward the request to a replica: (status, headers, the body's rest), or (None, None, a 503 response)."""
         # routed by the first adapter (`model`'s, or a weighted combination's first part): the replica loads them all
         handle = self.replica.options(stream=True, multiplexed_model_id=entries[0].name if entries else "")
@@ -271,7 +271,7 @@ class Ingress:
                 if not first:  # (this ingress's first look is the baseline; a restarted replica counts from 0)
                     self.quotas.spent(key[1], total - seen if total >= seen else total)
 
-    async def _entry_for(self, name: str, request: Request) -> AdapterEntry | None:
+    async def _entry_for(self, name: str, request: Request) -> AdapterRecord | None:
         """The registry's entry for a name a request uses (None: the base model, or a name the replica answers for,
         as one server would: 404, or 400 for a combination's part)."""
         check_use(tenant_of(request), name)  # outside its patterns: 404, and no resolver is asked
@@ -282,7 +282,7 @@ class Ingress:
             entry = await self._entry(name)
         return entry
 
-    async def _entry(self, name: str) -> AdapterEntry | None:
+    async def _entry(self, name: str) -> AdapterRecord | None:
         entry, changes = self._entries.get(name), self._changes
         if entry is None and (entry := await self.registry.get.remote(name)) is not None and changes == self._changes:
             self._entries[name] = entry

@@ -18,30 +18,17 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import msgspec
 from ray import serve
 
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server.http.app import build_app
+from loramux.server.engine.wire import AdapterRecord
 from loramux.server.http.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
 REPORT_INTERVAL_S = 0.5
-
-
-@dataclass(frozen=True)
-class AdapterEntry:
-    """One registered adapter: version grows with every registration of the name (a reload in place)."""
-
-    name: str
-    path: str
-    version: int
-    pinned: bool = False
-    allowed_dirs: tuple[str, ...] | None = None
-    """Where its files must resolve: None = under --allowed-adapter-dir (an admin load); () = anywhere (from
-    --lora-modules, as one server does); else the directories of the resolver that found it."""
 
 
 class LoadedAdapter:
@@ -70,7 +57,7 @@ class ServeReplica:
         self.server = self.app.state.server
         self.registry = registry
         self.replica_id = serve.get_replica_context().replica_tag
-        self.entries: dict[str, AdapterEntry] = {}  # what the ingress last told us of each adapter
+        self.entries: dict[str, AdapterRecord] = {}  # what the ingress last told us of each adapter
         self.loaded: dict[str, int] = {}  # adapter -> version loaded in this engine
         self._holds: dict[str, int] = {}  # adapter -> handles Serve keeps (loads - evictions)
         self._using: dict[str, int] = {}  # adapter -> forwarded requests under way
@@ -88,7 +75,7 @@ class ServeReplica:
 
     # ---- requests ---------------------------------------------------------------------------------
     async def forward(self, method: str, path: str, query: bytes, headers: list, body: bytes,
-                      entries: list[AdapterEntry]) -> AsyncIterator:
+                      entries: list[AdapterRecord]) -> AsyncIterator:
         """The server's answer to one HTTP request: first (status, headers, replica id), then body chunks.
         entries: the adapters it uses (its `model`'s, or a weighted combination's parts), loaded here first."""
         await self._started()
@@ -112,7 +99,7 @@ class ServeReplica:
                 if not self._holds.get(name):
                     asyncio.ensure_future(self._unload(name, evicted=True))
 
-    async def warm(self, entry: AdapterEntry) -> None:
+    async def warm(self, entry: AdapterRecord) -> None:
         """Load `entry` here now (the ingress's /v1/load_lora_adapter): its refusal is the caller's answer."""
         await self._started()
         self.entries[entry.name] = entry
@@ -176,7 +163,7 @@ class ServeReplica:
                 logger.warning("replica %s: following the adapter registry failed: %s", self.replica_id, e)
             await asyncio.sleep(REPORT_INTERVAL_S)
 
-    async def _apply(self, current: dict[str, AdapterEntry]) -> None:
+    async def _apply(self, current: dict[str, AdapterRecord]) -> None:
         for name in [n for n in self.loaded if n not in current]:
             await self._unload(name)
         for name, entry in current.items():
