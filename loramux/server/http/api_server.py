@@ -41,6 +41,7 @@ from loramux.server.http.metrics import Metrics, RequestTimer
 from loramux.server.http.on_demand import OnDemand, remote_cache
 from loramux.server.http.tenants import Quotas, Tenant, Tenants, check_use, load_tenants
 from loramux.server.http.uploads import Uploads, discard
+from loramux.server.adapter_registry import AdapterRecords
 from loramux.server.engine.wire import (AddRequest, AdapterRecord, LoadAdapter, Pause, PauseMode, PinAdapter, Ready,
                                  ResetPrefixCache, Resume, UnloadAdapter)
 from loramux.tokenizer import Tokenizer, import_renderer
@@ -119,13 +120,14 @@ class APIServer:
         self.config = config
         self.grammar_limits = engine_config.grammar_limits
         self.grammars: GrammarChecker | None = None  # structured outputs are checked in worker processes
-        self.registry = _registry(lora_modules)
         self.state_file, self.restarts = state_file, restarts
-        self.keep_revisions = engine_config.lora.keep_revisions if engine_config.lora else 1
-        self.uploads = _uploads(config, state_file, self.keep_revisions)
+        records = _registry(lora_modules).values()
         if state_file is not None and os.path.isfile(state_file):
             with open(state_file, "rb") as f:
-                self.registry = {s.name: s for s in msgspec.json.decode(f.read(), type=list[AdapterRecord])}
+                records = msgspec.json.decode(f.read(), type=list[AdapterRecord])
+        self.registry = AdapterRecords(records, save=self._save_registry)
+        self.keep_revisions = engine_config.lora.keep_revisions if engine_config.lora else 1
+        self.uploads = _uploads(config, state_file, self.keep_revisions)
         supervision = Supervision(config.engine_start_timeout, config.engine_unresponsive_s, config.engine_kill_s)
         self.client = EngineClient(engine_config, self._preloaded, self._on_ready, supervision)
         state_dir = os.path.dirname(state_file) if state_file else None
@@ -193,13 +195,13 @@ class APIServer:
         if not self.started:
             raise EngineDeadError(self.client.dead_reason or "the engine is starting")
 
-    def _save_registry(self) -> None:
+    def _save_registry(self, registry: AdapterRecords) -> None:
         """The registry, for a front end that replaces this one (written whole, then renamed: never torn)."""
         if self.state_file is None:
             return
         tmp = f"{self.state_file}.tmp"
         with open(tmp, "wb") as f:
-            f.write(msgspec.json.encode(list(self.registry.values())))
+            f.write(msgspec.json.encode(list(registry.values())))
         os.replace(tmp, self.state_file)
 
     def _preloaded(self) -> list[AdapterRecord]:
@@ -226,9 +228,8 @@ class APIServer:
             self.metrics.load_seconds.labels("registered").observe(seconds)
         for name, why in ready.failed_adapters.items():
             logger.error("adapter %r did not load into the engine: %s", name, why)
-            self.registry.pop(name, None)
-        self.registry = {name: source for name, source in self.registry.items() if _kept(source)}
-        self._save_registry()
+            self.registry.remove(name)
+        self.registry.keep(_kept)
 
     def _grammar_source(self, ready: Ready) -> GrammarSource:
         """The tokenizer for the grammar workers, as text: the engine's directory goes with it when it restarts,
@@ -495,8 +496,7 @@ class APIServer:
             raise HTTPError(400, result.message, code="adapter_exists" if result.status is LoRAStatus.LOAD_NAME_EXISTS
                             else "invalid_adapter")
         self.metrics.load_seconds.labels("resolver" if resolved else "runtime").observe(time.monotonic() - started)
-        self.registry[name] = AdapterRecord(name, path, dirs, result.pinned, resolved, uri)
-        self._save_registry()
+        self.registry.register(AdapterRecord(name, path, dirs, result.pinned, resolved, uri))
         return result.revision
 
     async def load_from_uri(self, request: p.LoadLoRAAdapterRequest) -> tuple[str, str]:
@@ -570,8 +570,7 @@ class APIServer:
             raise HTTPError(404, f"The lora adapter '{name}' cannot be found.", "not_found_error")
         result = await self._control(UnloadAdapter(0, name))
         if self.registry.get(name) is source:
-            del self.registry[name]
-            self._save_registry()
+            self.registry.remove(name)
             if self.uploads is not None:
                 self.uploads.forget(name)
         if result.status is LoRAStatus.UNLOAD_NAME_NONEXISTENT:
@@ -585,8 +584,7 @@ class APIServer:
             raise HTTPError(503, result.message, "service_unavailable", "adapter_busy", {"Retry-After": "5"})
         if result.status is not LoRAStatus.SUCCESS:
             raise HTTPError(400, result.message)
-        self.registry[name] = msgspec.structs.replace(self.registry[name], pinned=result.pinned)
-        self._save_registry()
+        self.registry.set_pinned(name, result.pinned)
 
     def set_alias(self, name: str, targets: dict) -> Alias:
         """A weighted alias (aliases.py), replacing one of that name: 400 for a bad one, or for a target that

@@ -46,6 +46,7 @@ from loramux.server.http.app import Auth, BodyLimit, BodyTooLarge, error_respons
 from loramux.server.http.tenants import Quotas, Tenant, Tenants, allows, check_admin, check_use, load_dirs, load_tenants
 from loramux.server.http.errors import HTTPError, combination_part, model_not_found
 from loramux.server.http.on_demand import OnDemand
+from loramux.server.adapter_registry import AdapterRecords
 from loramux.server.engine.wire import AdapterRecord
 from loramux.server.ray.replica import REPORT_INTERVAL_S, ServeReplica
 
@@ -54,89 +55,64 @@ REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports ev
 
 
 class AdapterRegistry:
-    """The cluster's adapters. Its state is kept in the Ray cluster's key-value store (GCS) under `state_key`
-    (one per deployment) after every change, and read back when Serve restarts this deployment: runtime loads,
-    pins, versions and generations survive it."""
+    """The cluster's adapters (an AdapterRecords, as one server's front end keeps), and the replicas' reports. Its
+    state is kept in the Ray cluster's key-value store (GCS) under `state_key` (one per deployment) after every
+    change, and read back when Serve restarts this deployment: runtime loads, pins, versions and generations
+    survive it."""
 
     def __init__(self, lora_modules: list[str], state_key: str | None = None):
-        self._version = 0
-        self.entries: dict[str, AdapterRecord] = {}
-        for spec in lora_modules:
-            name, path = parse_adapter_arg(spec)
-            self.entries[name] = AdapterRecord(name, os.path.realpath(path), (), version=self._next_version())
         self.reports: dict[str, tuple[float, dict]] = {}
-        self.generation = 0  # grows with every change; replicas report the one they have applied
         self.tenants_generation = 0  # grows with every reload of the tenants file (SIGHUP); replicas follow it
         self._state_key = state_key.encode() if state_key else None
-        self._restore()
-
-    def _next_version(self) -> int:
-        self._version += 1
-        return self._version
-
-    def _restore(self) -> None:
         saved = _kv("get", self._state_key)
-        if saved is None:
+        if saved is not None:
+            state = json.loads(saved)
+            records = msgspec.json.decode(json.dumps(state["entries"]), type=list[AdapterRecord])
+            self.records = AdapterRecords(records, self._save, state["version"], state["generation"])
+            self.tenants_generation = state["tenants"]
+            logger.info("adapter registry restored after a restart: %d adapter(s)", len(self.records))
             return
-        state = json.loads(saved)
-        self.entries = {e.name: e for e in msgspec.json.decode(json.dumps(state["entries"]), type=list[AdapterRecord])}
-        self._version, self.generation, self.tenants_generation = state["version"], state["generation"], state["tenants"]
-        logger.info("adapter registry restored after a restart: %d adapter(s)", len(self.entries))
+        self.records = AdapterRecords(save=self._save)  # its generation: what replicas report having applied
+        for spec in lora_modules:
+            name, path = parse_adapter_arg(spec)
+            self.records.register(AdapterRecord(name, os.path.realpath(path), ()))
 
-    def _save(self) -> None:
-        state = {"entries": msgspec.to_builtins(list(self.entries.values())), "version": self._version,
-                 "generation": self.generation, "tenants": self.tenants_generation}
+    def _save(self, records: AdapterRecords) -> None:
+        state = {"entries": msgspec.to_builtins(list(records.values())), "version": records.version,
+                 "generation": records.generation, "tenants": self.tenants_generation}
         _kv("put", self._state_key, json.dumps(state).encode())
 
     def register(self, name: str, path: str, pinned: bool,
                  allowed_dirs: tuple[str, ...] | None = None) -> tuple[AdapterRecord, AdapterRecord | None]:
-        """(the new entry, the one it replaces)."""
-        old = self.entries.get(name)
-        self.entries[name] = AdapterRecord(name, path, allowed_dirs, pinned, version=self._next_version())
-        self.generation += 1
-        self._save()
-        return self.entries[name], old
+        """(the new record, the one it replaces)."""
+        return self.records.register(AdapterRecord(name, path, allowed_dirs, pinned))
 
     def restore(self, name: str, old: AdapterRecord | None) -> None:
         """Undo a registration that no replica could load."""
-        if old is None:
-            self.entries.pop(name, None)
-        else:
-            self.entries[name] = msgspec.structs.replace(old, version=self._next_version())
-        self.generation += 1
-        self._save()
+        self.records.put_back(name, old)
 
     def remove(self, name: str) -> int | None:
         """The generation that no longer has `name` (None: it was not registered)."""
-        if self.entries.pop(name, None) is None:
-            return None
-        self.generation += 1
-        self._save()
-        return self.generation
+        return None if self.records.remove(name) is None else self.records.generation
 
     def set_pinned(self, name: str, pinned: bool) -> int | None:
-        if name not in self.entries:
-            return None
-        self.entries[name] = msgspec.structs.replace(self.entries[name], pinned=pinned)
-        self.generation += 1
-        self._save()
-        return self.generation
+        return self.records.generation if self.records.set_pinned(name, pinned) else None
 
     def snapshot(self) -> tuple[int, dict[str, AdapterRecord], int]:
-        """(the generation, the entries, the tenants file's generation): what a replica follows, in one call."""
-        return self.generation, dict(self.entries), self.tenants_generation
+        """(the generation, the records, the tenants file's generation): what a replica follows, in one call."""
+        return self.records.generation, dict(self.records), self.tenants_generation
 
     def reload_tenants(self) -> int:
         """Every replica reads its tenants file again (it follows tenants_generation)."""
         self.tenants_generation += 1
-        self._save()
+        self._save(self.records)
         return self.tenants_generation
 
     def get(self, name: str) -> AdapterRecord | None:
-        return self.entries.get(name)
+        return self.records.get(name)
 
     def all(self) -> dict[str, AdapterRecord]:
-        return dict(self.entries)
+        return dict(self.records)
 
     def pid(self) -> int:
         return os.getpid()
