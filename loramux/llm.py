@@ -82,10 +82,10 @@ class LLM:
         """The conversation's token ids through the model's chat template (messages checked first)."""
         return self.engine.chat_ids(conversation, add_generation_prompt)
 
-    # ---- the adapter API -------------------------------------------------------------------------
+    # ---- the adapter API: the engine's adapter system itself (LoRAManager), one call away ---------------------
     def load_adapter(self, spec: str, path: str | None = None, **kwargs) -> LoRAResult:
         """"name=path", a bare path, or (name, path); kwargs: allow_pickle, allowed_dirs (LoRAManager)."""
-        return self.engine.load_adapter(spec, path, **kwargs)
+        return self.engine.adapters.load_adapter(spec, path, **kwargs)
 
     def load_adapter_from_tensors(self, name: str, tensors: dict, peft_config: dict, replace: bool = False) -> LoRAResult:
         """An adapter pushed from memory, as a trainer holds it: `tensors` named as PEFT saves them
@@ -93,13 +93,13 @@ class LLM:
         adapter_config.json holds it (`peft_config.to_dict()`). Checked as files are (dtype, shapes, finite
         values, rank, targets); the weights are copied. replace=True: new weights for a loaded name, in place
         (requests already running finish on the old ones; new requests get these, with a cold prefix cache)."""
-        return self.engine.load_adapter_from_tensors(name, tensors, peft_config, replace)
+        return self.engine.adapters.add_adapter(name, tensors, peft_config, replace)
 
     def unload_adapter(self, name: str) -> LoRAResult:
-        return self.engine.unload_adapter(name)
+        return self.engine.adapters.unload_adapter(name)
 
     def pin_adapter(self, name: str) -> LoRAResult:
-        return self.engine.pin_adapter(name)
+        return self.engine.adapters.pin_adapter(name)
 
     def reset_prefix_cache(self) -> int:
         """vLLM's LLM.reset_prefix_cache: forget every cached prefix block (say, after changing weights outside
@@ -107,13 +107,13 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def unpin_adapter(self, name: str) -> LoRAResult:
-        return self.engine.unpin_adapter(name)
+        return self.engine.adapters.unpin_adapter(name)
 
     def activate_adapter(self, name: str) -> int:
         return self.engine.adapters.activate_adapter(name)
 
     def is_lora(self, name: str) -> bool:
-        return self.engine.is_lora(name)
+        return self.engine.adapters.is_lora(name)
 
     def is_active_lora(self, name: str) -> bool:
         return self.engine.adapters.is_active_lora(name)
