@@ -96,7 +96,7 @@ class BlockManager:
         """Add the blocks positions up to len(seq) - 1 + lookahead need (a decode step: one token, and the
         `lookahead` proposed ones)."""
         missing = self._missing(seq, lookahead)
-        if len(seq.block_table) < -(-(len(seq) - 1) // self.block_size):
+        if len(seq.block_table) < self._blocks_for(len(seq) - 1):
             raise RuntimeError(f"sequence {seq.seq_id} is {missing} blocks short: it grew by more than one "
                                "token since its last step, or was never allocated")
         if missing > len(self._free):
@@ -106,7 +106,7 @@ class BlockManager:
     def trim(self, seq: Sequence, lookahead: int = 0) -> None:
         """Give back the blocks past those its len(seq) + lookahead positions need: blocks of proposed tokens
         that were not accepted, or not proposed (never cached: only the blocks of computed, kept tokens are)."""
-        keep = -(-(len(seq) + lookahead) // self.block_size)
+        keep = self._blocks_for(len(seq) + lookahead)
         for block in reversed(seq.block_table[keep:]):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -115,7 +115,11 @@ class BlockManager:
         del seq.block_table[keep:]
 
     def _missing(self, seq: Sequence, lookahead: int) -> int:
-        return max(0, -(-(len(seq) + lookahead) // self.block_size) - len(seq.block_table))
+        return max(0, self._blocks_for(len(seq) + lookahead) - len(seq.block_table))
+
+    def _blocks_for(self, positions: int) -> int:
+        """Blocks that hold token positions 0 .. positions - 1."""
+        return -(-positions // self.block_size)
 
     def cache_computed(self, seq: Sequence) -> None:
         """After a step: the full blocks whose K/V are now all computed become cached (prompt and output

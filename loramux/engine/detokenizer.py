@@ -49,6 +49,15 @@ class Detokenizer:
         self.text += delta
         return delta, stop_at is not None
 
+    def take(self, new_token_ids: list[int], reason: str | None) -> tuple[str, bool, int]:
+        """An engine output's new tokens (reason: its finish reason): (newly released text, hit a stop string,
+        how many of the tokens count). An engine "stop" is a stop token, counted but left out of the text; tokens
+        after a stop string that came in the same output (speculative decoding) do not count."""
+        text_ids = new_token_ids[:-1] if reason == "stop" else new_token_ids
+        delta, hit_stop = self.update(text_ids, final=reason is not None)
+        unused = self.unused + len(new_token_ids) - len(text_ids) if hit_stop else 0
+        return delta, hit_stop, len(new_token_ids) - unused
+
     def _find_stop(self) -> tuple[int, int] | None:
         """The first stop string in the text not yet released (released text never ends with the start of
         one: it is held back) that ends in the text of the min_tokens-th token or later (as vLLM): (where it

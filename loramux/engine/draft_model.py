@@ -66,7 +66,7 @@ class DraftModel:
         runner = self.runner
         order = sorted(range(len(seqs)), key=lambda i: spans[i][1] - spans[i][0] > 1)  # one-token rows first
         ordered, ordered_spans = [seqs[i] for i in order], [spans[i] for i in order]
-        input_ids, positions, meta, _, offsets = runner._prepare_mixed(ordered, ordered_spans)
+        input_ids, positions, meta, offsets = runner._prepare_mixed(ordered, ordered_spans)
         hidden = runner._forward(input_ids, positions, meta, [-1] * len(input_ids))
         logits = runner.model.compute_logits(hidden[[offsets[j + 1] - 1 for j in range(len(ordered))]])
         tokens = logits.argmax(-1).tolist()

@@ -122,13 +122,10 @@ class LLMEngine:
         request.num_cached_tokens = max(request.num_cached_tokens, out.num_cached_tokens)
         request.revision = request.revision or out.revision
         reason = out.finish_reason
-        # a stop token ends the text before it: it is kept in token_ids, left out of the text
-        text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
-        delta, hit_stop = request.detokenizer.update(text_ids, final=reason is not None)
-        new_ids = list(out.new_token_ids)
-        unused = request.detokenizer.unused + len(new_ids) - len(text_ids) if hit_stop else 0
-        if unused:  # tokens after the stop string (several came in one step: speculative decoding)
-            del request.token_ids[-unused:], new_ids[-unused:]
+        delta, hit_stop, used = request.detokenizer.take(out.new_token_ids, reason)
+        new_ids = list(out.new_token_ids[:used])
+        if used < len(out.new_token_ids):  # tokens after a stop string (several came in one step)
+            del request.token_ids[len(request.token_ids) - len(out.new_token_ids) + used:]
             if request.logprobs is not None:
                 request.logprobs = request.logprobs.slice(0, len(request.token_ids))
         if hit_stop and reason is None:

@@ -91,7 +91,10 @@ def _decode_only(seqs: list[Sequence], is_prefill: bool, spans: list[tuple[int, 
 
 def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
     """Its tokens at positions [start, end): past its last one, the tokens it proposes (speculative decoding)."""
-    return seq.token_ids[start:end] if end <= len(seq) else (seq.token_ids + seq.draft_ids)[start:end]
+    n = len(seq)
+    if end <= n:
+        return seq.token_ids[start:end]
+    return seq.token_ids[start:] + seq.draft_ids[max(0, start - n):end - n]
 
 
 def _token_slots(seqs: list[Sequence], slots: list[int], spans: list[tuple[int, int]]) -> list[int]:
@@ -244,7 +247,7 @@ class ModelRunner:
             ordered_spans = [spans[i] for i in order] if spans is not None else \
                 [(0, len(s)) if is_prefill else (len(s) - 1, len(s)) for s in ordered]
             prepare = self._prepare_mixed if spans is not None else self._prepare_prefill
-            input_ids, positions, meta, _, offsets = prepare(ordered, ordered_spans)
+            input_ids, positions, meta, offsets = prepare(ordered, ordered_spans)
             token_slots = _token_slots(ordered, [slots[i] for i in order], ordered_spans)
             hidden = self._forward(input_ids, positions, meta, token_slots)
         prompt = self._prompt_logprobs(ordered, ordered_slots, ordered_spans, hidden, offsets)
@@ -400,10 +403,10 @@ class ModelRunner:
         positions = self._tensor([p for n in lengths for p in range(n)])
         cache_rows = self._tensor([i for s, n in zip(seqs, lengths) for i in self._cache_index(s, range(n))])
         if self.rows_attention:
-            return input_ids, positions, self._rows_metadata(seqs, lengths, positions, cache_rows), lengths, offsets
+            return input_ids, positions, self._rows_metadata(seqs, lengths, positions, cache_rows), offsets
         pad, unpad = padding_indices(offsets, lengths, self.device)
         meta = AttentionMetadata(True, cache_rows, pad_index=pad, unpad_index=unpad, seq_offsets=offsets)
-        return input_ids, positions, meta, lengths, offsets
+        return input_ids, positions, meta, offsets
 
     def _rows_metadata(self, seqs: list[Sequence], counts: list[int], positions: torch.Tensor,
                        cache_rows: torch.Tensor) -> AttentionMetadata:
@@ -436,7 +439,7 @@ class ModelRunner:
         positions = self._tensor([p for a, b in spans for p in range(a, b)])
         cache_rows = self._tensor([i for s, (a, b) in zip(seqs, spans) for i in self._cache_index(s, range(a, b))])
         if self.rows_attention:
-            return input_ids, positions, self._rows_metadata(seqs, lengths, positions, cache_rows), lengths, offsets
+            return input_ids, positions, self._rows_metadata(seqs, lengths, positions, cache_rows), offsets
         decode = seqs[:num_decode]
         chunks = range(num_decode, len(seqs))
         fresh = [i for i in chunks if spans[i][0] == 0]
@@ -452,7 +455,7 @@ class ModelRunner:
         if decode:
             meta.block_tables = self._block_tables(decode)
             meta.context_lens = self._tensor([b for _, b in spans[:num_decode]])
-        return input_ids, positions, meta, lengths, offsets
+        return input_ids, positions, meta, offsets
 
     def _chunk_context(self, seq: Sequence, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A later chunk's keys: the cache rows of positions [0, end) and its mask [end - start, end] (True =

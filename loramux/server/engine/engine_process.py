@@ -146,7 +146,7 @@ class EngineCoreProc:
         for source in adapters:
             started = time.monotonic()
             result = self.core.adapters.load_adapter(source.name, source.path, allowed_dirs=source.allowed_dirs,
-                                            pinned=source.pinned)
+                                                     pinned=source.pinned)
             if result:
                 loaded.append(source)
                 seconds[source.name] = time.monotonic() - started

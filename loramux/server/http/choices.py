@@ -58,11 +58,9 @@ class Choice:
             self.logprobs.extend(out.logprobs)
         self.num_tokens += len(out.new_token_ids)
         reason = out.finish_reason
-        # an engine "stop" is a stop token: kept in the count, left out of the text
-        text_ids = out.new_token_ids[:-1] if reason == "stop" else out.new_token_ids
-        delta, hit_stop = self.detokenizer.update(text_ids, final=reason is not None)
-        unused = self.detokenizer.unused + len(out.new_token_ids) - len(text_ids) if hit_stop else 0
-        if unused:  # tokens after the stop string (several came in one step: speculative decoding)
+        delta, hit_stop, used = self.detokenizer.take(out.new_token_ids, reason)
+        unused = len(out.new_token_ids) - used
+        if unused:  # tokens after a stop string (several came in one step)
             self.num_tokens -= unused
             if self.logprobs is not None:
                 self.logprobs = self.logprobs.slice(0, len(self.logprobs) - unused)

@@ -67,7 +67,7 @@ class AdapterRegistry:
         saved = _kv("get", self._state_key)
         if saved is not None:
             state = json.loads(saved)
-            records = msgspec.json.decode(json.dumps(state["entries"]), type=list[AdapterRecord])
+            records = msgspec.convert(state["entries"], list[AdapterRecord])
             self.records = AdapterRecords(records, self._save, state["version"], state["generation"])
             self.tenants_generation = state["tenants"]
             logger.info("adapter registry restored after a restart: %d adapter(s)", len(self.records))

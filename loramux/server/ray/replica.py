@@ -23,8 +23,8 @@ import msgspec
 from ray import serve
 
 from loramux.config import EngineConfig, ServerConfig
-from loramux.server.http.app import build_app
 from loramux.server.engine.wire import AdapterRecord
+from loramux.server.http.app import build_app
 from loramux.server.http.errors import HTTPError, model_not_found
 
 logger = logging.getLogger("loramux.server")
