@@ -1,4 +1,4 @@
-"""Scale-out on Ray Serve: one OpenAI-compatible endpoint in front of N engine replicas (ray_replica.py).
+"""Scale-out on Ray Serve: one OpenAI-compatible endpoint in front of N engine replicas (replica.py).
 
     client --HTTP--> Serve proxy --> Ingress --handle, multiplexed_model_id=adapter--> ServeReplica x N
                                         |                                                  |
@@ -6,8 +6,9 @@
 
 - Ingress: maps a request's `model` to Serve's multiplexed model id (a registered adapter; none for the
   base model) and forwards the request whole, streaming the answer back with `x-loramux-replica`. Serve
-  routes an id to a replica that holds it (or to the one holding the fewest), which is the adapter
-  affinity: a cold adapter costs a disk read and a slot once per replica, not per request.
+  routes an id to a replica that holds it (or to the one holding the fewest; routing.py counts what it has
+  just sent, which the replicas' reports say only later), which is the adapter affinity: a cold adapter costs
+  a disk read and a slot once per replica, not per request.
 - AdapterRegistry: the cluster's adapters (name -> path, version, pinned) and each replica's last report
   (what it holds, its engine's state). /v1/load_lora_adapter registers and loads on one replica at once (so
   a broken adapter is refused right away, with the engine's message); the others load it on first use.
@@ -36,6 +37,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve.config import RequestRouterConfig
 
 from loramux.adapters.names import MAX_PARTS, parse_adapter_arg
 from loramux.config import EngineConfig, ServerConfig
@@ -49,6 +51,8 @@ from loramux.server.http.on_demand import OnDemand
 from loramux.server.adapter_registry import AdapterRecords
 from loramux.server.engine.wire import AdapterRecord
 from loramux.server.ray.replica import REPORT_INTERVAL_S, ServeReplica
+
+ROUTER = "loramux.server.ray.routing.AdapterRouter"  # by name: each handle's router imports it where it runs
 
 logger = logging.getLogger("loramux.server")
 REPORT_STALE_S = 5.0  # a replica silent this long is not counted (it reports every 0.5 s)
@@ -506,7 +510,8 @@ def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None
     replica = serve.deployment(ServeReplica, name="ServeReplica", num_replicas=replicas,
                                max_ongoing_requests=server_config.max_pending_requests,
                                graceful_shutdown_timeout_s=server_config.shutdown_timeout + 5,
-                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus})
+                               ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
+                               request_router_config=RequestRouterConfig(request_router_class=ROUTER))
     registry = serve.deployment(AdapterRegistry, name="AdapterRegistry", ray_actor_options={"num_cpus": 0})
     ingress = serve.deployment(Ingress, name="Ingress", max_ongoing_requests=server_config.max_pending_requests,
                                ray_actor_options={"num_cpus": 0})
