@@ -43,7 +43,7 @@ class LoRAModel(SwitchMode):
         distinct = [a for a in dict.fromkeys(adapters) if a is not None]
         if len(distinct) > manager.config.max_loras:
             raise CacheFullError(f"a batch names {len(distinct)} adapters, above max_loras={manager.config.max_loras}")
-        refs = {name: manager.resolve(name) for name in distinct}
+        refs = {name: manager.identity_for(name) for name in distinct}
         with manager.using(list(refs.values())):
             slots = {name: manager.activate(ref) for name, ref in refs.items()}
             for slot in slots.values():  # (on a GPU: the forward waits for the slot writes, on the device)

@@ -93,20 +93,20 @@ class LoRAManager:
         return self.store.unpin(name)
 
     # ---- identities and slots --------------------------------------------------------------------
-    def resolve(self, model: str) -> AdapterRef:
+    def identity_for(self, model: str) -> AdapterRef:
         """The identity a request for `model` starts on now: a loaded name, `name@rev` for one of its kept
         revisions (LoRAConfig.keep_revisions), or a weighted combination of loaded names (combination_name:
         built now if new, or if a part has been reloaded since); LookupError if none of these,
         InvalidCombinationError for a combination that cannot be served."""
         if is_combination(model):
             self._combine(model)
-        return self.store.resolve(model)
+        return self.store.identity_for(model)
 
     def _combine(self, name: str) -> None:
         """Build (or rebuild) the combination `name` from its parts' current identities; the least recently used
         of more than MAX_COMBINATIONS goes (its running requests finish on it)."""
         parts = parse_combination(name)
-        refs = tuple(self.store.resolve(part) for part in parts)  # LookupError: a part is not loaded
+        refs = tuple(self.store.identity_for(part) for part in parts)  # LookupError: a part is not loaded
         if self._combinations.get(name) != refs or self.store.current(name) is None:
             weights = combine(name, [(p, self.store.weights_of(r), w) for (p, w), r in zip(parts.items(), refs)],
                               self.config.max_lora_rank)
@@ -120,7 +120,7 @@ class LoRAManager:
             self.store.unload(oldest)
 
     def lookup(self, model: str) -> AdapterRef | None:
-        """resolve(), or None."""
+        """identity_for(), or None."""
         return self.store.lookup(model)
 
     def activation(self, ref: AdapterRef, prompt: Sequence[int]) -> int:
@@ -137,7 +137,7 @@ class LoRAManager:
         """`name`'s earlier revisions still addressable as name@rev (AdapterRef.revision), oldest first."""
         return self.store.revisions(name)
 
-    def identity(self, name: str) -> AdapterRef | None:
+    def current(self, name: str) -> AdapterRef | None:
         """`name`'s current identity, or None."""
         return self.store.current(name)
 
@@ -151,12 +151,12 @@ class LoRAManager:
 
     def activate_adapter(self, name: str) -> int:
         """Put the adapter in a device slot (reloading it from disk if it left host memory); its slot."""
-        return self.activate(self.resolve(name))
+        return self.activate(self.identity_for(name))
 
     def deactivate_adapter(self, name: str) -> None:
         """vLLM's deactivate_adapter: take the adapter out of its slot (it stays in host memory). Refused
         while requests use it or while it is pinned."""
-        self.store.deactivate(self.resolve(name))
+        self.store.deactivate(self.identity_for(name))
 
     def retire(self) -> None:
         """Free the identities unloaded or replaced whose last request has ended."""

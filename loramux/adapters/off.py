@@ -90,7 +90,7 @@ class NoAdapters:
     load_adapter = add_adapter = unload_adapter = pin_adapter = unpin_adapter = deactivate_adapter = staticmethod(refused)
 
     @staticmethod
-    def resolve(model: str):
+    def identity_for(model: str):
         raise LookupError(f"The model `{model}` does not exist (this engine serves the base model only).")
 
     @staticmethod
@@ -98,7 +98,7 @@ class NoAdapters:
         return None
 
     @staticmethod
-    def identity(name: str) -> None:
+    def current(name: str) -> None:
         return None
 
     @staticmethod

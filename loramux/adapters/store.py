@@ -109,7 +109,7 @@ class AdapterStore:
         kept = self._kept.get(name, []) + ([current] if current is not None else [])
         return next((r for r in kept if r.rev == rev), None)
 
-    def resolve(self, model: str) -> AdapterRef:
+    def identity_for(self, model: str) -> AdapterRef:
         """lookup(), or LookupError saying the model does not exist."""
         ref = self.lookup(model)
         if ref is None:

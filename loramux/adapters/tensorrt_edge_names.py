@@ -18,7 +18,7 @@ class SwitchMode:
         if name is None:
             return self.reset()
         manager = self.manager
-        ref = manager.resolve(name)
+        ref = manager.identity_for(name)
         if ref != self._selected:
             manager.cache.acquire(ref)  # held while selected, so its slot is never reused under it
             self.reset()

@@ -50,10 +50,10 @@ class VLLMNames:
 
     def list_adapters(self) -> dict[str, AdapterRef]:
         """name -> the identity (load) requests for it start on now."""
-        return {name: self.manager.identity(name) for name in self.manager.loras}
+        return {name: self.manager.current(name) for name in self.manager.loras}
 
     def get_adapter(self, name: str) -> AdapterRef | None:
-        return self.manager.identity(name)
+        return self.manager.current(name)
 
     def __len__(self) -> int:
         """How many adapters are loaded (named), in host memory or not."""

@@ -193,7 +193,7 @@ class EngineCore:
         The name is resolved to an identity when the request is admitted (Scheduler). origin: its tenant and
         fair share (engine/fair_queue.py)."""
         if adapter is not None:
-            self.adapters.resolve(adapter)
+            self.adapters.identity_for(adapter)
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(prompt_token_ids, params, adapter, request_id, origin)

@@ -109,7 +109,7 @@ def test_api_names_and_statuses(adapter_dirs, tmp_path):
     big = manager.load_adapter(f"big={adapter_dirs['llama', 'r64_qv']}")
     assert big == LoRAStatus.SUCCESS  # max_cpu_loras=2: the LRU without a slot leaves host memory
     in_host = manager.cache.in_host
-    assert manager.is_lora(path) and not in_host(manager.resolve(path)) and in_host(manager.resolve("a"))
+    assert manager.is_lora(path) and not in_host(manager.identity_for(path)) and in_host(manager.identity_for("a"))
     assert manager.unload_adapter("a") == LoRAStatus.SUCCESS and not manager.is_lora("a")
 
 
@@ -147,13 +147,13 @@ def test_host_tier_in_bytes_keeps_many_small_adapters_and_evicts_for_a_big_one(a
     _, sizer = manager_for(base)
     for kind in ("r4", "r16_patterns"):
         sizer.load_adapter(f"{kind}={adapter_dirs['llama', kind]}")
-    small, big = (sizer.cache._sizes[sizer.resolve(kind)] for kind in ("r4", "r16_patterns"))
+    small, big = (sizer.cache._sizes[sizer.identity_for(kind)] for kind in ("r4", "r16_patterns"))
     assert big > 3 * small
     model, manager = manager_for(base, max_loras=1, max_cpu_loras=8, max_cpu_lora_bytes=big + small)
     for name in ("a", "b", "c"):  # three small ones fit where one big one would not leave room
         assert manager.load_adapter(f"{name}={adapter_dirs['llama', 'r4']}") == LoRAStatus.SUCCESS
     assert manager.load_adapter(f"big={adapter_dirs['llama', 'r16_patterns']}") == LoRAStatus.SUCCESS
-    in_host = lambda name: manager.cache.in_host(manager.resolve(name))  # noqa: E731
+    in_host = lambda name: manager.cache.in_host(manager.identity_for(name))  # noqa: E731
     assert [n for n in "abc" if in_host(n)] == ["c"] and manager.cache.host_bytes == big + small
     input_ids = torch.randint(0, 128, (2, 6))
     with torch.no_grad(), manager.batch(["a", "a"]):  # evicted "a" comes back from disk; "c" (the LRU) leaves
@@ -166,7 +166,7 @@ def test_an_adapter_in_use_is_never_evicted_and_an_unload_frees_it_when_the_use_
     model, manager = manager_for(MODEL_FACTORIES["llama"](), max_loras=1, max_cpu_loras=2)
     manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
     manager.load_adapter(f"b={adapter_dirs['llama', 'r8_rslora']}")
-    ref = manager.resolve("a")
+    ref = manager.identity_for("a")
     with manager.batch(["a"]):
         assert manager.unload_adapter("a") == LoRAStatus.SUCCESS and not manager.is_lora("a")  # the name goes now
         assert ref in manager.store and manager.cache.slot_of(ref) == 0  # the weights stay under the batch
@@ -246,7 +246,7 @@ def test_unloading_the_selected_adapter_deselects_it(adapter_dirs):
     model, manager = manager_for(base, max_loras=2)
     manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
     manager.switch("a")
-    ref = manager.resolve("a")
+    ref = manager.identity_for("a")
     with manager.using([ref]):  # a running use holds it too: its weights outlive the name
         assert manager.unload_adapter("a") == LoRAStatus.SUCCESS
         assert manager.active_adapter_name is None and manager.slots.context.mapping is None  # back on the base
@@ -307,9 +307,9 @@ def test_reload_in_place_keeps_the_pin_and_a_failed_pin_changes_nothing(adapter_
     result = manager.load_adapter("b", new, pinned=True)  # the one slot is pinned by "a"
     assert result == LoRAStatus.PIN_ERROR and "was not loaded" in result.message and manager.loras == ["a"]
     input_ids = torch.randint(0, 128, (1, 6))
-    first = manager.resolve("a")
+    first = manager.identity_for("a")
     assert manager.load_adapter("a", new, replace=True) == LoRAStatus.SUCCESS
-    second = manager.resolve("a")
+    second = manager.identity_for("a")
     assert manager.cache.is_pinned(second) and first not in manager.cache  # pinned again; the old identity is gone
     with torch.no_grad(), manager.batch(["a"]):
         out = model(input_ids).logits
@@ -360,12 +360,12 @@ def test_vllms_manager_names(adapter_dirs):
     for name, kind in (("a", "r4"), ("b", "r8_rslora"), ("c", "r16_patterns")):
         assert manager.load_adapter(f"{name}={adapter_dirs['llama', kind]}")
     assert len(vllm) == 3 and list(vllm.list_adapters()) == ["a", "b", "c"]
-    assert vllm.get_adapter("b") == manager.identity("b") and vllm.get_adapter("ghost") is None
+    assert vllm.get_adapter("b") == manager.current("b") and vllm.get_adapter("ghost") is None
     assert vllm.activate_adapter("c") is True and vllm.activate_adapter("c") is False
     assert vllm.deactivate_adapter("c") is True and vllm.deactivate_adapter("c") is False
     assert vllm.pin_adapter("a") is True
     assert vllm.remove_oldest_adapter() is True  # "a" is pinned: "b", the next least recently used, goes
-    assert not manager.cache.in_host(manager.identity("b")) and manager.cache.in_host(manager.identity("a"))
+    assert not manager.cache.in_host(manager.current("b")) and manager.cache.in_host(manager.current("a"))
     assert manager.is_lora("b") and manager.activate_adapter("b") >= 0  # read back on use
     assert vllm.remove_adapter("c") is True and vllm.remove_adapter("c") is False
     vllm.remove_all_adapters()
@@ -380,7 +380,7 @@ def test_clone_is_a_second_name_for_the_same_host_tensors_and_lives_on_its_own(a
     manager = lora_model.manager
     assert manager.load_adapter(f"a={adapter_dirs['llama', 'r4']}")
     assert manager.clone("a", "twin") == LoRAStatus.SUCCESS and manager.loras == ["a", "twin"]
-    a, twin = manager.identity("a"), manager.identity("twin")
+    a, twin = manager.current("a"), manager.current("twin")
     assert a != twin and manager.store.weights_of(a) is manager.store.weights_of(twin)  # the same host tensors
     assert manager.paths["twin"] == manager.paths["a"]
     input_ids = torch.randint(0, 128, (2, 7))

@@ -81,7 +81,7 @@ class Lifecycle(RuleBasedStateMachine):
         elif name in self.loaded:  # the same path again: a success that reads nothing new
             assert result == LoRAStatus.SUCCESS or (pinned and result.status in (LoRAStatus.PIN_ERROR,
                                                                                  LoRAStatus.LOAD_BUSY)), result
-            assert self.adapters.resolve(name) == self.current[name]
+            assert self.adapters.identity_for(name) == self.current[name]
             if pinned and result:
                 self.pinned.add(name)
         else:
@@ -99,7 +99,7 @@ class Lifecycle(RuleBasedStateMachine):
                 "max_" in result.message, result
             assert self._snapshot() == before
             return
-        ref = self.adapters.resolve(name)
+        ref = self.adapters.identity_for(name)
         assert ref not in self.seen, "an identity was handed out twice"
         self.seen.add(ref)
         if name in self.loaded and name in self.pinned:
@@ -199,14 +199,14 @@ class Lifecycle(RuleBasedStateMachine):
     # ---- invariants --------------------------------------------------------------------------------
     def _snapshot(self):
         cache = self.adapters.cache
-        return self.adapters.loras, self.adapters.pinned, {n: self.adapters.resolve(n) for n in self.adapters.loras}, \
+        return self.adapters.loras, self.adapters.pinned, {n: self.adapters.identity_for(n) for n in self.adapters.loras}, \
             len(cache)
 
     @invariant()
     def names_are_what_was_loaded(self):
         assert self.adapters.loras == list(self.loaded)
         assert all(self.engine.is_lora(n) == (n in self.loaded) for n in NAMES)
-        assert {n: self.adapters.resolve(n) for n in self.loaded} == self.current
+        assert {n: self.adapters.identity_for(n) for n in self.loaded} == self.current
 
     @invariant()
     def pinned_adapters_hold_their_slots(self):

@@ -52,7 +52,7 @@ def test_running_streams_keep_stepping_while_an_adapter_is_read(checkpoints, mon
         return real(self, name, source, *known)
 
     monkeypatch.setattr(AdapterStore, "read", slow_read)
-    assert not engine.adapters.cache.in_host(engine.adapters.resolve("hot"))  # evicted by the later loads
+    assert not engine.adapters.cache.in_host(engine.adapters.identity_for("hot"))  # evicted by the later loads
     other = engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "other")
     engine.step()
     cold = engine.add_request([5, 6, 7], PARAMS, "hot")

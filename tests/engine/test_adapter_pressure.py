@@ -119,7 +119,7 @@ def test_the_head_of_the_queue_gets_its_adapter_in_while_others_keep_arriving(ch
     names = {"a": adapters["r4"], "b": adapters["r8_rslora"], "c": adapters["r16_patterns"]}
     llm = make_llm(path, names, lora=LoRAConfig(max_loras=2, max_cpu_loras=2, max_lora_rank=64), max_wait_steps=4)
     engine = llm.engine
-    assert not engine.adapters.cache.in_host(engine.adapters.resolve("a"))  # "c" and "b" are in: "a" must come back
+    assert not engine.adapters.cache.in_host(engine.adapters.identity_for("a"))  # "c" and "b" are in: "a" must come back
     busy = [engine.add_request([5, 6, 7], LONG, name) for name in ("b", "c")]
     engine.step()
     cold = engine.add_request([4, 4, 4], PARAMS, "a")
@@ -148,12 +148,12 @@ def test_loading_the_same_files_again_reads_them_only_if_they_changed(checkpoint
         return real(self, name, source, *known)
 
     monkeypatch.setattr(AdapterStore, "read", read)
-    old = llm.engine.adapters.identity("upd")
+    old = llm.engine.adapters.current("upd")
     again = llm.load_adapter("upd", str(upd))
     assert again and "already loaded" in again.message and reads == []
     copy_over(adapters["r16_patterns"], upd)
     changed = llm.load_adapter("upd", str(upd))
-    assert changed and reads == ["upd"] and llm.engine.adapters.identity("upd") != old
+    assert changed and reads == ["upd"] and llm.engine.adapters.current("upd") != old
     prompt = [5, 6, 7]
     assert llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids == \
         alone(path, adapters["r16_patterns"], prompt)

@@ -64,7 +64,7 @@ def test_2000_load_unload_cycles_over_50_adapters_while_requests_run(tmp_path):
     def cycle():
         name = f"n{counts['cycles'] % 120}"
         if name in loaded:
-            counts["in_use"] += engine.adapters.cache.in_use(engine.adapters.resolve(name))
+            counts["in_use"] += engine.adapters.cache.in_use(engine.adapters.identity_for(name))
             assert llm.unload_adapter(name) == LoRAStatus.SUCCESS  # its running requests finish on it
             del loaded[name]
         else:
@@ -101,7 +101,7 @@ def check_consistent(llm, loaded, paths):
     occupied = {}
     for ref, slot in manager.cache.active.items():
         occupied[slot] = ref
-        assert manager.active_loras.get(ref.name) == slot and manager.resolve(ref.name) == ref
+        assert manager.active_loras.get(ref.name) == slot and manager.identity_for(ref.name) == ref
     for layer, modules in manager.slots._layers.values():
         for slot in range(manager.config.max_loras):
             if slot not in occupied:

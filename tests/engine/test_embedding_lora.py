@@ -100,7 +100,7 @@ def test_the_copies_budget_counts_adapters_evicted_to_disk_and_never_refuses_the
     assert llm.load_adapter("save_head", adapters["save_head"])
     assert llm.load_adapter("plain", plain)  # save_head leaves host memory (max_cpu_loras=1)
     adapters_ = llm.engine.adapters
-    assert not adapters_.cache.in_host(adapters_.resolve("save_head"))
+    assert not adapters_.cache.in_host(adapters_.identity_for("save_head"))
     over = llm.load_adapter("save_embed", adapters["save_embed"])  # still over: save_head's copy is still loaded
     assert over == LoRAStatus.LOAD_INVALID_ADAPTER and "over max_module_copies_bytes" in over.message
     prompt = [7, 8, 9, 10]

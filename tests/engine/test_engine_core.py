@@ -136,7 +136,7 @@ def test_a_step_with_nothing_else_to_run_waits_for_the_copy_on_the_device(setup,
     base, adapter, core = setup
     copies = _SlowCopies(steps=5)
     tokens, first_step = _run_beside_a_copy(core, monkeypatch, copies, {"tuned": (PROMPTS["tuned"], "tuned")})
-    assert first_step == {"tuned": 1} and copies.waited == [core.adapters.cache.slot_of(core.adapters.identity("tuned"))]
+    assert first_step == {"tuned": 1} and copies.waited == [core.adapters.cache.slot_of(core.adapters.current("tuned"))]
     assert tokens["tuned"] == hf_greedy(base, adapter, PROMPTS["tuned"], 5)
 
 

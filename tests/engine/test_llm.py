@@ -318,7 +318,7 @@ def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new
     for _ in range(3):  # some requests are running now, the rest wait for KV blocks
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     started = {i for i in ids if engine.core.sequence(i) and engine.core.sequence(i).adapter_ref is not None}
-    first = engine.adapters.resolve("swap")
+    first = engine.adapters.identity_for("swap")
     assert 0 < len(started) < len(ids)
     assert llm.load_adapter("swap", new, replace=True) == LoRAStatus.SUCCESS
     late = [engine.add_request(p, params, "swap") for p in batch[:2]]
@@ -331,7 +331,7 @@ def test_reload_in_place_keeps_running_requests_on_the_old_weights_and_gives_new
         assert finished[request_id].token_ids == hf_greedy(base, weights, prompt, 20), request_id
     adapters_ = engine.adapters
     assert adapters_.store.retiring == set() and adapters_.loras == ["swap"] and len(adapters_.cache) == 1
-    assert first not in adapters_.store and adapters_.resolve("swap") != first  # the first identity is gone
+    assert first not in adapters_.store and adapters_.identity_for("swap") != first  # the first identity is gone
 
 
 def test_num_threads_sets_the_engines_cpu_threads(checkpoints):

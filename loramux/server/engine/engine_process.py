@@ -235,7 +235,7 @@ class EngineCoreProc:
         return AdapterResult(control_id, result.status, result.message, pinned, result.revision)
 
     def _unload(self, msg: UnloadAdapter) -> AdapterResult | None:
-        ref = self.core.adapters.identity(msg.name)
+        ref = self.core.adapters.current(msg.name)
         if ref is None:
             return self._result(msg.control_id, msg.name, self._no_adapter(msg.name))
         self.unloading.setdefault(ref, []).append((msg, self.core.adapters.unload_adapter(msg.name)))

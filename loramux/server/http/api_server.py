@@ -264,7 +264,7 @@ class APIServer:
         return self.client.health()
 
     # ---- requests -------------------------------------------------------------------------------
-    async def resolve(self, model: str, client: str = "?", tenant: Tenant | None = None,
+    async def adapter_named(self, model: str, client: str = "?", tenant: Tenant | None = None,
                       pick: str | None = None) -> str | None:
         """The adapter a `model` field names (None = the base model), loaded first if a resolver has it and it
         is not registered (client: who asks, for on-demand's per-client cap); 404 for anything else, and for a
@@ -287,19 +287,19 @@ class APIServer:
 
     async def adapter_of(self, request: p.GenerationRequest, client: str, tenant: Tenant | None,
                          pick: str | None) -> str | None:
-        """The adapter a request runs on: its `model` (resolve), or with `adapters` ({name: weight}, `model` then
+        """The adapter a request runs on: its `model` (adapter_named), or with `adapters` ({name: weight}, `model` then
         the base model's name) their weighted combination, each part resolved as a `model` is (a part this client
         may not use or nobody has: a 400 saying it does not exist, the same for both). The engine builds the
         combination (adapters/combinations.py) and refuses, with a 400, what cannot be combined."""
         if request.adapters is None:
-            return await self.resolve(request.model, client, tenant, pick)
+            return await self.adapter_named(request.model, client, tenant, pick)
         if request.model != self.model_name:
             raise HTTPError(400, f"a request with `adapters` names the base model ({self.model_name!r}) as its `model`, "
                                  f"not {request.model!r}", code="adapters")
         parts = {}
         for name, weight in request.adapters.items():
             with combination_part():
-                resolved = await self.resolve(name, client, tenant, pick)
+                resolved = await self.adapter_named(name, client, tenant, pick)
             if resolved is None:
                 raise HTTPError(400, "the base model is not an adapter to combine", code="adapters")
             parts[resolved] = weight
@@ -363,7 +363,7 @@ class APIServer:
         """One pooling request per input (SamplingParams.pooling), tokenized as completions' prompts are; they share
         the adapter tiers, slots and steps with generation."""
         self._accepting()
-        adapter = await self.resolve(request.model, client, tenant, request.user)
+        adapter = await self.adapter_named(request.model, client, tenant, request.user)
         sources = self._check(request.prompts)
         if len(sources) > self.config.max_prompts_per_request:
             raise HTTPError(400, f"this request has {len(sources)} inputs; at most {self.config.max_prompts_per_request}",
@@ -383,7 +383,7 @@ class APIServer:
     async def tokenize(self, request: p.TokenizeRequest, tenant: Tenant | None = None) -> list[int]:
         """/tokenize, in the tokenizer thread (the chat template renders as for a chat request)."""
         self.require_engine()
-        await self.resolve(request.model, tenant=tenant)
+        await self.adapter_named(request.model, tenant=tenant)
 
         def run():
             if request.messages is not None:
@@ -394,7 +394,7 @@ class APIServer:
 
     async def detokenize(self, request: p.DetokenizeRequest, tenant: Tenant | None = None) -> str:
         self.require_engine()
-        await self.resolve(request.model, tenant=tenant)
+        await self.adapter_named(request.model, tenant=tenant)
         ids = self._check(lambda: self.inputs.prompt_ids(request.tokens))  # ids inside the vocabulary
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
