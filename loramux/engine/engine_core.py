@@ -438,3 +438,20 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); how many there were."""
         return self.block_manager.reset_cache()
+
+    # ---- state -----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """The engine's state for /metrics, one read of its parts: the engine process's EngineStats fields
+        (wire.py) it can answer (the process adds the requests it holds back and whether it is paused)."""
+        scheduler, adapters, blocks, counters = self.scheduler, self.adapters, self.block_manager, self.adapters.stats
+        return dict(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            running_adapters=sorted({ref.name for ref in scheduler.running_adapters()}),
+            waiting_adapters=sorted(scheduler.waiting_adapters()), max_loras=scheduler.max_loras,
+            num_adapters=len(adapters.loras), pinned=adapters.pinned, lora_loads=counters.get("loads", 0),
+            lora_host_evictions=counters.get("host_evictions", 0),
+            lora_slot_evictions=counters.get("slot_evictions", 0), kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=blocks.num_free_blocks, weight_bytes=self.runner.weight_bytes,
+            lora_slot_bytes=adapters.slot_bytes, lora_host_bytes=adapters.host_bytes, finished=dict(self.num_finished),
+            prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits, resident=adapters.resident,
+            revisions=adapters.kept_revisions, spec_decode=None if self.speculator is None else self.speculator.stats)

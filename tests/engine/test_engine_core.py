@@ -44,6 +44,24 @@ def test_the_core_steps_token_ids_to_deltas_that_add_up_to_hf_greedy(setup):
     assert core.num_finished["length"] >= 2 and core.sequence("base") is None  # finished: forgotten
 
 
+def test_the_cores_stats_are_the_engine_processes_metrics_in_one_read(setup):
+    import msgspec
+
+    from loramux.server.engine.wire import EngineStats
+
+    _, _, core = setup
+    core.add_request("counted", PROMPTS["tuned"], GREEDY, "tuned")
+    stats = core.stats()
+    assert (stats["num_waiting"], stats["waiting_adapters"], stats["num_adapters"]) == (1, ["tuned"], 1)
+    assert stats["kv_blocks_free"] <= stats["kv_blocks_total"] and stats["spec_decode"] is None
+    fields = set(EngineStats.__struct_fields__) - {"control_id", "paused"}
+    assert set(stats) == fields  # every field the metrics read, and nothing they do not
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.stats()["finished"].get("length", 0) >= 1 and core.stats()["num_waiting"] == 0
+    msgspec.msgpack.decode(msgspec.msgpack.encode(EngineStats(0, **core.stats())), type=EngineStats)
+
+
 def test_the_core_refuses_what_cannot_run_and_aborts_anywhere(setup):
     _, _, core = setup
     with pytest.raises(LookupError, match="ghost"):

@@ -97,11 +97,10 @@ def _live_with_parent(parent_pid: int, ipc_dir: str, heartbeat) -> None:
     threading.Thread(target=beat, name="loramux-heartbeat", daemon=True).start()
 
 
-def _spec_decode(speculator) -> SpecDecodeStats | None:
-    """Speculative decoding's counters for /metrics (None: off)."""
-    if speculator is None:
+def _spec_decode(stats) -> SpecDecodeStats | None:
+    """Speculative decoding's counters (engine/speculative.py SpecStats) for /metrics (None: off)."""
+    if stats is None:
         return None
-    stats = speculator.stats
     return SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
                            list(stats.accepted_per_pos), {k or "": list(v) for k, v in stats.by_adapter.items()})
 
@@ -303,17 +302,6 @@ class EngineCoreProc:
                 self.outbox.send(encode(self._result(msg.control_id, msg.name, result)))
 
     def _stats(self, control_id: int) -> EngineStats:
-        core, scheduler, adapters = self.core, self.core.scheduler, self.core.adapters
-        counters = adapters.stats
-        return EngineStats(
-            control_id, scheduler.num_running, scheduler.num_waiting + len(self.held),
-            running_adapters=sorted({ref.name for ref in scheduler.running_adapters()}),
-            waiting_adapters=sorted(scheduler.waiting_adapters()), max_loras=scheduler.max_loras,
-            num_adapters=len(adapters.loras), pinned=adapters.pinned,
-            lora_loads=counters.get("loads", 0), lora_host_evictions=counters.get("host_evictions", 0),
-            lora_slot_evictions=counters.get("slot_evictions", 0), kv_blocks_total=core.block_manager.num_blocks,
-            kv_blocks_free=core.block_manager.num_free_blocks, weight_bytes=core.runner.weight_bytes,
-            lora_slot_bytes=adapters.slot_bytes, lora_host_bytes=adapters.host_bytes, finished=dict(core.num_finished),
-            prefix_cache_queries=core.block_manager.queries, prefix_cache_hits=core.block_manager.hits,
-            paused=self.paused, resident=adapters.resident, revisions=adapters.kept_revisions,
-            spec_decode=_spec_decode(core.speculator))
+        stats = self.core.stats()
+        return EngineStats(control_id, **{**stats, "num_waiting": stats["num_waiting"] + len(self.held),
+                                          "spec_decode": _spec_decode(stats["spec_decode"])}, paused=self.paused)
