@@ -86,6 +86,7 @@ class AdapterCache:
         self._refs: Counter[Key] = Counter()  # running requests: slot and host
         self._holds: Counter[Key] = Counter()  # started requests: host
         self._memory_only: set[Key] = set()  # never dropped from host: no disk copy to read it back from
+        self._wanted: frozenset[Key] = frozenset()  # what the next waiting requests run on (want)
 
     # ---- queries -------------------------------------------------------------------------
     def __contains__(self, key: Key) -> bool:
@@ -222,6 +223,23 @@ class AdapterCache:
             return Changes()
         return Changes(slots=[self._free_slot_of(key)])
 
+    def room_ahead(self, key: Key) -> bool:
+        """Whether a read of `key` ahead of its request would find room in host memory without taking it from
+        what the next waiting requests want (else the read would likely be evicted again, unused, by the next)."""
+        if key in self._host:
+            return True
+        try:
+            self._host_victims(key, self._sizes.get(key, 0), spare=self._wanted - {key})
+        except CacheFullError:
+            return False
+        return True
+
+    def want(self, keys: frozenset[Key]) -> None:
+        """The identities the next waiting requests will run on (the scheduler says so every step): room is
+        made from every other evictable entry first, least recently used first. (Plain LRU evicted adapters a
+        read for the head of the queue had just passed over, only for the next requests to read them again.)"""
+        self._wanted = keys
+
     # ---- pins and references ---------------------------------------------------------------
     def pin(self, key: Key) -> Changes:
         """Keep `key` in host memory and in a slot until unpinned or removed (activates it)."""
@@ -266,10 +284,13 @@ class AdapterCache:
         """Whether `count` adapters of `nbytes` in all pass a host-tier budget."""
         return count > self.max_cpu_loras or (self.max_cpu_bytes is not None and nbytes > self.max_cpu_bytes)
 
-    def _host_victims(self, key: Key, nbytes: int) -> list[Key]:
-        """The identities to drop, least recently used first, for `key` (nbytes) to fit; CacheBusyError if
-        only requests in use keep it from fitting, CacheFullError if waiting for them would not help."""
-        candidates = [k for k in self._host if self._evictable(k) and not self._holds[k] and k not in self._memory_only]
+    def _host_victims(self, key: Key, nbytes: int, spare: frozenset[Key] = frozenset()) -> list[Key]:
+        """The identities to drop, least recently used first (those wanted last), for `key` (nbytes) to fit,
+        never one in `spare`; CacheBusyError if only requests in use keep it from fitting, CacheFullError if
+        waiting for them would not help."""
+        candidates = sorted((k for k in self._host if self._evictable(k) and not self._holds[k]
+                             and k not in self._memory_only and k not in spare),
+                            key=lambda k: k in self._wanted)  # (stable: LRU within each)
         count, used, victims = len(self._host) + 1, self.host_bytes + nbytes, []
         for victim in candidates:
             if not self._over(count, used):
@@ -299,7 +320,8 @@ class AdapterCache:
         return key not in self._pinned and not self._refs[key]
 
     def _slot_victim(self) -> Key | None:
-        return next((k for k in self._slots if self._evictable(k)), None)
+        evictable = [k for k in self._slots if self._evictable(k)]
+        return next((k for k in evictable if k not in self._wanted), next(iter(evictable), None))
 
     def _drop_from_host(self, key: Key, changes: Changes) -> None:
         if key in self._slots:

@@ -52,6 +52,10 @@ class NoCache:
     max_loras = 0
     pinned: frozenset[str] = frozenset()
 
+    @staticmethod
+    def want(keys) -> None:
+        return None
+
 
 class NoLoader:
     """Nothing is ever read: every identity is ready (there are none), and a runtime load is refused."""

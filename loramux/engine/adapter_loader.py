@@ -2,9 +2,10 @@
 
 Two kinds of read: an identity evicted from host memory (or parked there by a load that found no room) that
 waiting requests need back (the scheduler asks `readiness(ref)`, which starts its read; S-LoRA's prefetch of
-waiting requests' adapters), and a new load (a runtime load from the admin route). Reads run one at a time on
-the loader thread and touch nothing of the store's; what they produced is installed by the step loop between
-steps (`install_ready`), where the cache and the store change. Meanwhile every running stream keeps stepping,
+waiting requests' adapters: a read ahead of the head of the queue only where it finds room the next waiting
+requests do not want, AdapterCache.room_ahead), and a new load (a runtime load from the admin route). Reads
+run one at a time on the loader thread and touch nothing of the store's; what they produced is installed by
+the step loop between steps (`install_ready`), where the cache and the store change. Meanwhile every running stream keeps stepping,
 and a request waits in the queue until its adapter is in host memory.
 
 Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays
@@ -47,14 +48,17 @@ class AdapterLoader:
         self._loads: list[_Load] = []
 
     def readiness(self, ref: AdapterRef, first: bool = False) -> Readiness:
-        """Whether `ref` is in host memory; if it is not, its read starts (if max_prefetch allows, or always
-        for `first`: the request at the head of the queue, so the queue always moves)."""
+        """Whether `ref` is in host memory; if it is not, its read starts (if max_prefetch allows and it would
+        find room the next waiting requests do not want, or always for `first`: the request at the head of the
+        queue, so the queue always moves)."""
         cache = self.store.cache
         if ref not in cache or cache.in_host(ref):
             return Readiness.READY
         if ref in self._no_room:
             return Readiness.NO_ROOM
-        if ref not in self._reading and (first or len(self._reading) < self.max_prefetch):
+        if ref in self._reading:
+            return Readiness.READING
+        if first or (len(self._reading) < self.max_prefetch and cache.room_ahead(ref)):
             self._reading[ref] = self._executor.submit(self.store.read_back, ref)
         return Readiness.READING
 

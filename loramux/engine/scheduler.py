@@ -472,10 +472,10 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Start reading the adapters of the next waiting requests back into host memory (S-LoRA's prefetch):
         by the time they reach the head of the queue they are ready."""
-        for seq in itertools.islice(self.waiting, self.max_num_seqs):
-            ref = self._ref(seq)
-            if ref is not None:
-                self.ready(ref, False)
+        refs = [ref for seq in itertools.islice(self.waiting, self.max_num_seqs) if (ref := self._ref(seq)) is not None]
+        self.adapters.want(frozenset(refs))
+        for ref in refs:
+            self.ready(ref, False)
 
     def fail_waiting_on(self, ref: Hashable) -> list[Sequence]:
         """Finish (with "error") the waiting requests that would run on `ref`: it cannot be read any more."""

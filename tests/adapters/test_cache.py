@@ -157,3 +157,38 @@ def test_identities_of_one_name_are_separate_entries():
     cache.hold(first)
     cache.remove(second)
     assert first in cache and second not in cache and cache.active == {first: 0}
+
+
+def test_room_is_made_from_what_the_next_waiting_requests_do_not_want_first():
+    cache = AdapterCache(1, 2)
+    run(cache, "add a, add b")
+    cache.want(frozenset({"a"}))
+    run(cache, "add c")  # a is the least recently used, but wanted: b goes
+    assert host(cache) == ["a", "c"]
+    cache.want(frozenset({"a", "c"}))
+    run(cache, "add d")  # every candidate is wanted: plain LRU
+    assert host(cache) == ["c", "d"]
+
+
+def test_a_slot_goes_to_what_is_not_wanted_first():
+    cache = AdapterCache(2, 4)
+    run(cache, "add a, add b, add c, activate a, activate b")
+    cache.want(frozenset({"a"}))
+    run(cache, "activate c")
+    assert set(cache.active) == {"a", "c"}
+
+
+def test_a_read_ahead_finds_room_only_outside_what_is_wanted():
+    """Reading an adapter back ahead of its request must not take the room of one the next requests want (it
+    would be read again, unused); the head of the queue's read may (AdapterLoader asks room_ahead only for
+    reads ahead)."""
+    cache = AdapterCache(1, 2)
+    run(cache, "add a, add b, acquire a")
+    cache.register("c", 0)
+    cache.want(frozenset({"b", "c"}))
+    assert not cache.room_ahead("c")  # only b could make room, and b is wanted
+    cache.want(frozenset({"c"}))
+    assert cache.room_ahead("c") and cache.room_ahead("a")  # b may go; a is in host memory already
+    run(cache, "release a")
+    cache.want(frozenset({"b", "c"}))
+    assert cache.room_ahead("c")  # a is idle and not wanted

@@ -6,7 +6,9 @@ import shutil
 import pytest
 
 from loramux import LoRAConfig, SamplingParams
+from loramux.adapters.cache import AdapterCache, Readiness
 from loramux.adapters.status import LoRAStatus
+from loramux.engine.adapter_loader import AdapterLoader
 from test_llm import checkpoints, make_llm, prompts  # noqa: F401  (the module fixture)
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -132,6 +134,34 @@ def test_the_head_of_the_queue_gets_its_adapter_in_while_others_keep_arriving(ch
             busy += [engine.add_request([5, 6, 7], LONG, name) for name in ("b", "c")]
         engine.core.loader.wait(0.001) if engine.core.loading else None
     pytest.fail("the request for the adapter that was not in host memory never ran")
+
+
+def test_a_read_ahead_waits_for_room_the_next_requests_do_not_want_and_the_heads_read_does_not():
+    """Reads ahead of their requests (S-LoRA's prefetch) that could only take the room of adapters the next
+    waiting requests want would be evicted again before they run, and read once more: they wait. With a host
+    tier no larger than the slots, half the reads of a 64-adapter run were such (benchmarks/multitenant.py)."""
+
+    class Store:  # what the loader uses of an AdapterStore: its cache, and reads back (recorded)
+        def __init__(self):
+            self.cache, self.read = AdapterCache(1, 2), []
+
+        def read_back(self, ref):
+            self.read.append(ref)
+            return ref
+
+    store = Store()
+    cache = store.cache
+    cache.add("a"), cache.add("b"), cache.acquire("a"), cache.register("c", 0), cache.register("d", 0)
+    loader = AdapterLoader(store, max_prefetch=4)
+    cache.want(frozenset({"b", "c", "d"}))
+    assert loader.readiness("c") is Readiness.READING and not loader.pending  # b's room is wanted: no read
+    assert loader.readiness("d", first=True) is Readiness.READING  # the head of the queue's read goes ahead
+    loader.pending[0].result(timeout=60)
+    cache.want(frozenset({"c"}))  # b is no longer wanted: c's read ahead may take its room
+    assert loader.readiness("c") is Readiness.READING and len(loader.pending) == 2
+    loader.pending[1].result(timeout=60)
+    assert store.read == ["d", "c"]
+    loader.close()
 
 
 def test_loading_the_same_files_again_reads_them_only_if_they_changed(checkpoints, tmp_path, monkeypatch):  # noqa: F811
