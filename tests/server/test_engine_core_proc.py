@@ -94,6 +94,30 @@ def test_a_name_unloaded_while_its_requests_run_can_be_loaded_again_at_once(loop
     assert finished == {"running", "new"}
 
 
+def test_a_runtime_load_is_answered_as_it_goes_in_before_the_step_after_it_runs(loop, tmp_path, monkeypatch):
+    """Installed between steps and answered there: the trainer that pushed it hears back a step sooner (its next
+    request then starts on it), not after the step that follows the install."""
+    loop.handle(add("running", max_tokens=30))
+    loop.step()
+    path = save_peft_adapter(tiny_llama(), tmp_path / "b", seed=5, r=8)
+    control(loop, LoadAdapter(7, "b", path))
+    for read in loop.core.loader.pending:
+        read.result(timeout=60)
+    run = loop.core.runner.run
+
+    def forward(*args, **kwargs):  # marks, among what is sent, when the step's forward ran
+        loop.outbox.sent.append("forward")
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(loop.core.runner, "run", forward)
+    before = len(loop.outbox.sent)
+    loop.step()
+    sent = loop.outbox.sent[before:]
+    kinds = [m if isinstance(m, str) else type(m).__name__ for m in sent]
+    assert kinds == ["AdapterResult", "forward", "Outputs"], kinds  # answered, then the step runs
+    assert sent[0].control_id == 7 and sent[0].status is LoRAStatus.SUCCESS
+
+
 def test_bad_requests_fail_alone_and_outputs_are_deltas(loop):
     loop.handle(add("ok", adapter=None, max_tokens=5))
     loop.handle(add("ghost", adapter="ghost"))

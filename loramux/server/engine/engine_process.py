@@ -172,10 +172,11 @@ class EngineCoreProc:
     def step(self) -> None:
         self._answer_unloads()
         outputs, self._pending = self._pending, []
+        if self.core.loading:  # what the loader has read goes in, and its loads are answered, before the step runs
+            outputs += self.core.install_loaded()
+            self._answer_loads()
         if self.core.has_unfinished_requests() and not self.paused:
             outputs += self.core.step()
-        elif self.core.loading:
-            outputs += self.core.install_loaded()
         self._answer_loads()
         self._answer_pauses()
         if outputs:
