@@ -5,8 +5,8 @@ waiting requests need back (the scheduler asks `readiness(ref)`, which starts it
 waiting requests' adapters: a read ahead of the head of the queue only where it finds room the next waiting
 requests do not want, AdapterCache.room_ahead), and a new load (a runtime load from the admin route). Reads
 run one at a time on the loader thread and touch nothing of the store's; what they produced is installed by
-the step loop between steps (`install_ready`), where the cache and the store change. Meanwhile every running stream keeps stepping,
-and a request waits in the queue until its adapter is in host memory.
+the step loop between steps (`install_ready`), where the cache and the store change. Meanwhile every running
+stream keeps stepping, and a request waits in the queue until its adapter is in host memory.
 
 Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays
 read and is installed as soon as they finish (the scheduler stops admitting new work for it when the head of
