@@ -65,10 +65,12 @@ class AdapterRouter(MultiplexMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        adapter = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
-        if not adapter:  # the base model: any replica
+        if pending_request is None:
             return [two_of(candidate_replicas)]
         pending_request.routing_context.should_backoff = True  # every rank refused: back off before the next round
+        adapter = pending_request.metadata.multiplexed_model_id
+        if not adapter:  # the base model: any replica
+            return [two_of(candidate_replicas)]
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
         held = self.sent.held({rid: set(replica.multiplexed_model_ids) for rid, replica in by_id.items()})
         return [[by_id[rid] for rid in two_of(rank)] for rank in ranked(held, adapter)]
