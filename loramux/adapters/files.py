@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import stat
@@ -252,9 +253,10 @@ def _read_safetensors(file: str, allowed_dirs, max_bytes: int | None, seen=None)
     the safetensors library checks it (a length inside the file, valid JSON, no key twice, known dtypes, each
     tensor's bytes its shape's, the tensors' bytes one after another to the end of the file)."""
     data = read_bytes(file, allowed_dirs, max_bytes, seen)
-    header = _read_header(io.BytesIO(data), len(data), file)
+    length = _header_length(data[:8], len(data), file)  # (slices: a BytesIO of a bytearray copies all of it)
+    header = _parse_header(data[8:8 + length], file)
     try:
-        return _tensor_views(data, 8 + int.from_bytes(data[:8], "little"), header)
+        return _tensor_views(data, 8 + length, header)
     except ValueError as e:
         raise InvalidAdapterError(f"{file}: unreadable safetensors file ({e})") from e
 
@@ -272,15 +274,14 @@ def _tensor_views(data: bytearray, start: int, header: dict) -> dict[str, torch.
         if name == "__metadata__":
             continue
         dtype, shape, (begin, end) = _entry(name, info)
-        numel, itemsize = _numel(shape), dtype.itemsize
+        numel, itemsize = math.prod(shape), dtype.itemsize
         if not 0 <= begin <= end <= size or end - begin != numel * itemsize:
             raise ValueError(f"tensor {name!r}: data offsets [{begin}, {end}] do not hold its {numel} x "
                              f"{itemsize} bytes inside the {size} bytes of data")
         spans.append((begin, end, name))
-        offset = start + begin
-        view = data if offset % itemsize == 0 else bytearray(data[offset:offset + numel * itemsize])
-        offset = offset if view is data else 0
-        tensors[name] = torch.frombuffer(view, dtype=dtype, count=numel, offset=offset).view(shape) if numel \
+        aligned = (start + begin) % itemsize == 0
+        buffer, offset = (data, start + begin) if aligned else (data[start + begin:start + end], 0)
+        tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset).view(shape) if numel \
             else torch.empty(shape, dtype=dtype)
     at = 0
     for begin, end, name in sorted(spans):
@@ -306,23 +307,24 @@ def _entry(name: str, info) -> tuple[torch.dtype, list[int], tuple[int, int]]:
     return dtype, shape, (offsets[0], offsets[1])
 
 
-def _numel(shape: list[int]) -> int:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return numel
-
-
 def _read_header(f, size: int, file: str) -> dict:
     """A safetensors file's header (f at its start), checked: its length inside the file and the limit, valid
     JSON, an object, no key twice."""
-    prefix = f.read(8)
+    return _parse_header(f.read(_header_length(f.read(8), size, file)), file)
+
+
+def _header_length(prefix: bytes, size: int, file: str) -> int:
+    """The header's length from a safetensors file's first 8 bytes: inside the file and the limit."""
     length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
     if not 0 < length <= min(size - 8, MAX_HEADER_BYTES):
         raise InvalidAdapterError(f"{file}: not a safetensors file (a {size}-byte file whose header length "
                                   f"field reads {length})")
+    return length
+
+
+def _parse_header(raw: bytes, file: str) -> dict:
     try:
-        header = json.loads(f.read(length), object_pairs_hook=_unique_keys)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidAdapterError(f"{file}: malformed safetensors header ({e})") from e
     if not isinstance(header, dict):
