@@ -8,8 +8,12 @@ the steps run (the newer weighted more; decode-only and mixed steps in separate 
     step seconds = fixed + per_row x (decode rows + prompt tokens) + per_chunk x [the step has prompt tokens]
 A step that decodes may always carry MIN_CHUNK prompt tokens, and KEEP_UP times the prompt tokens admitted per
 step lately (`admitted`) of prompts that fit in one step's budget, so that a sustained load of short prompts
-keeps pace while long prompts move at the slowdown's pace. Why each of these: docs/performance.md (the step
-bound under saturation).
+keeps pace while long prompts move at the slowdown's pace. The bound extrapolates only from a fit that tells a
+row's cost (fitted more than TRUSTED standard errors above zero): steps all alike, such as a flood of long
+prompts moving MIN_CHUNK tokens a step with nothing decoding, tell only what such a step costs, and one of them
+slowed by another process could fit a token as free and lift the bound to the whole token budget; until the
+steps tell, a step carries the floor above. Why each of these: docs/performance.md (the step bound under
+saturation).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import numpy as np
 MIN_CHUNK = 16  # prompt tokens a step that decodes may always carry: every prompt moves on
 RIDGE = 1e-9  # relative to each term's own scale: a unique fit while some term has not varied yet
 KEEP_UP = 2  # short prompts' work a step may take against what is admitted: a backlog drains, it does not build
+TRUSTED = 2.0  # a row's fitted cost is trusted once it is this many standard errors above 0
 DEMAND_SMOOTHING = 1 / 32  # ~a stream's lifetime in steps: a closed loop's admissions average out over it
 
 
@@ -40,14 +45,27 @@ class _Moments:
 
     def __init__(self, smoothing: float):
         self._xx, self._xy = _Mean(smoothing, np.zeros((3, 3))), _Mean(smoothing, np.zeros(3))
+        self._yy = _Mean(smoothing)
+        self.smoothing = smoothing
 
     def add(self, x: np.ndarray, y: float) -> None:
         self._xx.add(np.outer(x, x))
         self._xy.add(x * y)
+        self._yy.add(y * y)
 
     @property
     def count(self) -> int:
         return self._xx.count
+
+    @property
+    def points(self) -> float:
+        """How many equally weighted points the weighted means are worth: all of them until 1 / smoothing, then
+        (2 - s) / s (the inverse of the weights' sum of squares)."""
+        return min(self.count, (2 - self.smoothing) / self.smoothing)
+
+    def residual(self, beta: np.ndarray) -> float:
+        """The weighted mean of (y - x . beta)^2."""
+        return float(self._yy.value - 2 * beta @ self.xy + beta @ self.xx @ beta)
 
     @property
     def xx(self) -> np.ndarray:
@@ -67,6 +85,7 @@ class StepCost:
         self.slowdown = slowdown
         self._decode, self._mixed = _Moments(smoothing), _Moments(smoothing)
         self._costs: tuple[float, float, float] | None = None
+        self._row_known = False  # whether the steps seen tell a row's cost (costs())
         self._demand = _Mean(DEMAND_SMOOTHING)  # short prompts' tokens admitted a step
 
     def admitted(self, prompt_tokens: int) -> None:
@@ -90,9 +109,18 @@ class StepCost:
                 return 0.0, 0.0, 0.0
             a, b = sum(m.xx for m in kinds), sum(m.xy for m in kinds)
             a = a + RIDGE * np.diag(np.maximum(a.diagonal(), 1e-12))
-            fixed, per_row, per_chunk = (max(float(c), 0.0) for c in np.linalg.solve(a, b))
+            beta = np.linalg.solve(a, b)
+            fixed, per_row, per_chunk = (max(float(c), 0.0) for c in beta)
             self._costs = fixed, per_row, per_chunk
+            self._row_known = per_row > TRUSTED * self._row_error(kinds, a, beta)
         return self._costs
+
+    @staticmethod
+    def _row_error(kinds: list[_Moments], a: np.ndarray, beta: np.ndarray) -> float:
+        """The standard error of the fitted cost of a row (least squares': residual variance x (X^T X)^-1)."""
+        points = sum(m.points for m in kinds) / len(kinds)
+        variance = max(0.0, sum(m.residual(beta) for m in kinds) / len(kinds))
+        return math.sqrt(variance * max(0.0, float(np.linalg.inv(a)[1, 1])) / points)
 
     def seen(self, steps: int) -> bool:
         """Whether at least `steps` steps of each kind (decode-only, with prompt tokens) have been observed."""
@@ -116,9 +144,10 @@ class StepCost:
         if not self.bounding:
             return None
         fixed, per_row, per_chunk = self.costs()
-        if not per_row:
-            return None
+        floor = max(MIN_CHUNK, math.ceil(KEEP_UP * self._demand.value))
+        if not self._row_known:  # the steps seen (all alike, say) do not tell a token's cost: no extrapolating
+            return floor
         limit = self.slowdown * self.decode_time(max(rows, demand or 0))
         capped = int((limit - fixed - per_chunk) / per_row + 1e-6) - rows  # (1e-6: rounding)
-        return max(MIN_CHUNK, capped, math.ceil(KEEP_UP * self._demand.value))
+        return max(floor, capped)
 

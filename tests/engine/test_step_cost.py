@@ -60,6 +60,19 @@ def test_where_a_chunk_alone_costs_more_than_the_slowdown_allows_a_step_carries_
     assert cost.prompt_allowance(1) == MIN_CHUNK
 
 
+def test_steps_all_alike_do_not_lift_the_bound():
+    """A flood of long prompts while nothing else decodes: every step carries MIN_CHUNK tokens, so the steps say
+    nothing about a token's cost; a step slowed by another process (the front end taking a core) once fitted it
+    as free and lifted the bound to the whole token budget (a step 8x as long)."""
+    cost, rng = StepCost(slowdown=2.0), random.Random(0)
+    for _ in range(20):  # one short request alone, earlier
+        cost.observe(1, 0, true_step(1, 0) * rng.uniform(0.95, 1.05))
+    for i in range(2000):
+        rows = rng.choice([0, 1])
+        cost.observe(rows, MIN_CHUNK, true_step(rows, MIN_CHUNK) * (2 if i % 97 == 0 else rng.uniform(0.95, 1.05)))
+        assert cost.prompt_allowance(rows) <= 2 * MIN_CHUNK
+
+
 def test_recent_steps_weigh_more():
     cost = StepCost(slowdown=2.0, smoothing=0.5)
     for rows in (1, 2, 3, 4) * 10:
