@@ -4,7 +4,9 @@ Each step is all-prefill or all-decode, as in nano-vllm: admit waiting requests 
 every running one. With chunked prefill (EngineConfig.enable_chunked_prefill, as vLLM's; the default) a step
 is mixed instead: every decoding request, then chunks of the prompts being prefilled and of newly admitted
 ones, shortest remaining prompt first, up to max_num_batched_tokens (and the engine's bound on the prompt
-tokens of a step that decodes); each sequence's `span` says which of its tokens run. On top of that, the adapter rule: the adapters of running requests plus the pinned
+tokens of a step that decodes); each sequence's `span` says which of its tokens run. A step that gives the first
+token of a share with nothing decoding (an interactive client's request) carries no other share's prompt chunks
+(_first_tokens_alone). On top of that, the adapter rule: the adapters of running requests plus the pinned
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
 each adapter there needs its own device slot. A request whose adapter has no slot, or is not in host memory
 yet, is skipped, not blocking, until it has been passed over max_wait_steps times; then it goes first (age
@@ -119,6 +121,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         # the bound on a chunked step's prompt tokens, from the steps' times (observe)
         self.step_cost = StepCost(config.prefill_slowdown_cap if self.chunked else None)
+        self._held_back = False  # the last chunked step held other shares' prompts back (_first_tokens_alone)
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -246,12 +249,31 @@ class Scheduler:
         if allowance is not None:
             budget = min(budget, allowance)
         admitted = self._admit(budget=budget)
-        chunks = self._chunks([s for s in running if s.is_prefilling] + admitted, budget)
+        prefills = self._first_tokens_alone([s for s in running if s.is_prefilling] + admitted, decodes, budget)
+        chunks = self._chunks(prefills, budget)
         seqs = decodes + [seq for seq, _ in chunks]
         spans = [(s.num_computed_tokens, len(s) + len(s.draft_ids)) for s in decodes] + [span for _, span in chunks]
         work = [(len(s) - s.num_computed_tokens) * s.prompt_token_cost for s in admitted]
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed, spans=spans,
                               new_prompt_work=sum(w for w in work if w <= self.max_num_batched_tokens))
+
+    def _first_tokens_alone(self, prefills: list[Sequence], decodes: list[Sequence], budget: int) -> list[Sequence]:
+        """The prefills this step may carry. Where a share with nothing decoding has a prompt that ends within
+        this step's budget (an interactive client's next request: this step gives its first token), the other
+        shares' prompt chunks wait a step: they would hold that token back by their whole cost (a chunk deep in a
+        long prompt costs several short steps: it reads every earlier position's K/V). Never two steps in a
+        row, so other shares' prompts keep at least every other step however many such requests arrive."""
+        decoding = {s.origin.share for s in decodes}
+        ending = {s.origin.share for s in prefills
+                  if s.origin.share not in decoding and (len(s) - s.num_computed_tokens) * s.prompt_token_cost <= budget}
+        others = [s for s in prefills if s.origin.share not in ending]
+        if not ending or not others or self._held_back:
+            self._held_back = False
+            return prefills
+        self._held_back = True
+        for seq in others:
+            seq.waited_steps += 1
+        return [s for s in prefills if s.origin.share in ending]
 
     def _chunks(self, prefills: list[Sequence], budget: int) -> list[tuple[Sequence, tuple[int, int]]]:
         """Each prefill's chunk this step, in the order they get the budget (those it does not reach wait): the

@@ -107,11 +107,45 @@ def test_shares_take_turns_at_a_steps_prompt_budget_so_one_shares_starving_promp
     s.schedule()
     for seq in long:
         seq.waited_steps = config.max_wait_steps  # passed over for long: within A they go first
-    short = Sequence([1] * 8, SamplingParams(max_tokens=8), origin=Origin("B", "B"))
+    longer = Sequence([1] * 100, SamplingParams(max_tokens=8), origin=Origin("B", "B"))  # more than a step's budget
+    s.add(longer)
+    batch = s.schedule()
+    assert batch.seqs == [longer] and batch.spans == [(0, 64)]  # B's turn first (shortest): A's starving ones wait
+
+
+def test_a_prompt_that_ends_this_step_for_a_share_with_nothing_decoding_goes_without_other_shares_chunks():
+    """An interactive client's next request: the step that gives its first token carries no chunk of another
+    share's long prompt (which would hold that token back by its cost); never two steps in a row."""
+    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    long = [Sequence([1] * 300, SamplingParams(max_tokens=8), origin=Origin("A", "A")) for _ in range(2)]
+    for seq in long:
+        s.add(seq)
+    s.schedule()
+    first, second = (Sequence([i + 2] * 8, SamplingParams(max_tokens=8), origin=Origin(share, share))
+                     for i, share in enumerate("BC"))
+    s.add(first)
+    batch = s.schedule()
+    assert batch.seqs == [first] and batch.spans == [(0, 8)]  # A's chunks wait this step
+    for seq, (start, end) in zip(batch.seqs, batch.spans):
+        seq.num_computed_tokens = end
+    s.add(second)  # another share's request right behind: A's turn comes first
+    batch = s.schedule()
+    assert any(seq in long for seq in batch.seqs)
+    prompts = [seq for seq in batch.seqs if seq.is_prefilling]
+    assert second in prompts and len(prompts) > 1
+
+
+def test_one_share_never_holds_its_own_prompts_back_for_its_first_token():
+    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    long = Sequence([1] * 300, SamplingParams(max_tokens=8))
+    s.add(long)
+    s.schedule()
+    short = Sequence([2] * 8, SamplingParams(max_tokens=8))
     s.add(short)
     batch = s.schedule()
-    assert batch.seqs[0] is short and batch.spans[0] == (0, 8)  # B's turn first (shortest), then A's
-    assert sum(end - start for end, start in ((e, b) for b, e in batch.spans)) == 64
+    assert batch.seqs == [short, long] and batch.spans[0] == (0, 8)  # shortest first, the rest to the long one
 
 
 def test_one_share_keeps_its_own_chunk_order():
