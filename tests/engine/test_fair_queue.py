@@ -19,6 +19,12 @@ def request(share: str | None, weight: float = 1.0, priority: int = 0) -> Sequen
     return Sequence([1] * 8, SamplingParams(max_tokens=8, priority=priority), origin=Origin(share, share, weight))
 
 
+def chunked_scheduler() -> Scheduler:
+    """Chunked prefill, 64 tokens a step."""
+    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    return Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+
+
 def admit_round(s: Scheduler) -> list[Sequence]:
     batch = s.schedule()
     for seq in batch.seqs:
@@ -99,14 +105,13 @@ def test_one_origin_never_preempts_for_fairness():
 
 
 def test_shares_take_turns_at_a_steps_prompt_budget_so_one_shares_starving_prompts_never_hold_anothers():
-    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
-    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    s = chunked_scheduler()
     long = [Sequence([1] * 300, SamplingParams(max_tokens=8), origin=Origin("A", "A")) for _ in range(3)]
     for seq in long:
         s.add(seq)
     s.schedule()
     for seq in long:
-        seq.waited_steps = config.max_wait_steps  # passed over for long: within A they go first
+        seq.waited_steps = s.max_wait_steps  # passed over for long: within A they go first
     longer = Sequence([1] * 100, SamplingParams(max_tokens=8), origin=Origin("B", "B"))  # more than a step's budget
     s.add(longer)
     batch = s.schedule()
@@ -116,8 +121,7 @@ def test_shares_take_turns_at_a_steps_prompt_budget_so_one_shares_starving_promp
 def test_a_prompt_that_ends_this_step_for_a_share_with_nothing_decoding_goes_without_other_shares_chunks():
     """An interactive client's next request: the step that gives its first token carries no chunk of another
     share's long prompt (which would hold that token back by its cost); never two steps in a row."""
-    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
-    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    s = chunked_scheduler()
     long = [Sequence([1] * 300, SamplingParams(max_tokens=8), origin=Origin("A", "A")) for _ in range(2)]
     for seq in long:
         s.add(seq)
@@ -137,8 +141,7 @@ def test_a_prompt_that_ends_this_step_for_a_share_with_nothing_decoding_goes_wit
 
 
 def test_one_share_never_holds_its_own_prompts_back_for_its_first_token():
-    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
-    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    s = chunked_scheduler()
     long = Sequence([1] * 300, SamplingParams(max_tokens=8))
     s.add(long)
     s.schedule()
@@ -149,13 +152,12 @@ def test_one_share_never_holds_its_own_prompts_back_for_its_first_token():
 
 
 def test_one_share_keeps_its_own_chunk_order():
-    config = EngineConfig(max_num_seqs=8, max_model_len=512, max_num_batched_tokens=64, enable_chunked_prefill=True)
-    s = Scheduler(config, BlockManager(num_blocks=1024, block_size=16))
+    s = chunked_scheduler()
     long = [Sequence([1] * 300, SamplingParams(max_tokens=8)) for _ in range(2)]
     for seq in long:
         s.add(seq)
     assert s.schedule().seqs == [long[0]]  # the budget reaches one prompt
-    long[0].waited_steps = config.max_wait_steps
+    long[0].waited_steps = s.max_wait_steps
     short = Sequence([1] * 8, SamplingParams(max_tokens=8))
     s.add(short)
     assert s.schedule().seqs[0] is long[0]  # the starving one first, as ever, though the short one is shorter
