@@ -13,7 +13,7 @@ prompt, each sent again as it finishes, far past what 2 cores serve. Tenant B se
 time (streamed: its time to first token is timed), first idle, then beside the flood, then beside the heavy
 requests above (A's, n = 8, prompt logprobs, echo). Prints B's TTFT p50 / p95 and their ratios to idle.
 
-  .venv/bin/python benchmarks/fairness.py            # ~10 min on 2 cores
+  .venv/bin/python benchmarks/fairness.py            # ~8 min on 2 cores
   .venv/bin/python benchmarks/fairness.py --tenants  # ~4 min
 """
 from __future__ import annotations
