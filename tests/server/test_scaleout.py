@@ -7,7 +7,6 @@ import concurrent.futures
 import os
 import re
 import signal
-import time
 
 import httpx
 import pytest
@@ -75,6 +74,12 @@ def replicas(http) -> dict[str, dict]:
     """replica -> {"pid", "engine_pid"} from /metrics."""
     found = re.findall(r'loramux:replica_info\{engine_pid="(\d+)",pid="(\d+)",replica="([^"]+)"\}', http.get("/metrics").text)
     return {rid: {"pid": int(pid), "engine_pid": int(engine)} for engine, pid, rid in found}
+
+
+def pending(http, replica: str) -> int:
+    """Engine requests in flight in the replica's front end, from its latest report."""
+    found = re.search(rf'loramux:pending_requests\{{replica="{re.escape(replica)}"\}} (\S+)', http.get("/metrics").text)
+    return int(float(found.group(1))) if found else 0
 
 
 def reported(http, replica: str) -> dict:
@@ -177,7 +182,7 @@ def test_a_killed_replica_engine_gives_503_then_the_replica_serves_again(http, o
     os.kill(engine_pid, signal.SIGSTOP)  # frozen: the next request is surely in flight when it dies
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, http, "a long one", adapter, 48)
-        time.sleep(0.5)
+        wait_until(lambda: pending(http, replica) >= 1, 60, "the request in flight at the replica", interval=0.1)
         os.kill(engine_pid, signal.SIGKILL)
         status, _, body = running.result()
     assert status == 503 or body["choices"][0]["finish_reason"] == "error", body
@@ -198,7 +203,7 @@ def test_a_killed_replica_gives_503_and_serve_starts_another(http, oracle):
     os.kill(pids["engine_pid"], signal.SIGSTOP)  # the request below is in flight when its replica dies
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, http, "a long one", adapter, 48)
-        time.sleep(0.5)
+        wait_until(lambda: pending(http, replica) >= 1, 60, "the request in flight at the replica", interval=0.1)
         os.kill(pids["pid"], signal.SIGKILL)
         os.kill(pids["engine_pid"], signal.SIGKILL)
         status, _, body = running.result(timeout=60)  # the ingress answers, it does not hang

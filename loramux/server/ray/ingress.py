@@ -404,7 +404,8 @@ def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int
     r = CollectorRegistry()
     gauges = {key: Gauge(f"loramux:{key}", text, ["replica"], registry=r) for key, text in (
         ("num_requests_running", "Requests in the running batch"), ("num_requests_waiting", "Requests waiting to run"),
-        ("num_loaded_adapters", "Adapters the replica holds"), ("engine_healthy", "1 when the replica's engine is up"))}
+        ("num_loaded_adapters", "Adapters the replica holds"), ("engine_healthy", "1 when the replica's engine is up"),
+        ("pending_requests", "Engine requests in flight in the replica's front end (admitted, not yet ended)"))}
     info = Gauge("loramux:lora_requests_info", "Running stats on LoRA requests",
                  ["replica", "max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
     Gauge("loramux:registered_adapters", "Adapters registered cluster-wide", registry=r).set(registered)
@@ -422,6 +423,7 @@ def render_metrics(replicas: dict[str, dict], registered: int, registry_pid: int
         processes.labels(rid, str(state["pid"]), str(state["engine_pid"])).set(1)
         gauges["engine_healthy"].labels(rid).set(state["healthy"])
         gauges["num_loaded_adapters"].labels(rid).set(len(state["loaded"]))
+        gauges["pending_requests"].labels(rid).set(state.get("pending", 0))
         if engine:
             gauges["num_requests_running"].labels(rid).set(engine["num_running"])
             gauges["num_requests_waiting"].labels(rid).set(engine["num_waiting"])

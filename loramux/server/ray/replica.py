@@ -177,7 +177,7 @@ class ServeReplica:
         engine = self.server.client.engine
         stats = {"loaded": sorted(self.loaded), "healthy": self.server.health() is None, "pid": os.getpid(),
                  "engine_pid": engine.process.pid if engine is not None else None,
-                 "tenants": self.server.metrics.tenant_counts()}
+                 "pending": self.server.admission.requests, "tenants": self.server.metrics.tenant_counts()}
         if stats["healthy"]:
             try:
                 stats["engine"] = msgspec.structs.asdict(await self.server.client.stats(timeout=2.0))
