@@ -8,12 +8,11 @@ the steps run (the newer weighted more; decode-only and mixed steps in separate 
     step seconds = fixed + per_row x (decode rows + prompt tokens) + per_chunk x [the step has prompt tokens]
 A step that decodes may always carry MIN_CHUNK prompt tokens, and KEEP_UP times the prompt tokens admitted per
 step lately (`admitted`) of prompts that fit in one step's budget, so that a sustained load of short prompts
-keeps pace while long prompts move at the slowdown's pace. The bound extrapolates only from a fit that tells a
-row's cost (fitted more than TRUSTED standard errors above zero): steps all alike, such as a flood of long
-prompts moving MIN_CHUNK tokens a step with nothing decoding, tell only what such a step costs, and one of them
-slowed by another process could fit a token as free and lift the bound to the whole token budget; until the
-steps tell, a step carries the floor above. Why each of these: docs/performance.md (the step bound under
-saturation).
+keeps pace while long prompts move at the slowdown's pace. The bound uses the latest fit that told a row's cost
+(fitted more than TRUSTED standard errors above zero): steps all alike, such as a flood of long prompts moving
+MIN_CHUNK tokens a step with nothing decoding, tell only what such a step costs, and one of them slowed by
+another process could fit a token as free and lift the bound to the whole token budget. Why each of these:
+docs/performance.md (the step bound under saturation).
 """
 from __future__ import annotations
 
@@ -85,7 +84,7 @@ class StepCost:
         self.slowdown = slowdown
         self._decode, self._mixed = _Moments(smoothing), _Moments(smoothing)
         self._costs: tuple[float, float, float] | None = None
-        self._row_known = False  # whether the steps seen tell a row's cost (costs())
+        self._trusted: tuple[float, float, float] | None = None  # the latest fit that told a row's cost
         self._demand = _Mean(DEMAND_SMOOTHING)  # short prompts' tokens admitted a step
 
     def admitted(self, prompt_tokens: int) -> None:
@@ -102,25 +101,24 @@ class StepCost:
         self._costs = None
 
     def costs(self) -> tuple[float, float, float]:
-        """(fixed, per_row, per_chunk) seconds, none negative (zeros before any step)."""
+        """(fixed, per_row, per_chunk) seconds, none negative (zeros before any step): the fit to the steps lately."""
         if self._costs is None:
             kinds = [m for m in (self._decode, self._mixed) if m.count]
             if not kinds:
                 return 0.0, 0.0, 0.0
             a, b = sum(m.xx for m in kinds), sum(m.xy for m in kinds)
-            a = a + RIDGE * np.diag(np.maximum(a.diagonal(), 1e-12))
-            beta = np.linalg.solve(a, b)
+            beta = np.linalg.solve(_ridged(a), b)
             fixed, per_row, per_chunk = (max(float(c), 0.0) for c in beta)
             self._costs = fixed, per_row, per_chunk
-            self._row_known = per_row > TRUSTED * self._row_error(kinds, a, beta)
+            if per_row > TRUSTED * _row_error(kinds, beta):
+                self._trusted = self._costs
         return self._costs
 
-    @staticmethod
-    def _row_error(kinds: list[_Moments], a: np.ndarray, beta: np.ndarray) -> float:
-        """The standard error of the fitted cost of a row (least squares': residual variance x (X^T X)^-1)."""
-        points = sum(m.points for m in kinds) / len(kinds)
-        variance = max(0.0, sum(m.residual(beta) for m in kinds) / len(kinds))
-        return math.sqrt(variance * max(0.0, float(np.linalg.inv(a)[1, 1])) / points)
+    def trusted_costs(self) -> tuple[float, float, float] | None:
+        """The latest fit that told a row's cost (fitted more than TRUSTED standard errors above zero); None
+        before any did."""
+        self.costs()
+        return self._trusted
 
     def seen(self, steps: int) -> bool:
         """Whether at least `steps` steps of each kind (decode-only, with prompt tokens) have been observed."""
@@ -133,21 +131,37 @@ class StepCost:
 
     @property
     def bounding(self) -> bool:
-        """Whether prompt_allowance bounds anything yet (a slowdown bound, and both kinds of step seen)."""
-        return self.slowdown is not None and bool(self._decode.count and self._mixed.count)
+        """Whether prompt_allowance bounds anything yet (a slowdown bound, both kinds of step seen, and a fit
+        that told a row's cost)."""
+        seen = self.slowdown is not None and bool(self._decode.count and self._mixed.count)
+        return seen and self.trusted_costs() is not None
 
     def prompt_allowance(self, rows: int, demand: int | None = None) -> int | None:
         """Prompt tokens a step that decodes `rows` rows may carry, so that it takes at most `slowdown` times a
         decode step of `demand` rows (None: `rows`), or KEEP_UP times the short prompts' tokens admitted per step
         lately if that is more; None: no bound beyond the token budget (no slowdown bound, or the costs not known
-        yet: a decode-only step and one with prompt tokens must have run)."""
+        yet: a decode-only step and one with prompt tokens must have run, and a fit must have told a row's cost).
+        The costs are the latest trusted fit's: while the steps are all alike, the last ones that told."""
         if not self.bounding:
             return None
-        fixed, per_row, per_chunk = self.costs()
-        floor = max(MIN_CHUNK, math.ceil(KEEP_UP * self._demand.value))
-        if not self._row_known:  # the steps seen (all alike, say) do not tell a token's cost: no extrapolating
-            return floor
-        limit = self.slowdown * self.decode_time(max(rows, demand or 0))
+        fixed, per_row, per_chunk = self.trusted_costs()
+        limit = self.slowdown * (fixed + per_row * max(rows, demand or 0))
         capped = int((limit - fixed - per_chunk) / per_row + 1e-6) - rows  # (1e-6: rounding)
-        return max(floor, capped)
+        return max(MIN_CHUNK, capped, math.ceil(KEEP_UP * self._demand.value))
+
+
+def _ridged(a: np.ndarray) -> np.ndarray:
+    """`a` with RIDGE on its diagonal, relative to each term's own scale: a unique fit while a term has not varied."""
+    return a + RIDGE * np.diag(np.maximum(a.diagonal(), 1e-12))
+
+
+def _row_error(kinds: list[_Moments], beta: np.ndarray) -> float:
+    """The standard error of a fitted row's cost, by least squares: the residual variance over the points the
+    moments are worth, less the 3 costs fitted, x (X^T X)^-1; infinite while there are no more points than costs."""
+    points = sum(m.points for m in kinds)
+    if points <= len(beta):
+        return math.inf
+    variance = max(0.0, sum(m.points * m.residual(beta) for m in kinds) / (points - len(beta)))
+    xtx = _ridged(sum(m.points * m.xx for m in kinds))
+    return math.sqrt(variance * max(0.0, float(np.linalg.inv(xtx)[1, 1])))
 

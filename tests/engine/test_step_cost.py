@@ -19,12 +19,15 @@ def true_step(rows: int, tokens: int) -> float:
     return (20 + rows + tokens + (5 if tokens else 0)) * MS
 
 
-def test_no_bound_until_both_kinds_of_step_ran():
+def test_no_bound_until_both_kinds_of_step_ran_and_told_a_rows_cost():
     cost = StepCost(slowdown=2.0)
     assert cost.prompt_allowance(8) is None
     cost.observe(decode_rows=8, prompt_tokens=0, seconds=true_step(8, 0))
     assert cost.prompt_allowance(8) is None  # a prompt chunk's cost is not known yet
     cost.observe(decode_rows=8, prompt_tokens=32, seconds=true_step(8, 32))
+    assert cost.prompt_allowance(8) is None  # two steps fit three costs exactly: nothing is told yet
+    cost.observe(decode_rows=4, prompt_tokens=0, seconds=true_step(4, 0))
+    cost.observe(decode_rows=4, prompt_tokens=64, seconds=true_step(4, 64))
     assert cost.prompt_allowance(8) is not None
     assert StepCost(slowdown=None).prompt_allowance(8) is None
 
@@ -60,17 +63,41 @@ def test_where_a_chunk_alone_costs_more_than_the_slowdown_allows_a_step_carries_
     assert cost.prompt_allowance(1) == MIN_CHUNK
 
 
+def varied_steps(cost: StepCost, rng: random.Random, step=true_step, count: int = 50) -> None:
+    """Steps of many shapes (a server's first minutes), each timed within 5%."""
+    for _ in range(count):
+        rows, tokens = rng.randint(1, 32), rng.choice([0, 0, 16, 64, 256])
+        cost.observe(rows, tokens, step(rows, tokens) * rng.uniform(0.95, 1.05))
+
+
 def test_steps_all_alike_do_not_lift_the_bound():
     """A flood of long prompts while nothing else decodes: every step carries MIN_CHUNK tokens, so the steps say
     nothing about a token's cost; a step slowed by another process (the front end taking a core) once fitted it
-    as free and lifted the bound to the whole token budget (a step 8x as long)."""
+    as free and lifted the bound to the whole token budget (a step 8x as long). The last fit that told holds."""
     cost, rng = StepCost(slowdown=2.0), random.Random(0)
-    for _ in range(20):  # one short request alone, earlier
+    for _ in range(50):  # one client alone first (one row decoding), then the flood's first, full steps
         cost.observe(1, 0, true_step(1, 0) * rng.uniform(0.95, 1.05))
+        tokens = rng.choice([5, 64, 256])
+        cost.observe(rng.choice([0, 1]), tokens, true_step(1, tokens) * rng.uniform(0.95, 1.05))
     for i in range(2000):
         rows = rng.choice([0, 1])
         cost.observe(rows, MIN_CHUNK, true_step(rows, MIN_CHUNK) * (2 if i % 97 == 0 else rng.uniform(0.95, 1.05)))
         assert cost.prompt_allowance(rows) <= 2 * MIN_CHUNK
+
+
+def test_steps_all_alike_at_a_large_allowance_keep_it():
+    """Cheap tokens (a fast device): the allowance is large; a backlog of long prompts then runs steps all alike at
+    it, which tell nothing new, and the allowance stays (it does not fall to the floor and stay there)."""
+    def cheap(rows: int, tokens: int) -> float:
+        return (15 + 0.01 * (rows + tokens) + (1 if tokens else 0)) * MS
+
+    cost, rng = StepCost(slowdown=2.0), random.Random(1)
+    varied_steps(cost, rng, cheap, count=200)
+    allowance = cost.prompt_allowance(8)
+    assert allowance > 1000
+    for _ in range(500):
+        cost.observe(8, allowance, cheap(8, allowance) * rng.uniform(0.97, 1.03))
+        assert cost.prompt_allowance(8) > 1000
 
 
 def test_recent_steps_weigh_more():
