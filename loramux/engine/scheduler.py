@@ -259,21 +259,24 @@ class Scheduler:
 
     def _first_tokens_alone(self, prefills: list[Sequence], decodes: list[Sequence], budget: int) -> list[Sequence]:
         """The prefills this step may carry. Where a share with nothing decoding has a prompt that ends within
-        this step's budget (an interactive client's next request: this step gives its first token), the other
-        shares' prompt chunks wait a step: they would hold that token back by their whole cost (a chunk deep in a
-        long prompt costs several short steps: it reads every earlier position's K/V). Never two steps in a
-        row, so other shares' prompts keep at least every other step however many such requests arrive."""
+        this step's budget (an interactive client's next request: this step gives its first token), the step
+        carries only such prompts when another share's would come with them: those would hold the first token
+        back by their whole cost (a chunk deep in a long prompt costs several short steps: it reads every
+        earlier position's K/V), and wait a step instead. Never two steps in a row, so the others keep at least
+        every other step however many such requests arrive; one share alone keeps its own order."""
         decoding = {s.origin.share for s in decodes}
-        ending = {s.origin.share for s in prefills
-                  if s.origin.share not in decoding and (len(s) - s.num_computed_tokens) * s.prompt_token_cost <= budget}
-        others = [s for s in prefills if s.origin.share not in ending]
-        if not ending or not others or self._held_back:
+        ending = [s for s in prefills
+                  if s.origin.share not in decoding and (len(s) - s.num_computed_tokens) * s.prompt_token_cost <= budget]
+        firsts = {id(s) for s in ending}
+        held = [s for s in prefills if id(s) not in firsts]
+        shares = {s.origin.share for s in ending}
+        if not ending or self._held_back or all(s.origin.share in shares for s in held):
             self._held_back = False
             return prefills
         self._held_back = True
-        for seq in others:
+        for seq in held:
             seq.waited_steps += 1
-        return [s for s in prefills if s.origin.share in ending]
+        return ending
 
     def _chunks(self, prefills: list[Sequence], budget: int) -> list[tuple[Sequence, tuple[int, int]]]:
         """Each prefill's chunk this step, in the order they get the budget (those it does not reach wait): the

@@ -140,6 +140,22 @@ def test_a_prompt_that_ends_this_step_for_a_share_with_nothing_decoding_goes_wit
     assert second in prompts and len(prompts) > 1
 
 
+def test_the_first_tokens_step_holds_back_the_same_shares_long_prompt_too():
+    s = chunked_scheduler()
+    other = Sequence([1] * 300, SamplingParams(max_tokens=8), origin=Origin("A", "A"))
+    own = Sequence([3] * 300, SamplingParams(max_tokens=8), origin=Origin("B", "B"))
+    for seq in (other, own):
+        s.add(seq)
+    while s.waiting:  # both long prompts under way
+        batch = s.schedule()
+        for seq, (_, end) in zip(batch.seqs, batch.spans):
+            seq.num_computed_tokens = end
+    short = Sequence([2] * 8, SamplingParams(max_tokens=8), origin=Origin("B", "B"))
+    s.add(short)
+    batch = s.schedule()
+    assert batch.seqs == [short] and batch.spans == [(0, 8)]
+
+
 def test_one_share_never_holds_its_own_prompts_back_for_its_first_token():
     s = chunked_scheduler()
     long = Sequence([1] * 300, SamplingParams(max_tokens=8))
