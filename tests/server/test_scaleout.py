@@ -179,6 +179,7 @@ def test_a_killed_replica_engine_gives_503_then_the_replica_serves_again(http, o
     status, replica, _ = complete(http, prompt, adapter)
     assert status == 200
     engine_pid = reported(http, replica)["engine_pid"]
+    wait_until(lambda: pending(http, replica) == 0, 30, "a report after the request ended", interval=0.1)
     os.kill(engine_pid, signal.SIGSTOP)  # frozen: the next request is surely in flight when it dies
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, http, "a long one", adapter, 48)
@@ -200,6 +201,7 @@ def test_a_killed_replica_gives_503_and_serve_starts_another(http, oracle):
     status, replica, _ = complete(http, prompt, adapter)
     assert status == 200
     pids = reported(http, replica)
+    wait_until(lambda: pending(http, replica) == 0, 30, "a report after the request ended", interval=0.1)
     os.kill(pids["engine_pid"], signal.SIGSTOP)  # the request below is in flight when its replica dies
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, http, "a long one", adapter, 48)
@@ -278,11 +280,17 @@ def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deploy
         assert complete(beta, "hi", "tiny", 2)[0] == 401
         proc.send_signal(signal.SIGHUP)
 
-        def everywhere():
-            answers = [complete(beta, f"hi {i}", "tiny", 2) for i in range(6)]
-            return all(status == 200 for status, _, _ in answers) and len({replica for _, replica, _ in answers}) == 2
+        last: list = []
 
-        wait_until(everywhere, 60, "the new tenant's key accepted by the ingress and both replicas", interval=0.5)
+        def everywhere():
+            last[:] = [complete(beta, f"hi {i}", "tiny", 2) for i in range(6)]
+            return all(status == 200 for status, _, _ in last) and len({replica for _, replica, _ in last}) == 2
+
+        try:
+            wait_until(everywhere, 60, "the new tenant's key accepted by the ingress and both replicas", interval=0.5)
+        except AssertionError as e:  # what was refused where names the cause
+            seen = [(status, replica, body.get("error")) for status, replica, body in last]
+            raise AssertionError(f"{e}; the last answers: {seen}; replicas reporting: {sorted(replicas(beta))}") from e
 
 
 def registry_pid(http) -> int | None:
