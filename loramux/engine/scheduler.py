@@ -5,8 +5,8 @@ every running one. With chunked prefill (EngineConfig.enable_chunked_prefill, as
 is mixed instead: every decoding request, then chunks of the prompts being prefilled and of newly admitted
 ones, shortest remaining prompt first, up to max_num_batched_tokens (and the engine's bound on the prompt
 tokens of a step that decodes); each sequence's `span` says which of its tokens run. A step that gives the first
-token of a share with nothing decoding (an interactive client's request) carries no other share's prompt chunks
-(_first_tokens_alone). On top of that, the adapter rule: the adapters of running requests plus the pinned
+token of a share with nothing decoding (an interactive client's request) carries only the prompts that end in it
+when another share's would come too (_first_tokens_alone). On top of that, the adapter rule: the adapters of running requests plus the pinned
 ones never exceed max_loras, because a decode step runs all running requests in one forward pass and
 each adapter there needs its own device slot. A request whose adapter has no slot, or is not in host memory
 yet, is skipped, not blocking, until it has been passed over max_wait_steps times; then it goes first (age
