@@ -253,7 +253,7 @@ class Scheduler:
         chunks = self._chunks(prefills, budget)
         seqs = decodes + [seq for seq, _ in chunks]
         spans = [(s.num_computed_tokens, len(s) + len(s.draft_ids)) for s in decodes] + [span for _, span in chunks]
-        work = [(len(s) - s.num_computed_tokens) * s.prompt_token_cost for s in admitted]
+        work = [s.prompt_work_left for s in admitted]
         return ScheduledBatch(seqs=seqs, is_prefill=False, preempted=fair + preempted, failed=failed, spans=spans,
                               new_prompt_work=sum(w for w in work if w <= self.max_num_batched_tokens))
 
@@ -265,8 +265,7 @@ class Scheduler:
         earlier position's K/V), and wait a step instead. Never two steps in a row, so the others keep at least
         every other step however many such requests arrive; one share alone keeps its own order."""
         decoding = {s.origin.share for s in decodes}
-        ending = [s for s in prefills
-                  if s.origin.share not in decoding and (len(s) - s.num_computed_tokens) * s.prompt_token_cost <= budget]
+        ending = [s for s in prefills if s.origin.share not in decoding and s.prompt_work_left <= budget]
         firsts = {id(s) for s in ending}
         held = [s for s in prefills if id(s) not in firsts]
         shares = {s.origin.share for s in ending}

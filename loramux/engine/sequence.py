@@ -95,6 +95,11 @@ class Sequence:
         return PROMPT_LOGPROBS_WEIGHT if self.scores_prompt else 1
 
     @property
+    def prompt_work_left(self) -> int:
+        """Its tokens still without K/V, in a step's budget units (prompt_token_cost each)."""
+        return (len(self.token_ids) - self.num_computed_tokens) * self.prompt_token_cost
+
+    @property
     def reads_cache(self) -> bool:
         """Whether its prefill may start from cached blocks: not when it scores its prompt or mean-pools it
         (every position must be computed; as vLLM, such a request bypasses the cache)."""

@@ -45,7 +45,6 @@ class _Moments:
     def __init__(self, smoothing: float):
         self._xx, self._xy = _Mean(smoothing, np.zeros((3, 3))), _Mean(smoothing, np.zeros(3))
         self._yy = _Mean(smoothing)
-        self.smoothing = smoothing
 
     def add(self, x: np.ndarray, y: float) -> None:
         self._xx.add(np.outer(x, x))
@@ -60,7 +59,8 @@ class _Moments:
     def points(self) -> float:
         """How many equally weighted points the weighted means are worth: all of them until 1 / smoothing, then
         (2 - s) / s (the inverse of the weights' sum of squares)."""
-        return min(self.count, (2 - self.smoothing) / self.smoothing)
+        s = self._xx.smoothing
+        return min(self.count, (2 - s) / s)
 
     def residual(self, beta: np.ndarray) -> float:
         """The weighted mean of (y - x . beta)^2."""
@@ -125,7 +125,7 @@ class StepCost:
         return self._decode.count >= steps and self._mixed.count >= steps
 
     def decode_time(self, rows: int) -> float:
-        """A decode-only step of `rows` rows."""
+        """A decode-only step of `rows` rows, by the fit to the steps lately."""
         fixed, per_row, _ = self.costs()
         return fixed + per_row * rows
 
