@@ -13,6 +13,7 @@ from loramux.cli import main as cli_main
 from loramux.server.http import tenants as tenants_module
 from loramux.server.http.errors import HTTPError
 from loramux.server.http.tenants import Quotas, Tenant, check_admin, check_use, key_hash, load_dirs, load_tenants
+from support.hostile_adapters import CONFIG, ST
 from support.serving import NO_KEEPALIVE, make_files, openai_client, start_server, stop, wait_until
 
 OPERATOR = "operator-key"
@@ -147,7 +148,8 @@ def files(tmp_path_factory):
 def server(files):
     path = files["root"] / "tenants.toml"
     path.write_text(tenants_toml(files["allowed"]))
-    proc, url = start_server(files, "--api-key", OPERATOR, "--tenants", str(path))
+    proc, url = start_server(files, "--api-key", OPERATOR, "--tenants", str(path), "--max-adapter-upload-bytes",
+                             str(1 << 20))
     yield proc, url, path
     stop(proc)
 
@@ -202,6 +204,27 @@ def test_admin_routes_are_scoped_to_a_tenants_names_and_directory(server, files,
         assert acme.post(route).status_code == 403
     assert acme.get("/metrics").status_code == 403 and acme.get("/is_paused").status_code == 403
     assert op.get("/metrics").status_code == 200
+
+
+def test_uploads_are_scoped_as_loads_are_and_a_refused_one_leaves_no_files(server, files):
+    _, url, _ = server
+    acme, beta = http(url, "acme"), http(url, "beta")
+    adapter = files["runtime"]["new"]
+
+    def upload(client, name):
+        with open(os.path.join(adapter, CONFIG), "rb") as config, open(os.path.join(adapter, ST), "rb") as weights:
+            return client.post("/v1/load_lora_adapter", data={"lora_name": name},
+                               files={CONFIG: (CONFIG, config), ST: (ST, weights)})
+
+    assert upload(acme, "acme/pushed").status_code == 200
+    directory = os.path.dirname(acme.get("/v1/models/acme/pushed").json()["root"])  # the server's uploads
+    before = sorted(os.listdir(directory))
+    not_admin, outside = upload(beta, "s2"), upload(acme, "beta/pushed")
+    assert not_admin.status_code == outside.status_code == 403
+    assert "admin is off" in not_admin.json()["error"]["message"]
+    assert "outside its models" in outside.json()["error"]["message"]
+    assert sorted(os.listdir(directory)) == before  # the bodies were written as they came, then removed
+    assert acme.post("/v1/unload_lora_adapter", json={"lora_name": "acme/pushed"}).status_code == 200
 
 
 def test_tenants_never_share_prefix_cache_blocks_and_a_salt_splits_one_tenants(server):

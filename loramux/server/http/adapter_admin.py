@@ -6,23 +6,21 @@ loaded name; loading the same path again succeeds, as MAX's load_adapter does), 
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import pydantic
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse
-from starlette.formparsers import MultiPartException, MultiPartParser
 
 from loramux.adapters.file_names import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
 from loramux.adapters.names import InvalidAdapterNameError, check_adapter_name
 from loramux.server.http import protocol as p
 from loramux.server.http.errors import HTTPError
+from loramux.server.http.uploads import UploadFormError, Uploads, discard, receive_form
 
 ADD, REPLACE, AGAIN = "added", "reloaded", "already loaded"  # what a load does (and says it did)
 
@@ -68,66 +66,61 @@ async def load_request(raw: Request) -> p.LoadLoRAAdapterRequest:
 
 @dataclass
 class Upload:
-    """An adapter's files from the body of /v1/load_lora_adapter."""
+    """An adapter's files from the body of /v1/load_lora_adapter, written into `path` (a directory of its own
+    under the server's uploads directory)."""
 
     name: str
-    config: bytes
-    weights: BinaryIO
+    path: str
     pinned: bool
     load_inplace: bool
 
 
 _FLAGS = {"true": True, "1": True, "false": False, "0": False, "": False}
+_FIELDS = ("lora_name", "load_inplace", "pinned")
 
 
-async def upload_form(raw: Request, limit: int) -> Upload:
+async def upload_form(raw: Request, limit: int, uploads: Uploads | None, may_change: Callable[[str], None]) -> Upload:
     """The multipart form of an upload: lora_name, optionally load_inplace and pinned (true / false), and the
-    two files as parts named adapter_config.json and adapter_model.safetensors. 400 naming what is wrong."""
-    if not limit:
+    two files as parts named adapter_config.json and adapter_model.safetensors, written into a new directory of
+    `uploads` as the body arrives. 400 naming what is wrong; may_change(name) raises the HTTPError of a caller
+    who may not change that adapter (the directory goes with either)."""
+    if not limit or uploads is None:
         raise HTTPError(400, "adapter uploads are off; start the server with --max-adapter-upload-bytes N")
-    form = await _form_off_the_loop(raw)
-    unknown = sorted(set(form) - {"lora_name", "load_inplace", "pinned", CONFIG_FILE, SAFETENSORS_FILE})
+    path = uploads.new_directory()
+    try:
+        parts = await receive_form(raw.headers.get("content-type", ""), raw.stream(), path)
+        upload = _upload(parts, path)
+        may_change(upload.name)
+        return upload
+    except UploadFormError as e:
+        discard(path)
+        raise HTTPError(400, str(e)) from e
+    except BaseException:
+        discard(path)
+        raise
+
+
+def _upload(parts: dict, path: str) -> Upload:
+    unknown = sorted(set(parts) - {*_FIELDS, CONFIG_FILE, SAFETENSORS_FILE})
     if unknown:
-        raise HTTPError(400, f"unknown form fields: {', '.join(unknown)} (an upload sends lora_name, load_inplace, "
-                             f"pinned, {CONFIG_FILE} and {SAFETENSORS_FILE})")
-    files = {key: form.get(key) for key in (CONFIG_FILE, SAFETENSORS_FILE)}
-    missing = [key for key, part in files.items() if isinstance(part, str) or part is None]
+        raise UploadFormError(f"unknown form fields: {', '.join(unknown)} (an upload sends lora_name, load_inplace, "
+                              f"pinned, {CONFIG_FILE} and {SAFETENSORS_FILE})")
+    missing = [key for key in (CONFIG_FILE, SAFETENSORS_FILE) if key not in parts or not parts[key].is_file]
     if missing:
-        raise HTTPError(400, f"the upload needs the file parts {CONFIG_FILE} and {SAFETENSORS_FILE}; "
-                             f"missing or not a file: {', '.join(missing)}")
-    flags = {key: str(form.get(key, "")).lower() for key in ("load_inplace", "pinned")}
+        raise UploadFormError(f"the upload needs the file parts {CONFIG_FILE} and {SAFETENSORS_FILE}; "
+                              f"missing or not a file: {', '.join(missing)}")
+    fields = {key: parts[key].data.decode("utf-8", "replace") for key in _FIELDS if key in parts}
+    flags = {key: fields.get(key, "").lower() for key in ("load_inplace", "pinned")}
     bad = [key for key, value in flags.items() if value not in _FLAGS]
     if bad:
-        raise HTTPError(400, f"{', '.join(bad)} must be true or false")
-    config = await files[CONFIG_FILE].read(MAX_CONFIG_BYTES + 1)
+        raise UploadFormError(f"{', '.join(bad)} must be true or false")
+    config = parts[CONFIG_FILE].data
     if len(config) > MAX_CONFIG_BYTES:
-        raise HTTPError(400, f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
-    name = checked_name(str(form.get("lora_name") or ""))
-    return Upload(name, config, files[SAFETENSORS_FILE].file, _FLAGS[flags["pinned"]], _FLAGS[flags["load_inplace"]])
-
-
-async def _form_off_the_loop(raw: Request):
-    """The multipart form, parsed in a worker thread: parsing tens of MB in the event loop would hold every
-    stream's tokens meanwhile. The body is spooled as it comes (to disk past a few MB), then parsed there."""
-    body = tempfile.SpooledTemporaryFile(max_size=4 << 20)
-    async for chunk in raw.stream():
-        body.write(chunk)
-    body.seek(0)
-
-    async def chunks():
-        while chunk := body.read(1 << 20):
-            yield chunk
-
-    def parse():
-        parser = MultiPartParser(raw.headers, chunks(), max_files=2, max_fields=3, max_part_size=MAX_CONFIG_BYTES)
-        return asyncio.run(parser.parse())
-
-    try:
-        return await asyncio.to_thread(parse)
-    except MultiPartException as e:
-        raise HTTPError(400, e.message) from e
-    finally:
-        body.close()
+        raise UploadFormError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    with open(os.path.join(path, CONFIG_FILE), "wb") as f:
+        f.write(config)
+    name = checked_name(fields.get("lora_name", ""))
+    return Upload(name, path, _FLAGS[flags["pinned"]], _FLAGS[flags["load_inplace"]])
 
 
 def load_kind(request: p.LoadLoRAAdapterRequest, path: str, base_name: str, loaded_path: str | None) -> str:

@@ -533,17 +533,17 @@ class APIServer:
                             "server_error", "adapter_store_timeout") from None
 
     async def upload_adapter(self, upload: Upload) -> tuple[str, str]:
-        """An adapter whose files came in the request (server/http/uploads.py): written under the uploads directory,
-        then loaded from there as a runtime load is (every check of files; read back from there after host
+        """An adapter whose files came in the request (server/http/uploads.py), written under the uploads directory
+        as they arrived: loaded from there as a runtime load is (every check of files; read back from there after host
         eviction; loaded again by an engine restart). Its directory goes if it is refused. -> (ADD or REPLACE, the
         load's revision)"""
         request = p.LoadLoRAAdapterRequest(lora_name=upload.name, lora_path="(upload)", pinned=upload.pinned,
                                            load_inplace=upload.load_inplace)
         source = self.registry.get(upload.name)
-        # refused before any file is written: the base model's name, a loaded name without load_inplace
-        kind = load_kind(request, request.lora_path, self.model_name, source.path if source else None)
-        path = await asyncio.to_thread(self.uploads.save, upload.config, upload.weights)
+        path = upload.path
         try:
+            # refused before the engine reads anything: the base model's name, a loaded name without load_inplace
+            kind = load_kind(request, request.lora_path, self.model_name, source.path if source else None)
             revision = await self.load_adapter(upload.name, path, upload.pinned, replace=kind == REPLACE,
                                                allowed_dirs=(self.uploads.root,))
         except BaseException:

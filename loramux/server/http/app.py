@@ -779,8 +779,9 @@ def _add_admin_routes(app: FastAPI, server: APIServer) -> None:
         the body (multipart: lora_name, load_inplace, pinned, and the adapter_config.json and
         adapter_model.safetensors parts; server/http/uploads.py)."""
         if raw.headers.get("content-type", "").startswith("multipart/form-data"):
-            upload = await admin.upload_form(raw, server.config.max_adapter_upload_bytes)
-            check_admin(tenant_of(raw), upload.name)
+            tenant = tenant_of(raw)
+            upload = await admin.upload_form(raw, server.config.max_adapter_upload_bytes, server.uploads,
+                                             lambda name: check_admin(tenant, name))
             kind, revision = await server.upload_adapter(upload)
             return admin.loaded(upload.name, kind, _revision_header(revision))
         return await _load_from_path(server, await admin.load_request(raw), tenant_of(raw))
