@@ -75,6 +75,10 @@ class NoLoader:
         return None
 
     @staticmethod
+    def read_ahead(*_args: Any) -> None:
+        return None
+
+    @staticmethod
     def load(*_args: Any, **_kwargs: Any) -> Future:
         result: Future = Future()
         result.set_result(refused())

@@ -65,12 +65,22 @@ class AdapterLoader:
     def ready(self, ref: AdapterRef) -> bool:
         return self.readiness(ref) is Readiness.READY
 
-    def load(self, name: str, source: Source, replace: bool = False, pinned: bool = False) -> Future:
-        """A runtime load: the files are read on the loader thread; the future's LoRAResult comes once the step
-        loop has installed them (install_ready)."""
+    def read_ahead(self, name: str, source: Source) -> Future:
+        """Start reading a runtime load's files before the step loop takes the load (any thread may call this:
+        the read touches nothing of the store's); the load passes the future on (`load`'s ahead)."""
+        return self._executor.submit(self.store.read, name, source)
+
+    def load(self, name: str, source: Source, replace: bool = False, pinned: bool = False,
+             ahead: Future | None = None) -> Future:
+        """A runtime load: the files are read on the loader thread (ahead: read_ahead's read of these files, if it
+        started one); the future's LoRAResult comes once the step loop has installed them (install_ready)."""
         result: Future = Future()
-        read = self._executor.submit(self.store.read, name, source) if self.store.needs_read(name, source, replace) \
-            else None
+        if self.store.needs_read(name, source, replace):
+            read = ahead or self._executor.submit(self.store.read, name, source)
+        else:
+            read = None
+            if ahead is not None:
+                ahead.cancel()  # the same files again: nothing to read (one already running is not waited for)
         load = _Load(read, (name, source, replace, pinned), result, time.monotonic() + self.load_timeout_s)
         if read is None:
             self._install(load, queued=False)  # answered now, or queued to wait for room (a pin)

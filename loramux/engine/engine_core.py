@@ -430,10 +430,16 @@ class EngineCore:
     # Loads, unloads and pins read nothing off the step loop: callers use the adapter system itself
     # (self.adapters.load_adapter, ...). A runtime load reads its files on the loader thread:
     def load_adapter_async(self, name: str, path: str, allowed_dirs: tuple[str, ...] = (), replace: bool = False,
-                           pinned: bool = False) -> Future:
+                           pinned: bool = False, ahead: Future | None = None) -> Future:
         """A runtime load (safetensors only, every file inside allowed_dirs): read on the loader thread, so the
-        running streams keep stepping; the future's LoRAResult comes once it is installed between steps."""
-        return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned)
+        running streams keep stepping; the future's LoRAResult comes once it is installed between steps.
+        ahead: read_ahead's future for these files, if the caller started one."""
+        return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned, ahead)
+
+    def read_ahead(self, name: str, path: str, allowed_dirs: tuple[str, ...] = ()) -> Future | None:
+        """Start reading a runtime load's files now, from any thread (the engine process's inbox, while a step
+        runs); None with LoRA off."""
+        return self.loader.read_ahead(name, Source(path, False, tuple(allowed_dirs)))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); how many there were."""

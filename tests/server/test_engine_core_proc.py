@@ -234,3 +234,52 @@ def test_a_held_request_can_be_aborted_and_a_resume_overtakes_a_pause_that_waits
     run_until_idle(loop)
     assert len(tokens_of(loop, "running")) == 12 and tokens_of(loop, "held") == []
     assert loop.core.sequence("held") is None
+
+
+def test_a_loads_files_are_read_as_it_arrives_and_that_read_is_the_one_installed(loop, tmp_path, monkeypatch):
+    """The Inbox thread starts the read while a step runs (read_ahead); the loop's load takes that read instead of
+    starting another. The same files again need no read: the one started ahead is not used."""
+    loop.handle(add("running", max_tokens=30))
+    loop.step()
+    store, reads = loop.core.loader.store, []
+    read = store.read
+    monkeypatch.setattr(store, "read", lambda *args, **kwargs: reads.append(args[0]) or read(*args, **kwargs))
+    msg = decode_to_engine(encode(LoadAdapter(9, "b", save_peft_adapter(tiny_llama(), tmp_path / "b", seed=5, r=8))))
+    loop.read_ahead(msg)
+    loop._ahead[9].result(timeout=60)
+    assert reads == ["b"]  # read before the loop has taken the message
+    loop.handle(msg)
+    for pending in loop.core.loader.pending:
+        pending.result(timeout=60)
+    loop.step()
+    answer = [m for m in loop.outbox.results() if m.control_id == 9]
+    assert answer and answer[0].status is LoRAStatus.SUCCESS and reads == ["b"] and not loop._ahead
+    loop.handle(add("on-b", adapter="b", max_tokens=2))
+    while loop.core.has_unfinished_requests():
+        loop.step()
+    assert [o.finish_reason for o in loop.outbox.outputs() if o.request_id == "on-b"][-1] == "length"
+
+
+def test_the_inbox_hands_messages_over_in_order_and_starts_a_loads_read_before(tmp_path):
+    zmq = pytest.importorskip("zmq")
+    from loramux.server.engine.engine_process import Inbox
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://inbox")
+    push.connect("inproc://inbox")
+    ahead = []
+    inbox = Inbox(pull, ahead.append)
+    sent = [add("r1"), LoadAdapter(3, "b", "/x/b"), Abort(["r1"]), add("r2")]
+    for msg in sent:
+        push.send(encode(msg))
+    taken = []
+    while len(taken) < len(sent):
+        taken += inbox.take(1000)
+    assert [type(m).__name__ for m in taken] == ["AddRequest", "LoadAdapter", "Abort", "AddRequest"]
+    assert [m.control_id for m in ahead] == [3] and inbox.take(0) == []
+    push.send(b"not a message")
+    with pytest.raises(Exception):
+        while not inbox.take(1000):
+            pass
+    push.close(linger=0)

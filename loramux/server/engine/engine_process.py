@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import signal
 import threading
@@ -60,14 +61,14 @@ def run_engine(config: EngineConfig, adapters: list[AdapterRecord], ipc_dir: str
         outbox.send(encode(StartupFailed(f"{type(e).__name__}: {e}")))
         outbox.close(linger=2000)  # let the message reach the front end before the process ends
         raise SystemExit(1) from e
+    messages = Inbox(inbox, loop.read_ahead)
     try:
         while True:
-            if inbox.poll(loop.poll_ms):
-                while inbox.poll(0):
-                    loop.handle(decode_to_engine(inbox.recv()))
+            for msg in messages.take(loop.poll_ms):
+                loop.handle(msg)
             loop.step()
     except SystemExit:  # SIGTERM: the front end stops us, or the parent died
-        ctx.destroy(linger=0)
+        # (the context is not destroyed: that would close the inbox under its thread; the process ends now)
         logging.shutdown()
         os._exit(0)  # now: the interpreter's teardown (torch's among it) takes ~0.9 s and saves nothing
 
@@ -97,6 +98,47 @@ def _live_with_parent(parent_pid: int, ipc_dir: str, heartbeat) -> None:
     threading.Thread(target=beat, name="loramux-heartbeat", daemon=True).start()
 
 
+class Inbox:
+    """The engine's messages, received and decoded on a thread of their own, handed to the step loop in arrival
+    order between steps (`take`). Why a thread: a load's files start being read the moment it arrives, while a
+    step runs, instead of after it (`read_ahead(msg)` is called for each LoadAdapter before it is queued); a
+    step is ~50 ms under load. A message that cannot be decoded is raised by `take`, as the loop's own recv did."""
+
+    def __init__(self, socket: zmq.Socket, read_ahead):
+        self._socket, self._read_ahead = socket, read_ahead
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._receive, name="loramux-inbox", daemon=True).start()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                msg = decode_to_engine(self._socket.recv())
+                if isinstance(msg, LoadAdapter):
+                    self._read_ahead(msg)
+            except zmq.ContextTerminated:  # the process is ending
+                return
+            except Exception as e:
+                msg = e
+            self._queue.put(msg)
+
+    def take(self, timeout_ms: int) -> list:
+        """The messages that arrived, waiting up to timeout_ms for the first (0: none)."""
+        try:
+            first = self._queue.get(timeout=timeout_ms / 1000) if timeout_ms else self._queue.get_nowait()
+        except queue.Empty:
+            return []
+        taken = [first]
+        while True:
+            try:
+                taken.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for msg in taken:
+            if isinstance(msg, Exception):
+                raise msg
+        return taken
+
+
 def _spec_decode(stats) -> SpecDecodeStats | None:
     """Speculative decoding's counters (engine/speculative.py SpecStats) for /metrics (None: off)."""
     if stats is None:
@@ -124,6 +166,7 @@ class EngineCoreProc:
         self.paused = False
         self.pausing: list[Pause] = []  # Pause(wait)s, answered once the requests in flight have finished
         self.held: list[AddRequest] = []  # arrived while paused or pausing: added at Resume, in arrival order
+        self._ahead: dict = {}  # control_id -> the read of a LoadAdapter's files, started as it arrived
 
     @property
     def busy(self) -> bool:
@@ -154,6 +197,12 @@ class EngineCoreProc:
         limits = self.core.limits
         return Ready(self.core.model_name, tokenizer_dir, limits.max_model_len, limits.vocab_size, loaded, failed,
                      sorted(self.core.eos_token_ids), limits.priority_scheduling, seconds)
+
+    def read_ahead(self, msg: LoadAdapter) -> None:
+        """The Inbox thread, as a load arrives (before `handle` takes it): its files start being read now."""
+        ahead = self.core.read_ahead(msg.name, msg.path, msg.allowed_dirs)
+        if ahead is not None:
+            self._ahead[msg.control_id] = ahead
 
     def handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
@@ -215,7 +264,8 @@ class EngineCoreProc:
         if isinstance(msg, ResetPrefixCache):
             return PrefixCacheReset(msg.control_id, core.reset_prefix_cache())
         if isinstance(msg, LoadAdapter):  # read on the loader thread; answered once installed (_answer_loads)
-            result = core.load_adapter_async(msg.name, msg.path, msg.allowed_dirs, msg.replace, msg.pinned)
+            result = core.load_adapter_async(msg.name, msg.path, msg.allowed_dirs, msg.replace, msg.pinned,
+                                             self._ahead.pop(msg.control_id, None))
             if result.done():  # nothing to read (the same directory again)
                 return self._result(msg.control_id, msg.name, result.result())
             self.loading.append((msg, result))
