@@ -16,6 +16,10 @@ it names: "matched" counts samples equal to it; "mixed" those closer to another 
 common prefix: must be 0); "diverged" those closest to their own but not equal (bf16: a near-tie argmax that
 flips with the batch's shape; none in float32).
 
+The trainer stands in for one on another host: it makes all its revisions' weights before the streams start and
+serializes each push on one thread, so that only the push itself (serializing, sending or writing, and the
+server's work) shares the cores with the streams.
+
 Model: the embedded default as an HF checkpoint (SmolLM2-135M-Instruct), --dtype float32 on both servers (in
 bfloat16 random adapters leave many near-tie tokens, and a sample that flips one cannot be checked).
 Targets: push-to-served p99 <= 100 ms; throughput with pushes >= 0.9x without; >= 5x faster push-to-served than
@@ -67,38 +71,49 @@ def parse_args(argv=None):
 
 # ---- the trainer (a process of its own) -----------------------------------------------------------------
 def trainer(url: str, way: str, template: dict, config: bytes, workdir: str, pushes: int, interval_s: float,
-            results) -> None:
-    """Every interval_s: new weights (seeded by the push's number), pushed `way`, then one probe request; puts
-    one record per push on `results`, then None."""
-    client = httpx.Client(base_url=url, timeout=300)
+            results, go) -> None:
+    """Makes every push's weights first (seeded by the push's number: each revision answers apart; what a trainer
+    computes on its own hardware, so not while the streams run here), puts "ready" on `results` and waits for
+    `go`. Then every interval_s: one push `way` and one probe request; one record per push on `results`, then
+    None. One thread: serializing a push must not take both cores from the engine, as a trainer on another host
+    would not."""
+    torch.set_num_threads(1)
+    weights = []
     for i in range(pushes):
+        gen = torch.Generator().manual_seed(1000 + i)
+        weights.append({key: torch.randn(t.shape, generator=gen) * t.std() for key, t in template.items()})
+    client = httpx.Client(base_url=url, timeout=300)
+    results.put("ready")
+    go.wait()
+    for i, tensors in enumerate(weights):
         due = time.monotonic() + interval_s
-        gen = torch.Generator().manual_seed(1000 + i)  # weights of its own: each revision answers apart
-        tensors = {key: torch.randn(t.shape, generator=gen) * t.std() for key, t in template.items()}
         started = time.monotonic()
-        revision = push(client, way, tensors, config, os.path.join(workdir, f"push{i}"))
+        revision, data = push(client, way, tensors, config, os.path.join(workdir, f"push{i}"))
         probe = first_token(client, {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 1, "temperature": 0})
         results.put({"push": i, "seconds": probe["first_token"] - started, "load_s": probe["sent"] - started,
                      "revision": revision, "probe_revision": probe["revision"],
-                     "weights": save(tensors) if way == "push" else None})  # (bytes: for the check of the samples)
+                     "weights": data})  # (bytes: for the check of the samples)
         time.sleep(max(0.0, due - time.monotonic()))
     results.put(None)
 
 
-def push(client: httpx.Client, way: str, tensors: dict, config: bytes, path: str) -> str | None:
-    """One push; the revision the server names (None if it names none)."""
+def push(client: httpx.Client, way: str, tensors: dict, config: bytes, path: str) -> tuple[str | None, bytes | None]:
+    """One push: the revision the server names (None if it names none), and the safetensors bytes sent (None
+    when they went to files)."""
     if way == "push":
+        data = save(tensors)
         files = {"adapter_config.json": ("adapter_config.json", config),
-                 "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(save(tensors)))}
+                 "adapter_model.safetensors": ("adapter_model.safetensors", io.BytesIO(data))}
         r = client.post("/v1/load_lora_adapter", data={"lora_name": NAME, "load_inplace": "true"}, files=files)
     else:
+        data = None
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json"), "wb") as f:
             f.write(config)
         r = client.post("/v1/load_lora_adapter", json={"lora_name": NAME, "lora_path": path, "load_inplace": True})
     r.raise_for_status()
-    return r.headers.get("x-adapter-revision")
+    return r.headers.get("x-adapter-revision"), data
 
 
 def first_token(client: httpx.Client, body: dict) -> dict:
@@ -139,32 +154,44 @@ def run_one(run: str, args, model: str, template: dict, config: bytes, workdir: 
     proc, url = start(side, args, model, workdir)
     try:
         first_token(httpx.Client(base_url=url, timeout=300), {"model": NAME, "prompt": "hi", "max_tokens": 4})
+        pushes = Pushes(url, way, args, template, config, workdir)
         stop_at, samples = threading.Event(), []
         streams = [threading.Thread(target=stream_loop, args=(url, args.new_tokens, i, stop_at, samples))
                    for i in range(args.streams)]
         for t in streams:
             t.start()
-        pushes = drive(url, way, args, template, config, workdir)
+        done = pushes.run()
         stop_at.set()
         for t in streams:
             t.join()
     finally:
         stop(proc)
-    return {"pushes": pushes, "samples": samples, **stream_stats(samples)}
+    return {"pushes": done, "samples": samples, **stream_stats(samples)}
 
 
-def drive(url, way, args, template, config, workdir) -> list[dict]:
-    """The trainer's pushes (a process of its own), or, with no pushes, the same span of time idle."""
-    if way == "no pushes":
-        time.sleep(args.pushes * args.interval_s)
-        return []
-    results = multiprocessing.get_context("spawn").Queue()
-    trainer_proc = multiprocessing.get_context("spawn").Process(
-        target=trainer, args=(url, way, template, config, workdir, args.pushes, args.interval_s, results))
-    trainer_proc.start()
-    pushes = list(iter(results.get, None))
-    trainer_proc.join()
-    return pushes
+class Pushes:
+    """The trainer's pushes (a process of its own, started and with its weights made before the streams start),
+    or, with no pushes, the same span of time idle."""
+
+    def __init__(self, url, way, args, template, config, workdir):
+        self.args, self.proc = args, None
+        if way == "no pushes":
+            return
+        spawn = multiprocessing.get_context("spawn")
+        self.results, self.go = spawn.Queue(), spawn.Event()
+        self.proc = spawn.Process(target=trainer, args=(url, way, template, config, workdir, args.pushes,
+                                                        args.interval_s, self.results, self.go))
+        self.proc.start()
+        assert self.results.get() == "ready"
+
+    def run(self) -> list[dict]:
+        if self.proc is None:
+            time.sleep(self.args.pushes * self.args.interval_s)
+            return []
+        self.go.set()
+        done = list(iter(self.results.get, None))
+        self.proc.join()
+        return done
 
 
 def start(side: str, args, model: str, workdir: str):
