@@ -171,19 +171,24 @@ def test_a_failing_resolver_is_a_server_error_not_a_crash(tmp_path, plugin):
 
 
 def test_a_waiter_that_goes_away_does_not_cancel_the_load(tmp_path, plugin):
-    resolver = Counting({"cold": adapter_dir(tmp_path / "cold")}, delay_s=0.2)
+    resolver = Gated({"cold": adapter_dir(tmp_path / "cold")})
     installs = Installs()
 
     async def main():
         demand = on_demand.OnDemand(plugin(resolver), installs)
         first = asyncio.ensure_future(demand.load("cold", "base"))
         second = asyncio.ensure_future(demand.load("cold", "base"))
-        await asyncio.sleep(0.05)
-        first.cancel()  # its client disconnected
+        for _ in range(12000):  # a state, not a time: the resolve under way (10 ms polls, 120 s bound)
+            if resolver.calls:
+                break
+            await asyncio.sleep(0.01)
+        first.cancel()  # its client disconnected while the resolver works
+        await asyncio.sleep(0)
+        resolver.gate.set()
         await second
+        return first.cancelled()
 
-    asyncio.run(main())
-    assert len(installs.done) == 1
+    assert asyncio.run(main()) and len(installs.done) == 1 and installs.done[0][0] == "cold"
 
 
 class Gated(Counting):
