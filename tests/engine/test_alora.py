@@ -90,3 +90,32 @@ def test_what_alora_cannot_run_with_is_refused_naming_it(setup, tmp_path, kind, 
                                                 target_modules=(*DEFAULT_TARGET_MODULES, "embed_tokens")))
     result = llm.load_adapter("x", path)
     assert not result and words in result.message, result.message
+
+
+@pytest.mark.parametrize("combo", [{"intrinsic": 0.5, "plain": 1.0}, {"plain": 1.0, "intrinsic": 0.5}])
+def test_a_combination_takes_its_activation_from_its_first_part_as_peft_does(setup, combo, tmp_path):
+    """PEFT's add_weighted_adapter gives the combination its first part's config, invocation included: with the
+    aLoRA first the whole combination acts from the invocation on; with it second its part acts on every token."""
+    import copy
+
+    import torch
+    from peft import PeftModel
+
+    base, adapters, _ = setup
+    llm = LLM(model=save_checkpoint(base, tmp_path / "model"), dtype="float32", kv_cache_memory=2**23,
+              max_model_len=96, block_size=4, lora=LoRAConfig(max_loras=2, max_lora_rank=16))  # ranks 8 + 8
+    for name, path in adapters.items():
+        assert llm.load_adapter(name, path)
+    names = list(combo)
+    model = PeftModel.from_pretrained(copy.deepcopy(base), adapters[names[0]], adapter_name=names[0])
+    model.load_adapter(adapters[names[1]], adapter_name=names[1])
+    model.add_weighted_adapter(names, list(combo.values()), "combo", combination_type="cat")
+    model.set_adapter("combo")
+    prompts = [PROMPTS["middle"], PROMPTS["absent"]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), adapters=[combo] * 2)
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(6):
+                ids = torch.cat([ids, model.eval()(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert out.token_ids == ids[0, len(prompt):].tolist(), (combo, prompt)
