@@ -283,3 +283,23 @@ def test_the_inbox_hands_messages_over_in_order_and_starts_a_loads_read_before(t
         while not inbox.take(1000):
             pass
     push.close(linger=0)
+
+
+def test_a_read_ahead_that_fails_to_start_still_hands_the_load_over():
+    zmq = pytest.importorskip("zmq")
+    from loramux.server.engine.engine_process import Inbox
+
+    def broken(msg):
+        raise RuntimeError("the loader is shut down")
+
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.bind("inproc://inbox-broken")
+    push.connect("inproc://inbox-broken")
+    inbox = Inbox(pull, broken)
+    push.send(encode(LoadAdapter(4, "b", "/x/b")))
+    taken = []
+    while not taken:
+        taken = inbox.take(1000)
+    assert isinstance(taken[0], LoadAdapter) and taken[0].control_id == 4
+    push.close(linger=0)

@@ -113,13 +113,20 @@ class Inbox:
         while True:
             try:
                 msg = decode_to_engine(self._socket.recv())
-                if isinstance(msg, LoadAdapter):
-                    self._read_ahead(msg)
             except zmq.ContextTerminated:  # the process is ending
                 return
             except Exception as e:
                 msg = e
+            if isinstance(msg, LoadAdapter):
+                self._start_reading(msg)
             self._queue.put(msg)
+
+    def _start_reading(self, msg: LoadAdapter) -> None:
+        """A read ahead that cannot start costs nothing but its head start: the load reads, and refuses, as ever."""
+        try:
+            self._read_ahead(msg)
+        except Exception:
+            logger.warning("load %s: its files could not start being read ahead: %s", msg.name, traceback.format_exc())
 
     def take(self, timeout_ms: int) -> list:
         """The messages that arrived, waiting up to timeout_ms for the first (0: none)."""
