@@ -180,9 +180,10 @@ class Pushes:
         spawn = multiprocessing.get_context("spawn")
         self.results, self.go = spawn.Queue(), spawn.Event()
         self.proc = spawn.Process(target=trainer, args=(url, way, template, config, workdir, args.pushes,
-                                                        args.interval_s, self.results, self.go))
+                                                        args.interval_s, self.results, self.go), daemon=True)
         self.proc.start()
-        assert self.results.get() == "ready"
+        if self.results.get(timeout=600) != "ready":
+            raise RuntimeError("the trainer did not get ready")
 
     def run(self) -> list[dict]:
         if self.proc is None:

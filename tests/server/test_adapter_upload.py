@@ -92,6 +92,29 @@ def test_a_broken_upload_is_refused_as_its_files_are_and_leaves_nothing(files, h
     assert sorted(os.listdir(uploads)) == before
 
 
+def test_a_body_refused_part_way_leaves_no_files(files, http):
+    """Refused as it arrives (its weights were being written into place): a chunked body past the limit is a 413,
+    a malformed one a 400, and neither leaves its directory behind."""
+    assert upload(http, "partway", files["runtime"]["new"]).status_code == 200
+    uploads = os.path.dirname(root_of(http, "partway"))
+    before = sorted(os.listdir(uploads))
+    request = httpx.Request("POST", "http://x/", data={"lora_name": "big"},
+                            files={CONFIG: (CONFIG, b"{}"), ST: (ST, bytes(LIMIT + 200_000))})
+    body = request.read()
+
+    def chunked():  # no Content-Length: counted as it comes
+        for at in range(0, len(body), 65536):
+            yield body[at:at + 65536]
+
+    big = http.post("/v1/load_lora_adapter", content=chunked(), headers={"content-type": request.headers["content-type"]})
+    assert big.status_code == 413
+    torn = http.post("/v1/load_lora_adapter", content=body[:LIMIT // 2],
+                     headers={"content-type": request.headers["content-type"]})
+    assert torn.status_code == 400 and "closing boundary" in torn.json()["error"]["message"]
+    assert sorted(os.listdir(uploads)) == before
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "partway"}).status_code == 200
+
+
 def test_uploads_are_bounded_and_checked(files, http):
     big = http.post("/v1/load_lora_adapter", data={"lora_name": "big"},
                     files={CONFIG: (CONFIG, b"{}"), ST: (ST, b"\0" * (LIMIT + 1))})

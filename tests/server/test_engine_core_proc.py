@@ -1,4 +1,6 @@
-"""The engine process's loop, driven step by step in this process (no ZMQ, no HTTP)."""
+"""The engine process's loop, driven step by step in this process (no ZMQ, no HTTP), and its Inbox thread."""
+import threading
+
 import pytest
 
 from conftest import save_checkpoint, save_peft_adapter, tiny_llama
@@ -258,6 +260,16 @@ def test_a_loads_files_are_read_as_it_arrives_and_that_read_is_the_one_installed
     while loop.core.has_unfinished_requests():
         loop.step()
     assert [o.finish_reason for o in loop.outbox.outputs() if o.request_id == "on-b"][-1] == "length"
+    revision = answer[0].revision
+    for control_id, ahead in ((10, False), (11, True)):  # the same files again: the front end says no read, or not
+        again = decode_to_engine(encode(LoadAdapter(control_id, "b", msg.path, read_ahead=ahead)))
+        loop.read_ahead(again)
+        if ahead:
+            loop._ahead[control_id].result(timeout=60)
+        loop.handle(again)  # answered at once: nothing to install
+        answer = [m for m in loop.outbox.results() if m.control_id == control_id]
+        assert answer and answer[0].status is LoRAStatus.SUCCESS and answer[0].revision == revision
+    assert reads == ["b", "b"] and not loop._ahead  # the read started ahead was not used
 
 
 def test_the_inbox_hands_messages_over_in_order_and_starts_a_loads_read_before(tmp_path):
@@ -268,20 +280,28 @@ def test_the_inbox_hands_messages_over_in_order_and_starts_a_loads_read_before(t
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.bind("inproc://inbox")
     push.connect("inproc://inbox")
-    ahead = []
-    inbox = Inbox(pull, ahead.append)
+    ahead, started = [], threading.Event()
+
+    def read_ahead(msg):
+        ahead.append((msg.control_id, inbox._queue.qsize()))
+        started.set()
+
+    inbox = Inbox(pull, read_ahead)
     sent = [add("r1"), LoadAdapter(3, "b", "/x/b"), Abort(["r1"]), add("r2")]
     for msg in sent:
         push.send(encode(msg))
+    assert started.wait(120)  # (nothing taken before: what is queued then is all the inbox has put)
     taken = []
-    while len(taken) < len(sent):
+    for _ in range(120):  # a state, not a time: all four handed over (1 s waits, 120 s bound)
         taken += inbox.take(1000)
+        if len(taken) == len(sent):
+            break
     assert [type(m).__name__ for m in taken] == ["AddRequest", "LoadAdapter", "Abort", "AddRequest"]
-    assert [m.control_id for m in ahead] == [3] and inbox.take(0) == []
+    assert ahead == [(3, 1)] and inbox.take(0) == []  # its read started with only r1 queued: before it was
     push.send(b"not a message")
     with pytest.raises(Exception):
-        while not inbox.take(1000):
-            pass
+        for _ in range(120):
+            inbox.take(1000)
     push.close(linger=0)
 
 
@@ -299,7 +319,7 @@ def test_a_read_ahead_that_fails_to_start_still_hands_the_load_over():
     inbox = Inbox(pull, broken)
     push.send(encode(LoadAdapter(4, "b", "/x/b")))
     taken = []
-    while not taken:
-        taken = inbox.take(1000)
+    for _ in range(120):
+        taken = taken or inbox.take(1000)
     assert isinstance(taken[0], LoadAdapter) and taken[0].control_id == 4
     push.close(linger=0)

@@ -182,6 +182,7 @@ def test_a_waiter_that_goes_away_does_not_cancel_the_load(tmp_path, plugin):
             if resolver.calls:
                 break
             await asyncio.sleep(0.01)
+        assert resolver.calls, "the resolve never started"
         first.cancel()  # its client disconnected while the resolver works
         await asyncio.sleep(0)
         resolver.gate.set()

@@ -1,11 +1,13 @@
 """An upload's multipart body parsed as it arrives (server/http/uploads.py receive_form): the weights part
 lands in its file byte for byte and the fields in memory, however the body is cut into chunks and however far the
-parser falls behind; a malformed body is an UploadFormError, and an error reading the body stops the parser and is
-the one raised."""
+parser falls behind; a malformed body is an UploadFormError and the rest of it is not read; an error reading the
+body, or a cancellation, stops the parser and is the one raised; uploads in flight beyond the event loop's
+default thread pool all finish (each parser has a thread of its own)."""
 import asyncio
 import io
 import os
 import random
+import threading
 
 import httpx
 import pytest
@@ -58,7 +60,11 @@ def test_a_field_past_the_config_limit_is_kept_only_to_the_limit(tmp_path):
 
 
 @pytest.mark.parametrize("content_type, body, words", [
-    ("multipart/form-data", b"--x\r\n", "no boundary"),
+    ("multipart/form-data", b"--x\r\n", "boundary of 1 to 70"),
+    ("multipart/form-data; boundary=" + "x" * 71, b"--x\r\n", "boundary of 1 to 70"),
+    ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; name=a\r\n\r\nvvv", "closing boundary"),
+    ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; name=" + b"n" * 9000 + b"\r\n\r\nv\r\n"
+                                        b"--x--\r\n", "[Hh]eader"),
     ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data\r\n\r\nv\r\n--x--\r\n", '"name"'),
     ("multipart/form-data; boundary=x", b"--x\r\nContent-Disposition: form-data; name=a\r\n\r\n1\r\n"
                                         b"--x\r\nContent-Disposition: form-data; name=a\r\n\r\n2\r\n--x--\r\n", "twice"),
@@ -76,3 +82,63 @@ def test_an_error_reading_the_body_stops_the_parser_and_is_the_one_raised(tmp_pa
     content_type, body = body_of({"lora_name": "a"}, {CONFIG_FILE: b"{}", SAFETENSORS_FILE: bytes(2_000_000)})
     with pytest.raises(ConnectionResetError, match="client gone"):
         receive(content_type, chunked(body, 2, ConnectionResetError("client gone")), str(tmp_path))
+
+
+def test_a_refused_body_is_not_read_to_its_end(tmp_path):
+    pulled = []
+
+    async def body():
+        yield b"--x\r\nContent-Disposition: form-data; name=a\r\n\r\n1\r\n"
+        yield b"--x\r\nContent-Disposition: form-data; name=a\r\n\r\n2\r\n"  # twice: refused here
+        for i in range(100_000):
+            pulled.append(i)
+            yield b"z" * 1000
+            await asyncio.sleep(0)
+
+    with pytest.raises(UploadFormError, match="twice"):
+        receive("multipart/form-data; boundary=x", body(), str(tmp_path))
+    assert len(pulled) < 1000
+
+
+def test_a_cancelled_upload_stops_its_parser_before_the_cancellation_is_raised(tmp_path, monkeypatch):
+    monkeypatch.setattr(uploads, "CHUNKS_AHEAD", 1)
+    content_type, full = body_of({"lora_name": "a"}, {CONFIG_FILE: b"{}", SAFETENSORS_FILE: bytes(3_000_000)})
+    started = asyncio.Event()
+
+    async def body():
+        yield full[:200_000]
+        started.set()
+        await asyncio.Event().wait()  # the client stalls
+
+    async def main():
+        task = asyncio.ensure_future(receive_form(content_type, body(), str(tmp_path)))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return [t.name for t in threading.enumerate() if t.name == "loramux-upload"]
+
+    assert asyncio.run(main()) == []  # the parser's thread had ended: nothing writes into the directory any more
+
+
+def test_more_uploads_in_flight_than_the_default_thread_pool_all_finish(tmp_path):
+    content_type, full = body_of({"lora_name": "a"}, {CONFIG_FILE: b"{}", SAFETENSORS_FILE: bytes(300_000)})
+    uploads_in_flight = 40  # the default pool has min(32, cores + 4) threads
+
+    async def slow(barrier: asyncio.Event):
+        yield full[:1000]
+        await barrier.wait()  # every upload is under way before any ends
+        for at in range(1000, len(full), 4096):
+            yield full[at:at + 4096]
+
+    async def main():
+        barrier = asyncio.Event()
+        tasks = [asyncio.ensure_future(receive_form(content_type, slow(barrier), str(tmp_path / str(i))))
+                 for i in range(uploads_in_flight)]
+        await asyncio.sleep(0)
+        barrier.set()
+        return await asyncio.gather(*tasks)
+
+    for i in range(uploads_in_flight):
+        (tmp_path / str(i)).mkdir()
+    assert all(SAFETENSORS_FILE in parts for parts in asyncio.run(main()))

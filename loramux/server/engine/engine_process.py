@@ -206,7 +206,10 @@ class EngineCoreProc:
                      sorted(self.core.eos_token_ids), limits.priority_scheduling, seconds)
 
     def read_ahead(self, msg: LoadAdapter) -> None:
-        """The Inbox thread, as a load arrives (before `handle` takes it): its files start being read now."""
+        """The Inbox thread, as a load arrives (before `handle` takes it): its files start being read now (unless
+        the front end expects no read: the loaded name's own path again)."""
+        if not msg.read_ahead:
+            return
         ahead = self.core.read_ahead(msg.name, msg.path, msg.allowed_dirs)
         if ahead is not None:
             self._ahead[msg.control_id] = ahead

@@ -44,6 +44,7 @@ class LoadAdapter(msgspec.Struct, tag="load_adapter"):
     allowed_dirs: tuple[str, ...] = ()  # every file read, now and on a reload from disk, resolves inside one
     pinned: bool = False
     replace: bool = False  # vLLM's load_inplace
+    read_ahead: bool = True  # its files start being read as it arrives (False: the front end expects no read)
 
 
 class UnloadAdapter(msgspec.Struct, tag="unload_adapter"):

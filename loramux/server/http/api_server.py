@@ -483,13 +483,15 @@ class APIServer:
 
     # ---- adapters ---------------------------------------------------------------------------------
     async def load_adapter(self, name: str, path: str, pinned: bool, replace: bool = False,
-                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False, uri: str = "") -> str:
+                           allowed_dirs: tuple[str, ...] | None = None, resolved: bool = False, uri: str = "",
+                           again: bool = False) -> str:
         """allowed_dirs: the directories its files must resolve into (None: --allowed-adapter-dir; (): any, as
-        for --lora-modules at start). The registry records what the engine answers (a reload in place keeps
+        for --lora-modules at start). again: the loaded name's own path (the engine reads it only if its files
+        changed, so none is started ahead). The registry records what the engine answers (a reload in place keeps
         the pin of the adapter it replaces). -> the load's revision, name@rev."""
         dirs = self.config.allowed_adapter_dirs if allowed_dirs is None else tuple(allowed_dirs)
         started = time.monotonic()
-        result = await self._control(LoadAdapter(0, name, path, dirs, pinned, replace))
+        result = await self._control(LoadAdapter(0, name, path, dirs, pinned, replace, read_ahead=not again))
         if result.status is LoRAStatus.LOAD_BUSY:  # a pinned load that found no room within --lora-load-timeout
             raise HTTPError(503, result.message, "service_unavailable", "adapter_busy", {"Retry-After": "5"})
         if result.status is not LoRAStatus.SUCCESS:

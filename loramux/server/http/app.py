@@ -743,7 +743,7 @@ async def _load_from_path(server: APIServer, request: p.LoadLoRAAdapterRequest, 
     source = server.registry.get(name)
     kind = admin.load_kind(request, path, server.model_name, source.path if source else None)
     revision = await server.load_adapter(name, path, request.pinned, replace=kind == admin.REPLACE,
-                                         allowed_dirs=None if tenant is None else dirs)
+                                         allowed_dirs=None if tenant is None else dirs, again=kind == admin.AGAIN)
     return admin.loaded(name, kind, _revision_header(revision))
 
 

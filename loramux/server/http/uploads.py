@@ -18,15 +18,17 @@ import os
 import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.exceptions import FormParserError, MultipartParseError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from loramux.adapters.file_names import CONFIG_FILE, MAX_CONFIG_BYTES, SAFETENSORS_FILE
 
 MAX_PARTS = 8  # an upload has five (lora_name, load_inplace, pinned and the two files)
+MAX_HEADER_BYTES = 8192  # a part's header line
 CHUNKS_AHEAD = 64  # body chunks the event loop may queue ahead of the parser (a few MB)
 
 
@@ -87,10 +89,10 @@ class _FormWriter:
         self._disposition = b""
 
     def _header_field(self, data: bytes, start: int, end: int) -> None:
-        self._header += data[start:end]
+        self._header = _capped(self._header + data[start:end])
 
     def _header_value(self, data: bytes, start: int, end: int) -> None:
-        self._value += data[start:end]
+        self._value = _capped(self._value + data[start:end])
 
     def _header_end(self) -> None:
         if self._header.lower() == b"content-disposition":
@@ -127,58 +129,131 @@ class _FormWriter:
                 part.file.close()
 
 
-def _parse(boundary: bytes, chunks: queue.Queue, directory: str) -> dict[str, _Part]:
-    """The worker thread's side: parse the chunks until None. After an error it drains the queue (the event
-    loop may be blocked putting a chunk) and then raises it."""
-    writer = _FormWriter(directory)
-    parser = MultipartParser(boundary, writer.callbacks())
-    error = None
-    while (chunk := chunks.get()) is not None:
-        if error is None:
-            try:
-                parser.write(chunk)
-            except Exception as e:
-                error = e
-    try:
-        if error is None:
-            parser.finalize()
-    except Exception as e:
-        error = e
-    finally:
-        writer.close()
-    if isinstance(error, MultipartParseError):
-        raise UploadFormError(f"malformed multipart body: {error}")
-    if error is not None:
-        raise error
-    return writer.parts
+def _capped(header: bytes) -> bytes:
+    if len(header) > MAX_HEADER_BYTES:
+        raise UploadFormError(f"a part's header is over {MAX_HEADER_BYTES} bytes")
+    return header
+
+
+class _Reader:
+    """One upload's parse: a thread of its own (never the event loop's shared pool, which a few slow uploads
+    could fill) takes the chunks the event loop feeds it. Back-pressure needs no thread: the loop waits while
+    CHUNKS_AHEAD chunks are queued, and the parser reports what it has taken every REPORT_EVERY chunks and
+    whenever it has taken all there is.
+    `failed` is set as soon as the body is refused, so the loop stops reading it."""
+
+    REPORT_EVERY = 16
+
+    def __init__(self, boundary: bytes, directory: str):
+        self._loop = asyncio.get_running_loop()
+        self._chunks: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued, self._room = 0, asyncio.Event()  # (event-loop side) chunks not reported taken
+        self.failed = threading.Event()
+        self.finished: asyncio.Future = self._loop.create_future()
+        threading.Thread(target=self._run, args=(boundary, directory), name="loramux-upload", daemon=True).start()
+
+    async def feed(self, chunk: bytes) -> None:
+        while self._queued >= CHUNKS_AHEAD and not self.failed.is_set():
+            self._room.clear()
+            await self._room.wait()
+        self._queued += 1
+        self._chunks.put(chunk)
+
+    def end(self) -> None:
+        self._chunks.put(None)
+
+    def _taken(self, count: int) -> None:
+        self._queued -= count
+        self._room.set()
+
+    def _run(self, boundary: bytes, directory: str) -> None:
+        try:
+            outcome, error = self._parse(boundary, directory), None
+        except BaseException as e:
+            outcome, error = None, e
+        try:
+            self._loop.call_soon_threadsafe(_settle, self.finished, outcome, error)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    def _parse(self, boundary: bytes, directory: str) -> dict[str, _Part]:
+        """Every chunk is taken until None, after an error too (it is raised then)."""
+        writer, error, unreported = _FormWriter(directory), None, 0
+        try:
+            parser = MultipartParser(boundary, writer.callbacks())
+        except Exception as e:
+            parser, error = None, e
+            self._refuse()
+        while (chunk := self._chunks.get()) is not None:
+            if error is None:
+                try:
+                    parser.write(chunk)
+                except Exception as e:
+                    error = e
+                    self._refuse()
+            unreported += 1
+            if unreported == self.REPORT_EVERY or self._chunks.empty():  # (never blocks with chunks unreported)
+                self._loop.call_soon_threadsafe(self._taken, unreported)
+                unreported = 0
+        try:
+            if error is None:
+                parser.finalize()
+                if parser.state != MultipartState.END:
+                    error = UploadFormError("the multipart body ends before its closing boundary")
+        except Exception as e:
+            error = e
+        finally:
+            writer.close()
+        if isinstance(error, (MultipartParseError, FormParserError)):
+            raise UploadFormError(f"malformed multipart body: {error}")
+        if error is not None:
+            raise error
+        return writer.parts
+
+    def _refuse(self) -> None:
+        self.failed.set()
+        self._loop.call_soon_threadsafe(self._room.set)  # a loop waiting for room stops reading
+
+
+def _settle(future: asyncio.Future, outcome, error) -> None:
+    if not future.done():
+        future.set_exception(error) if error is not None else future.set_result(outcome)
 
 
 async def receive_form(content_type: str, body: AsyncIterator[bytes], directory: str) -> dict[str, _Part]:
     """The multipart body's parts, the weights part written into `directory` (its file, if the body has it).
-    UploadFormError for a body that is not multipart form data; what reading the body raises (its size limit,
-    a client gone) is raised after the parser has stopped."""
+    UploadFormError for a body that is not multipart form data (the rest of the body is not read then); what
+    reading the body raises (its size limit, a client gone) is raised once the parser has stopped. Whatever
+    happens, the parser has stopped and closed its file when this returns or raises."""
     _, options = parse_options_header(content_type)
-    if b"boundary" not in options:
-        raise UploadFormError("the multipart body's Content-Type has no boundary")
-    chunks: queue.Queue = queue.Queue(maxsize=CHUNKS_AHEAD)
-    parsed = asyncio.ensure_future(asyncio.to_thread(_parse, options[b"boundary"], chunks, directory))
+    boundary = options.get(b"boundary", b"")
+    if not 1 <= len(boundary) <= 70:  # RFC 2046
+        raise UploadFormError("the multipart body's Content-Type needs a boundary of 1 to 70 characters")
+    reader = _Reader(boundary, directory)
     try:
         async for chunk in body:
-            if parsed.done():  # refused already: the rest of the body is not read
+            if reader.failed.is_set():
                 break
-            await _put(chunks, chunk)
-    except BaseException:
-        await _put(chunks, None)
-        await asyncio.wait([parsed])
-        if not parsed.cancelled():
-            parsed.exception()  # (retrieved: the body's own error is the one raised)
-        raise
-    await _put(chunks, None)
-    return await parsed
+            await reader.feed(chunk)
+    finally:
+        reader.end()
+        await _uninterrupted(reader.finished)
+        error = reader.finished.exception()  # (retrieved: the body's own error, if any, is the one raised)
+    if error is not None:
+        raise error
+    return reader.finished.result()
 
 
-async def _put(chunks: queue.Queue, item) -> None:
-    try:
-        chunks.put_nowait(item)
-    except queue.Full:  # the parser is behind: wait for it off the event loop
-        await asyncio.to_thread(chunks.put, item)
+async def _uninterrupted(future: asyncio.Future) -> None:
+    """Wait until `future` is done, even through a cancellation (then raised after): the caller removes the
+    directory the parser writes into."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # the future's own error: the caller takes it from the future
+            pass
+    if cancelled:
+        raise asyncio.CancelledError
