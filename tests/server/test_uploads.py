@@ -157,3 +157,25 @@ def test_more_uploads_in_flight_than_the_default_thread_pool_all_finish(tmp_path
     for i in range(uploads_in_flight):
         (tmp_path / str(i)).mkdir()
     assert all(SAFETENSORS_FILE in parts for parts in asyncio.run(main()))
+
+
+def test_a_field_check_refuses_the_body_as_soon_as_the_field_has_arrived(tmp_path):
+    """check_field (the tenant's may-change rule on lora_name): what it raises is raised, and the weights after
+    the field are not read."""
+    pulled = []
+
+    def check(name, value):
+        if name == "lora_name" and value.startswith("beta/"):
+            raise PermissionError(f"{value!r} is not yours")
+
+    async def body():
+        yield b"--x\r\nContent-Disposition: form-data; name=lora_name\r\n\r\nbeta/policy\r\n"
+        yield b'--x\r\nContent-Disposition: form-data; name=adapter_model.safetensors; filename=w\r\n\r\n'
+        for i in range(100_000):
+            pulled.append(i)
+            yield b"w" * 1000
+            await asyncio.sleep(0)
+
+    with pytest.raises(PermissionError, match="not yours"):
+        asyncio.run(receive_form("multipart/form-data; boundary=x", body(), str(tmp_path), check))
+    assert len(pulled) < 1000

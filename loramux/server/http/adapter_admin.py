@@ -83,12 +83,18 @@ async def upload_form(raw: Request, limit: int, uploads: Uploads | None, may_cha
     """The multipart form of an upload: lora_name, optionally load_inplace and pinned (true / false), and the
     two files as parts named adapter_config.json and adapter_model.safetensors, written into a new directory of
     `uploads` as the body arrives. 400 naming what is wrong; may_change(name) raises the HTTPError of a caller
-    who may not change that adapter (the directory goes with either)."""
+    who may not change that adapter, as soon as lora_name has arrived (the directory goes with either, and the
+    rest of the body is not read)."""
     if not limit or uploads is None:
         raise HTTPError(400, "adapter uploads are off; start the server with --max-adapter-upload-bytes N")
     path = uploads.new_directory()
+
+    def check_field(name: str, value: str) -> None:
+        if name == "lora_name":
+            may_change(checked_name(value))
+
     try:
-        parts = await receive_form(raw.headers.get("content-type", ""), raw.stream(), path)
+        parts = await receive_form(raw.headers.get("content-type", ""), raw.stream(), path, check_field)
         upload = _upload(parts, path)
         may_change(upload.name)
         return upload

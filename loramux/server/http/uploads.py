@@ -19,7 +19,7 @@ import queue
 import shutil
 import tempfile
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from python_multipart.exceptions import FormParserError, MultipartParseError
@@ -74,8 +74,8 @@ class _FormWriter:
     """python-multipart's callbacks: fields and adapter_config.json kept in memory (bounded), the weights part
     written into `directory` as it is parsed. `parts` maps each part's name to its _Part, in order."""
 
-    def __init__(self, directory: str):
-        self.directory = directory
+    def __init__(self, directory: str, check_field: Callable[[str, str], None] | None = None):
+        self.directory, self.check_field = directory, check_field
         self.parts: dict[str, _Part] = {}
         self._header, self._value, self._disposition = b"", b"", b""
         self._part: _Part | None = None
@@ -120,8 +120,11 @@ class _FormWriter:
             part.data += memoryview(data)[start:end]
 
     def _end(self) -> None:
-        if self._part.file is not None:
-            self._part.file.close()
+        part = self._part
+        if part.file is not None:
+            part.file.close()
+        elif self.check_field is not None and not part.is_file:
+            self.check_field(part.name, part.data.decode("utf-8", "replace"))
 
     def close(self) -> None:
         for part in self.parts.values():
@@ -144,7 +147,8 @@ class _Reader:
 
     REPORT_EVERY = 16
 
-    def __init__(self, boundary: bytes, directory: str):
+    def __init__(self, boundary: bytes, directory: str, check_field: Callable[[str, str], None] | None):
+        self._check_field = check_field
         self._loop = asyncio.get_running_loop()
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._queued, self._room = 0, asyncio.Event()  # (event-loop side) chunks not reported taken
@@ -178,7 +182,7 @@ class _Reader:
 
     def _parse(self, boundary: bytes, directory: str) -> dict[str, _Part]:
         """Every chunk is taken until None, after an error too (it is raised then)."""
-        writer, error, unreported = _FormWriter(directory), None, 0
+        writer, error, unreported = _FormWriter(directory, self._check_field), None, 0
         try:
             parser = MultipartParser(boundary, writer.callbacks())
         except Exception as e:
@@ -220,16 +224,18 @@ def _settle(future: asyncio.Future, outcome, error) -> None:
         future.set_exception(error) if error is not None else future.set_result(outcome)
 
 
-async def receive_form(content_type: str, body: AsyncIterator[bytes], directory: str) -> dict[str, _Part]:
+async def receive_form(content_type: str, body: AsyncIterator[bytes], directory: str,
+                       check_field: Callable[[str, str], None] | None = None) -> dict[str, _Part]:
     """The multipart body's parts, the weights part written into `directory` (its file, if the body has it).
-    UploadFormError for a body that is not multipart form data (the rest of the body is not read then); what
+    check_field(name, value) is called on the parser's thread as each field ends: what it raises refuses the body
+    there. UploadFormError for a body that is not multipart form data (the rest of the body is not read then); what
     reading the body raises (its size limit, a client gone) is raised once the parser has stopped. Whatever
     happens, the parser has stopped and closed its file when this returns or raises."""
     _, options = parse_options_header(content_type)
     boundary = options.get(b"boundary", b"")
     if not 1 <= len(boundary) <= 70:  # RFC 2046
         raise UploadFormError("the multipart body's Content-Type needs a boundary of 1 to 70 characters")
-    reader = _Reader(boundary, directory)
+    reader = _Reader(boundary, directory, check_field)
     try:
         async for chunk in body:
             if reader.failed.is_set():
