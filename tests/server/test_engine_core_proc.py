@@ -1,5 +1,6 @@
 """The engine process's loop, driven step by step in this process (no ZMQ, no HTTP), and its Inbox thread."""
 import threading
+import time
 
 import pytest
 
@@ -298,10 +299,15 @@ def test_the_inbox_hands_messages_over_in_order_and_starts_a_loads_read_before(t
             break
     assert [type(m).__name__ for m in taken] == ["AddRequest", "LoadAdapter", "Abort", "AddRequest"]
     assert ahead == [(3, 1)] and inbox.take(0) == []  # its read started with only r1 queued: before it was
+    push.send(encode(add("r3")))
     push.send(b"not a message")
+    for _ in range(120):  # r3 first, on its own; the bad message at the take after
+        if inbox._queue.qsize() == 2:
+            break
+        time.sleep(0.5)
+    assert [m.request_id for m in inbox.take(1000)] == ["r3"]
     with pytest.raises(Exception):
-        for _ in range(120):
-            inbox.take(1000)
+        inbox.take(1000)
     push.close(linger=0)
 
 

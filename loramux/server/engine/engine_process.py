@@ -107,6 +107,7 @@ class Inbox:
     def __init__(self, socket: zmq.Socket, read_ahead):
         self._socket, self._read_ahead = socket, read_ahead
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._failed: Exception | None = None
         threading.Thread(target=self._receive, name="loramux-inbox", daemon=True).start()
 
     def _receive(self) -> None:
@@ -129,20 +130,23 @@ class Inbox:
             logger.warning("load %s: its files could not start being read ahead: %s", msg.name, traceback.format_exc())
 
     def take(self, timeout_ms: int) -> list:
-        """The messages that arrived, waiting up to timeout_ms for the first (0: none)."""
+        """The messages that arrived, waiting up to timeout_ms for the first (0: none). One that could not be
+        decoded is raised once those before it have been handed over (at the next take)."""
+        if self._failed is not None:
+            raise self._failed
         try:
-            first = self._queue.get(timeout=timeout_ms / 1000) if timeout_ms else self._queue.get_nowait()
+            taken = [self._queue.get(timeout=timeout_ms / 1000) if timeout_ms else self._queue.get_nowait()]
         except queue.Empty:
             return []
-        taken = [first]
-        while True:
+        while not isinstance(taken[-1], Exception):
             try:
                 taken.append(self._queue.get_nowait())
             except queue.Empty:
                 break
-        for msg in taken:
-            if isinstance(msg, Exception):
-                raise msg
+        if isinstance(taken[-1], Exception):
+            self._failed = taken.pop()
+            if not taken:
+                raise self._failed
         return taken
 
 
