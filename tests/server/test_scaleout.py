@@ -162,6 +162,9 @@ def test_load_and_unload_reach_every_replica(http, files, oracle):
     assert with_id.status_code == 400 and "lora_int_id" in with_id.json()["error"]["message"]
     bad = http.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": files["allowed"] + "/nowhere"})
     assert bad.status_code == 400 and "bad" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+    upload = http.post("/v1/load_lora_adapter", data={"lora_name": "pushed"},
+                       files={"adapter_config.json": b"{}", "adapter_model.safetensors": b""})
+    assert upload.status_code == 400 and "uploads are not taken by the Ray Serve ingress" in upload.text
     for _ in range(4):  # whichever replicas it reaches
         assert complete(http, "hello", "other")[0] == 200
     assert http.post("/v1/pin_lora_adapter", json={"lora_name": "other"}).status_code == 200  # applied everywhere

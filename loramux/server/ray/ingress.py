@@ -295,8 +295,15 @@ class Ingress:
         return p.model_card(model_id, entry.path, base["model_name"])
 
     # ---- admin ----------------------------------------------------------------------------------
-    async def load(self, request: p.LoadLoRAAdapterRequest, raw: Request) -> Response:
-        """Registered cluster-wide, and loaded on one replica now: the engine's refusal, if any, is the answer."""
+    async def load(self, raw: Request) -> Response:
+        """Registered cluster-wide, and loaded on one replica now: the engine's refusal, if any, is the answer.
+        A path or URI every replica can read; an upload (multipart) is refused: its files would live on the
+        ingress's node alone."""
+        if raw.headers.get("content-type", "").startswith("multipart/"):
+            raise HTTPError(400, "adapter uploads are not taken by the Ray Serve ingress: the replicas could not read "
+                                 "files written on its node; push to `loramux serve`, or load a path or URI that "
+                                 "every replica can read")
+        request = await admin.load_request(raw)
         name, tenant = admin.checked_name(request.lora_name), tenant_of(raw)
         check_admin(tenant, name)
         dirs = load_dirs(tenant, self.config.allowed_adapter_dirs)
