@@ -7,7 +7,7 @@ Each upload is a directory of its own. A name keeps the directories of its curre
 revisions the engine keeps, and of one more (requests still running on the revision that just left may read it
 back); older ones go at the next upload of the name, all of them when it is unloaded.
 
-The body is parsed as it arrives, on a worker thread (parsing tens of MB in the event loop would hold every
+The body is parsed as it arrives, on a thread of its own (parsing tens of MB in the event loop would hold every
 stream's tokens meanwhile), and the weights part is written straight into its file: one copy of the bytes
 from the socket to the file (a spooled body, a parser's part file and a copy into place were three).
 """
@@ -148,13 +148,13 @@ class _Reader:
     REPORT_EVERY = 16
 
     def __init__(self, boundary: bytes, directory: str, check_field: Callable[[str, str], None] | None):
-        self._check_field = check_field
         self._loop = asyncio.get_running_loop()
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._queued, self._room = 0, asyncio.Event()  # (event-loop side) chunks not reported taken
         self.failed = threading.Event()
         self.finished: asyncio.Future = self._loop.create_future()
-        threading.Thread(target=self._run, args=(boundary, directory), name="loramux-upload", daemon=True).start()
+        threading.Thread(target=self._run, args=(_FormWriter(directory, check_field), boundary), name="loramux-upload",
+                         daemon=True).start()
 
     async def feed(self, chunk: bytes) -> None:
         while self._queued >= CHUNKS_AHEAD and not self.failed.is_set():
@@ -170,9 +170,9 @@ class _Reader:
         self._queued -= count
         self._room.set()
 
-    def _run(self, boundary: bytes, directory: str) -> None:
+    def _run(self, writer: _FormWriter, boundary: bytes) -> None:
         try:
-            outcome, error = self._parse(boundary, directory), None
+            outcome, error = self._parse(writer, boundary), None
         except BaseException as e:
             outcome, error = None, e
         try:
@@ -180,9 +180,9 @@ class _Reader:
         except RuntimeError:  # the event loop is closed: the server is gone
             pass
 
-    def _parse(self, boundary: bytes, directory: str) -> dict[str, _Part]:
+    def _parse(self, writer: _FormWriter, boundary: bytes) -> dict[str, _Part]:
         """Every chunk is taken until None, after an error too (it is raised then)."""
-        writer, error, unreported = _FormWriter(directory, self._check_field), None, 0
+        error, unreported = None, 0
         try:
             parser = MultipartParser(boundary, writer.callbacks())
         except Exception as e:
@@ -244,9 +244,7 @@ async def receive_form(content_type: str, body: AsyncIterator[bytes], directory:
     finally:
         reader.end()
         await _uninterrupted(reader.finished)
-        error = reader.finished.exception()  # (retrieved: the body's own error, if any, is the one raised)
-    if error is not None:
-        raise error
+        reader.finished.exception()  # (retrieved: where the body raised, its own error is the one raised)
     return reader.finished.result()
 
 
