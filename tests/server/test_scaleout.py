@@ -215,8 +215,8 @@ def test_a_killed_replica_gives_503_and_serve_starts_another(http, oracle):
     assert status == 503 and "replica" in body["error"]["message"], body
     wait_until(lambda: complete(http, prompt, adapter)[0] == 200, 120, "the adapter served again", interval=0.5)
     assert complete(http, prompt, adapter)[2]["choices"][0]["text"] == expected
-    wait_until(lambda: len(replicas(http)) == 2 and replica not in replicas(http), 120, "a new replica in its place",
-               interval=0.5)
+    wait_until(lambda: len(now := replicas(http)) == 2 and replica not in now, 120,  # one look at /metrics
+               "a new replica in its place", interval=0.5)
 
 
 def test_an_adapter_nobody_registered_is_resolved_by_the_ingress_and_served(http, files):
@@ -271,7 +271,7 @@ def test_a_tenants_limits_hold_for_the_whole_deployment(server):
         wait_until(refused_here, 30, "the ingress refusing once a replica's report counts the tokens", interval=0.3)
 
 
-def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deployment, files):
+def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deployment, files, http):
     """A tenant added to the file: its key is refused, then, after SIGHUP to the deployment's process, accepted
     by the ingress and by both replicas (base-model requests land on either)."""
     proc, url = deployment
@@ -293,7 +293,7 @@ def test_sighup_reloads_the_tenants_file_on_the_ingress_and_every_replica(deploy
             wait_until(everywhere, 60, "the new tenant's key accepted by the ingress and both replicas", interval=0.5)
         except AssertionError as e:  # what was refused where names the cause
             seen = [(status, replica, body.get("error")) for status, replica, body in last]
-            raise AssertionError(f"{e}; the last answers: {seen}; replicas reporting: {sorted(replicas(beta))}") from e
+            raise AssertionError(f"{e}; the last answers: {seen}; replicas reporting: {sorted(replicas(http))}") from e
 
 
 def registry_pid(http) -> int | None:

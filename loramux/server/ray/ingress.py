@@ -106,6 +106,10 @@ class AdapterRegistry:
         """(the generation, the records, the tenants file's generation): what a replica follows, in one call."""
         return self.records.generation, dict(self.records), self.tenants_generation
 
+    def tenants(self) -> int:
+        """The tenants file's generation (a starting replica's baseline, taken before it reads the file)."""
+        return self.tenants_generation
+
     def reload_tenants(self) -> int:
         """Every replica reads its tenants file again (it follows tenants_generation)."""
         self.tenants_generation += 1

@@ -53,9 +53,12 @@ class ServeReplica:
             return await self._load(name)
 
         self.load_adapter = serve.multiplexed(max_num_models_per_replica=max_adapters)(load)
+        self.registry = registry
+        # taken before the app reads the tenants file: a SIGHUP while this replica starts moves the registry's
+        # generation past it, and the first round of _follow_registry reads the file again
+        self._tenants_seen: int = await registry.tenants.remote()
         self.app = build_app(engine_config, server_config)
         self.server = self.app.state.server
-        self.registry = registry
         self.replica_id = serve.get_replica_context().replica_tag
         self.entries: dict[str, AdapterRecord] = {}  # what the ingress last told us of each adapter
         self.loaded: dict[str, int] = {}  # adapter -> version loaded in this engine
@@ -150,14 +153,13 @@ class ServeReplica:
     async def _follow_registry(self) -> None:
         """Every REPORT_INTERVAL_S: apply the registry (unload what left it, reload new versions, pins), then
         report this replica's state with the registry generation it has applied."""
-        tenants = None
         while True:
             try:
                 generation, current, latest = await self.registry.snapshot.remote()
                 await self._apply(current)
-                if tenants is not None and latest != tenants:
+                if latest != self._tenants_seen:
                     self.server.reload_tenants()  # SIGHUP to the deployment (ingress.reload_tenants)
-                tenants = latest
+                    self._tenants_seen = latest
                 await self.registry.report.remote(self.replica_id, {**await self._stats(), "applied": generation})
             except Exception as e:  # the registry restarting, an adapter failing to reload: next round
                 logger.warning("replica %s: following the adapter registry failed: %s", self.replica_id, e)
