@@ -25,10 +25,10 @@ class Registry:
     """The AdapterRegistry's calls a replica makes; reload_tenants() is SIGHUP reaching the registry."""
 
     def __init__(self):
-        self.generation, self.reports = 0, []
+        self.generation, self.reported = 0, asyncio.Event()
         self.tenants = Remote(lambda: self.generation)
         self.snapshot = Remote(lambda: (0, {}, self.generation))
-        self.report = Remote(lambda rid, state: self.reports.append(state))
+        self.report = Remote(lambda rid, state: self.reported.set())
 
     def reload_tenants(self):
         self.generation += 1
@@ -71,8 +71,7 @@ def app_builder(after_build):
 async def started_replica(registry) -> Replica:
     replica = Replica.__new__(Replica)
     await replica.__init__(None, None, registry)  # (Serve awaits an async constructor so)
-    while not registry.reports:  # the follower's first round
-        await asyncio.sleep(0)
+    await asyncio.wait_for(registry.reported.wait(), 60)  # the follower's first round (a round that fails retries)
     replica._follower.cancel()
     return replica
 
