@@ -76,6 +76,21 @@ async def started_replica(registry) -> Replica:
     return replica
 
 
+def test_a_replica_starts_when_the_registry_does_not_say_the_tenants_generation(monkeypatch):
+    """The registry restarting as the replica starts: it starts anyway, and its first round reads the file again
+    (a SIGHUP it could not know of may have come)."""
+    registry = Registry()
+
+    def failing():
+        raise RuntimeError("the registry's actor died")
+
+    registry.tenants = Remote(failing)
+    monkeypatch.setattr(replica_module, "build_app", app_builder(lambda: None))
+    monkeypatch.setattr(replica_module.serve, "get_replica_context", lambda: SimpleNamespace(replica_tag="r1"))
+    replica = asyncio.run(started_replica(registry))
+    assert replica.server.tenants_reads == 2
+
+
 @pytest.mark.parametrize("sighup_after_the_file_is_read", [False, True])
 def test_a_sighup_while_a_replica_starts_is_followed(monkeypatch, sighup_after_the_file_is_read):
     """The tenants file is read when the replica's server is built; the follower starts once its engine has. A SIGHUP

@@ -56,7 +56,7 @@ class ServeReplica:
         self.registry = registry
         # taken before the app reads the tenants file: a SIGHUP while this replica starts moves the registry's
         # generation past it, and the first round of _follow_registry reads the file again
-        self._tenants_seen: int = await registry.tenants.remote()
+        self._tenants_seen: int | None = await _tenants_generation(registry)
         self.app = build_app(engine_config, server_config)
         self.server = self.app.state.server
         self.replica_id = serve.get_replica_context().replica_tag
@@ -198,6 +198,15 @@ class ServeReplica:
         if self._follower is not None:
             self._follower.cancel()
         await self.server.stop()
+
+
+async def _tenants_generation(registry) -> int | None:
+    """The registry's tenants generation; None if it failed to answer (the first round then reads the file again)."""
+    try:
+        return await registry.tenants.remote()
+    except Exception as e:  # the registry restarting: a replica still starts
+        logger.warning("the adapter registry did not say its tenants generation (%s): the file is read again", e)
+        return None
 
 
 def _error_body(e: HTTPError) -> bytes:
