@@ -1,7 +1,7 @@
 """The front end's logprob layouts (server/http/logprobs.py) against a plain per-entry way of writing them: the same
-objects for random rows, with -inf, NaN and values whose sum overflows among them, ids whose texts collide (special tokens dropped
-to "", two ids one text), `top` cuts and echo's first token. The served layouts themselves (field names, what
-vLLM and OpenAI clients read) are tested in test_openai_fields.py."""
+objects for random rows, with -inf, NaN and values whose sum overflows among them, ids whose texts collide
+(special tokens dropped to "", two ids one text), `top` cuts and echo's first token. The served layouts themselves
+(field names, what vLLM and OpenAI clients read) are tested in test_openai_fields.py."""
 import math
 import random
 

@@ -79,7 +79,8 @@ class LogprobFormatter:
         decoded_token}} for the token itself and its top alternatives (`top` at most)."""
         texts = self._texts[skip_special]
         out: list = [None]
-        for token_id, logprob, rank, ids, values in zip(lp.token_ids, lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs):
+        rows = zip(lp.token_ids, lp.logprobs, lp.ranks, lp.top_ids, lp.top_logprobs)
+        for token_id, logprob, rank, ids, values in rows:
             entry = {str(t): {"logprob": v, "rank": r, "decoded_token": texts[t]}
                      for r, (t, v) in enumerate(zip(ids[:top], _finite_row(values[:top])), 1)}
             entry[str(token_id)] = {"logprob": _finite(logprob), "rank": rank, "decoded_token": texts[token_id]}
