@@ -73,6 +73,12 @@ def _memory(device: torch.device) -> tuple[int, str]:
     return props.total_memory, props.name
 
 
+def _runtime_source(path: str, allowed_dirs: tuple[str, ...]) -> Source:
+    """A runtime load's files: safetensors only, every file inside allowed_dirs. One place, so that a read started
+    ahead (read_ahead) reads under the rule the load it stands in for would have."""
+    return Source(path, False, tuple(allowed_dirs))
+
+
 def _with_startup_targets(lora: LoRAConfig | None, paths: tuple[str, ...]) -> tuple[LoRAConfig | None, dict]:
     """lora with whatever of embed_tokens, lm_head and experts the start-up adapters at `paths` have LoRA on
     added to its targets; and path -> what it added for that adapter."""
@@ -434,12 +440,12 @@ class EngineCore:
         """A runtime load (safetensors only, every file inside allowed_dirs): read on the loader thread, so the
         running streams keep stepping; the future's LoRAResult comes once it is installed between steps.
         ahead: read_ahead's future for these files, if the caller started one."""
-        return self.loader.load(name, Source(path, False, tuple(allowed_dirs)), replace, pinned, ahead)
+        return self.loader.load(name, _runtime_source(path, allowed_dirs), replace, pinned, ahead)
 
     def read_ahead(self, name: str, path: str, allowed_dirs: tuple[str, ...] = ()) -> Future | None:
         """Start reading a runtime load's files now, from any thread (the engine process's inbox, while a step
         runs); None with LoRA off."""
-        return self.loader.read_ahead(name, Source(path, False, tuple(allowed_dirs)))
+        return self.loader.read_ahead(name, _runtime_source(path, allowed_dirs))
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); how many there were."""
