@@ -35,6 +35,13 @@ def _adapter_args(adapters) -> None:
     adapters.add_argument("--max-cpu-lora-bytes", type=int, default=None,
                           help="host memory for adapters in bytes too (default: counted by --max-cpu-loras only); the "
                                "least recently used leave until a new one fits")
+    adapters.add_argument("--max-lora-spill-bytes", type=int, default=LoRAConfig.max_spill_bytes,
+                          help="disk for the built host copies of adapters that left host memory (default 4 GiB): "
+                               "one that comes back with its files unchanged is read from there, not built again; "
+                               "0 = off")
+    adapters.add_argument("--lora-spill-dir", default=None, metavar="DIR",
+                          help="where that disk is (an anonymous file, gone with the process; default: "
+                               "~/.cache/loramux/spill); on a tmpfs the copies would stay in memory")
     adapters.add_argument("--max-lora-rank", type=int, default=64)
     adapters.add_argument("--lora-load-timeout", type=float, default=60.0, metavar="SECONDS",
                           help="how long a pinned load waits for host memory and a device slot held by requests in "
@@ -105,7 +112,8 @@ def _engine_config(args, usage: str) -> EngineConfig:
                       max_lora_rank=args.max_lora_rank, target_modules=targets,
                       max_module_copies_bytes=args.max_module_copies_bytes,
                       max_cpu_lora_bytes=args.max_cpu_lora_bytes, lora_dtype=args.lora_dtype,
-                      load_timeout_s=args.lora_load_timeout, keep_revisions=args.lora_keep_revisions)
+                      load_timeout_s=args.lora_load_timeout, keep_revisions=args.lora_keep_revisions,
+                      max_spill_bytes=args.max_lora_spill_bytes, spill_dir=args.lora_spill_dir)
     budget = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
     grammar = GrammarLimits(**{field: getattr(args, flag[2:].replace("-", "_")) for flag, _, field, _ in _GRAMMAR_LIMITS})
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, lora=lora, quantization=args.quantization,

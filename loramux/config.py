@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 # The seven Llama-family projections PEFT users target most; names as in HF transformers.
@@ -94,6 +95,15 @@ class LoRAConfig:
     max_cpu_lora_bytes: int | None = None
     """Host tier in bytes too (None: by count only): the least recently used adapters leave until the new one
     fits. Sizes differ by orders of magnitude (q/v LoRA against every MoE expert and a saved head)."""
+    max_spill_bytes: int = 4 << 30
+    """Disk for the host copies of adapters that left host memory, as they were built (adapters/spill.py): one
+    that comes back while its files look unchanged is read from there in one read instead of being parsed,
+    checked and built again from its files (about a tenth of the CPU). Least recently read leave first; 0 = off
+    (every read-back reads the adapter's own files)."""
+    spill_dir: str | None = None
+    """Where that disk is: an anonymous file (gone with the process) is made in this directory. None: loramux's
+    cache directory ($XDG_CACHE_HOME/loramux/spill, or ~/.cache/loramux/spill). Put it on a disk: on a tmpfs
+    the copies stay in memory."""
     max_lora_rank: int = 64
     """Slot buffers are padded to this rank; adapters of higher rank are refused at load."""
     target_modules: tuple[str, ...] | None = None
@@ -134,6 +144,8 @@ class LoRAConfig:
         _check_positive("max_lora_rank", self.max_lora_rank)
         if self.max_cpu_lora_bytes is not None:
             _check_positive("max_cpu_lora_bytes", self.max_cpu_lora_bytes)
+        if not isinstance(self.max_spill_bytes, int) or self.max_spill_bytes < 0:
+            raise ValueError(f"max_spill_bytes must be an integer >= 0, got {self.max_spill_bytes!r}")
         if not isinstance(self.max_module_copies_bytes, int) or self.max_module_copies_bytes < 0:
             raise ValueError(f"max_module_copies_bytes must be an integer >= 0, got {self.max_module_copies_bytes!r}")
         if self.lora_dtype not in LORA_DTYPES:
@@ -151,6 +163,11 @@ class LoRAConfig:
     @property
     def targets(self) -> tuple[str, ...]:
         return self.target_modules or DEFAULT_TARGET_MODULES
+
+    @property
+    def spill_directory(self) -> str:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        return self.spill_dir or os.path.join(cache, "loramux", "spill")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -50,6 +50,14 @@ class ModuleLoRA:
         return self.b.shape[-1]
 
 
+class Structure(NamedTuple):
+    """Which tensors an adapter has, in AdapterWeights.tensors()' order (adapters of one shape share it)."""
+
+    modules: tuple[str, ...]
+    scaled: tuple[bool, ...]  # each module's: whether it has a DoRA scale
+    copies: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class AdapterWeights:
     """An adapter in host memory, keyed by the model's module names (e.g. model.layers.0.self_attn.q_proj).
@@ -79,6 +87,23 @@ class AdapterWeights:
     @property
     def copies_nbytes(self) -> int:
         return sum(t.nbytes for t in self.copies.values())
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, in one order: each module's a, b and scale (if any), then the copies."""
+        found = [t for m in self.modules.values() for t in (m.a, m.b, m.scale) if t is not None]
+        return found + list(self.copies.values())
+
+    def structure(self) -> Structure:
+        """Where each of tensors() goes (with an empty copy of this adapter, what assemble() needs)."""
+        return Structure(tuple(self.modules), tuple(m.scale is not None for m in self.modules.values()),
+                         tuple(self.copies))
+
+    def assemble(self, structure: Structure, tensors: Iterable[torch.Tensor]) -> AdapterWeights:
+        """This adapter (its fields but the tensors) over `tensors`, placed as structure() and tensors() say."""
+        found = iter(tensors)
+        modules = {k: ModuleLoRA(next(found), next(found), next(found) if scaled else None)
+                   for k, scaled in zip(structure.modules, structure.scaled)}
+        return replace(self, modules=modules, copies={k: next(found) for k in structure.copies})
 
     def pinned(self) -> AdapterWeights:
         """The same, in page-locked host memory (needs CUDA): slot writes to a GPU become DMA copies that

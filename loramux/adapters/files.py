@@ -98,6 +98,27 @@ def unchanged(now: Signature, then: Signature | None) -> bool:
     return all(stat is None or stat[2] < then.taken_ns - RACY_NS for stat in then.stats)
 
 
+def digest_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
+                   max_weight_bytes: int | None = None) -> str:
+    """read_adapter's digest of the adapter at `path`, from the same files read the same way, but nothing parsed
+    or built (about a third of a read's CPU): whether the files still hold what an earlier read saw."""
+    seen = hashlib.sha256()
+    if isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path):
+        read_bytes(path, allowed_dirs, max_weight_bytes, seen)
+        stem = path.removesuffix(".safetensors")
+        sidecar = os.path.join(os.path.dirname(path), CONFIG_FILE) if path.endswith(SAFETENSORS_FILE) else stem + ".json"
+        if os.path.lexists(sidecar):
+            read_bytes(sidecar, allowed_dirs, MAX_CONFIG_BYTES, seen)
+        return seen.hexdigest()
+    _check_dir(path)
+    read_bytes(os.path.join(path, CONFIG_FILE), allowed_dirs, MAX_CONFIG_BYTES, seen)
+    weights = os.path.join(path, SAFETENSORS_FILE)
+    if not os.path.lexists(weights) and allow_pickle:
+        weights = os.path.join(path, PICKLE_FILE)
+    read_bytes(weights, allowed_dirs, max_weight_bytes, seen)
+    return seen.hexdigest()
+
+
 def read_adapter_dir(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
                      max_weight_bytes: int | None = None, seen=None) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read adapter_config.json and the weights. Pickle only when asked, and then weights_only.

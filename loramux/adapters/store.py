@@ -14,15 +14,17 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace as replaced
+from typing import NamedTuple
 
 import torch
 
 from loramux.adapters.cache import AdapterCache, CacheBusyError, CacheFullError, Changes
 from loramux.adapters.checkpoint import AdapterWeights, build_adapter
-from loramux.adapters.files import AdapterPathError, Signature, read_adapter, signature, unchanged
+from loramux.adapters.files import AdapterPathError, Signature, digest_adapter, read_adapter, signature, unchanged
 from loramux.adapters.names import AdapterRef, split_revision
 from loramux.adapters.peft_config import InvalidAdapterError
 from loramux.adapters.slots import AdapterSlots
+from loramux.adapters.spill import SpillFile
 from loramux.adapters.status import LoRAResult, LoRAStatus
 from loramux.config import LoRAConfig
 
@@ -43,6 +45,12 @@ class Source:
     def same_place(self, other: Source) -> bool:
         """The same weights: the same files, and for a lone file the same alpha (it changes the math)."""
         return os.path.realpath(self.path) == os.path.realpath(other.path) and self.lora_alpha == other.lora_alpha
+
+
+class _Look(NamedTuple):
+    """How an identity's files looked when they were found to hold what was loaded (None: changing)."""
+
+    signature: Signature | None
 
 
 class AdapterChangedError(RuntimeError):
@@ -81,6 +89,7 @@ class AdapterStore:
         self._copies_bytes: dict[AdapterRef, int] = {}  # bytes of each identity's whole-module copies, any tier
         self._digests: dict[AdapterRef, str] = {}  # what its files held when it was loaded (files.AdapterFiles)
         self._signatures: dict[AdapterRef, Signature | None] = {}  # how they looked then (files.signature)
+        self.spill = SpillFile(config.spill_directory, config.max_spill_bytes, slots.device.type == "cuda")
         # Counters for metrics: disk reads (first loads and reloads), and adapters pushed out of a tier.
         self.stats = {"loads": 0, "host_evictions": 0, "slot_evictions": 0}
 
@@ -423,6 +432,7 @@ class AdapterStore:
 
     def _remove(self, ref: AdapterRef) -> None:
         self._apply(self.cache.remove(ref))
+        self.spill.forget(ref)
         for record in (self._sources, self._modules, self._invocations, self._copies_bytes, self._digests,
                        self._signatures):
             record.pop(ref, None)
@@ -494,11 +504,32 @@ class AdapterStore:
     def read_back(self, ref: AdapterRef) -> AdapterWeights:
         """Read an identity evicted from host memory from disk again, under the rules it was loaded with (a
         loader thread may run this; KeyError if it has no disk copy). AdapterChangedError if the files no
-        longer hold what was loaded: never the old identity with new weights."""
-        weights = self.read(ref.name, self._sources[ref], (self._signatures.get(ref), self._digests.get(ref)))
+        longer hold what was loaded: never the old identity with new weights. While they still hold it, the
+        copy built when it was loaded comes from the spill file instead, if it has one there."""
+        source, known = self._sources[ref], self._signatures.get(ref)
+        if ref in self.spill and (look := self._still_loaded(ref, source, known)) and \
+                (weights := self.spill.read(ref)) is not None:
+            return replaced(weights, signature=look.signature)
+        weights = self.read(ref.name, source, (known, self._digests.get(ref)))
         if weights.digest != self._digests.get(ref):
             raise AdapterChangedError(ref, weights)
         return weights
+
+    def _still_loaded(self, ref: AdapterRef, source: Source, known: Signature | None) -> _Look | None:
+        """Whether `ref`'s files still hold what was loaded, without building them: they look unchanged, or
+        (a look not to trust: files copied a moment before their load, say) their bytes hash to its digest.
+        With the look to record (None: changing); None when they may hold something else."""
+        before = signature(source.path)
+        if unchanged(before, known):
+            return _Look(before)
+        try:
+            digest = digest_adapter(source.path, source.allow_pickle, source.allowed_dirs,
+                                    self.slots.max_weight_bytes())
+        except Exception:  # gone or unreadable: the full read says why
+            return None
+        if digest != self._digests.get(ref):
+            return None
+        return _Look(before if signature(source.path).stats == before.stats else None)
 
     def renew(self, ref: AdapterRef, weights: AdapterWeights) -> LoRAResult:
         """`ref`'s files changed on disk: what they hold now becomes a new identity of its name (as a reload in
@@ -525,7 +556,9 @@ class AdapterStore:
         self.stats["slot_evictions"] += sum(u.adapter is None and u.slot in refilled for u in changes.slots)
         self.stats["host_evictions"] += len(changes.dropped)
         for ref in changes.dropped:
-            del self._weights[ref]
+            weights = self._weights.pop(ref)
+            if ref in self._sources:  # (read back from there later: the built copy saves the build)
+                self.spill.hold(ref, weights)
         for update in changes.slots:
             if update.adapter is None:
                 self.slots.clear(update.slot)

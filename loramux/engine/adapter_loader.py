@@ -5,8 +5,10 @@ waiting requests need back (the scheduler asks `readiness(ref)`, which starts it
 waiting requests' adapters: a read ahead of the head of the queue only where it finds room the next waiting
 requests do not want, AdapterCache.room_ahead), and a new load (a runtime load from the admin route). Reads
 run one at a time on the loader thread and touch nothing of the store's; what they produced is installed by
-the step loop between steps (`install_ready`), where the cache and the store change. Meanwhile every running
-stream keeps stepping, and a request waits in the queue until its adapter is in host memory.
+the step loop between steps (`install_ready`), where the cache and the store change. The same thread writes
+the host copies that leave host memory to the store's spill file (adapters/spill.py), which reads back of
+files that look unchanged read instead. Meanwhile every running stream keeps stepping, and a request waits in
+the queue until its adapter is in host memory.
 
 Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays
 read and is installed as soon as they finish (the scheduler stops admitting new work for it when the head of
@@ -46,6 +48,7 @@ class AdapterLoader:
         self._reading: dict[AdapterRef, Future] = {}  # identities read back for waiting requests
         self._no_room: set[AdapterRef] = set()  # of those, read and waiting for room in host memory
         self._loads: list[_Load] = []
+        self._flush: Future | None = None  # the spill file's writes of copies that left host memory
 
     def readiness(self, ref: AdapterRef, first: bool = False) -> Readiness:
         """Whether `ref` is in host memory; if it is not, its read starts (if max_prefetch allows and it would
@@ -106,6 +109,8 @@ class AdapterLoader:
                 failed.append((ref, error))
         for load in [entry for entry in self._loads if entry.read is None or entry.read.done()]:
             self._install(load)
+        if self.store.spill.pending and (self._flush is None or self._flush.done()):
+            self._flush = self._executor.submit(self.store.spill.flush)
         return failed
 
     def _restore(self, ref: AdapterRef, read: Future) -> str | Readiness | None:

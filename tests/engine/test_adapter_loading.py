@@ -14,14 +14,20 @@ PARAMS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 @pytest.fixture()
 def reads(monkeypatch):
-    """The thread of every adapter read (AdapterStore.read: files -> checked host tensors)."""
-    threads, real = [], AdapterStore.read
+    """The thread of every adapter read: AdapterStore.read (files -> checked host tensors) and read_back (an
+    evicted identity: its files, or the spill file's copy)."""
+    threads, real_read, real_back = [], AdapterStore.read, AdapterStore.read_back
 
     def read(self, name, source, *known):
         threads.append(threading.current_thread().name)
-        return real(self, name, source, *known)
+        return real_read(self, name, source, *known)
+
+    def read_back(self, ref):
+        threads.append(threading.current_thread().name)
+        return real_back(self, ref)
 
     monkeypatch.setattr(AdapterStore, "read", read)
+    monkeypatch.setattr(AdapterStore, "read_back", read_back)
     return threads
 
 
@@ -45,13 +51,13 @@ def test_running_streams_keep_stepping_while_an_adapter_is_read(checkpoints, mon
     _, path, adapters = checkpoints["llama"]
     llm = make_llm(path, {"hot": adapters["r4"], "cold": adapters["r8_rslora"], "other": adapters["r16_patterns"]},
                    lora=LoRAConfig(max_loras=1, max_cpu_loras=2, max_lora_rank=64))
-    engine, real, streamed = llm.engine, AdapterStore.read, threading.Event()
+    engine, real, streamed = llm.engine, AdapterStore.read_back, threading.Event()
 
-    def slow_read(self, name, source, *known):
+    def slow_read(self, ref):
         assert streamed.wait(60), "the step loop did not stream while the adapter was read"
-        return real(self, name, source, *known)
+        return real(self, ref)
 
-    monkeypatch.setattr(AdapterStore, "read", slow_read)
+    monkeypatch.setattr(AdapterStore, "read_back", slow_read)
     assert not engine.adapters.cache.in_host(engine.adapters.identity_for("hot"))  # evicted by the later loads
     other = engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), "other")
     engine.step()

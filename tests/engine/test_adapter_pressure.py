@@ -219,24 +219,38 @@ def _read_back_digests(monkeypatch):
     return taken
 
 
-def test_a_read_back_of_files_that_look_unchanged_is_not_hashed_again(checkpoints, tmp_path, monkeypatch):  # noqa: F811
+def _digests_alone(monkeypatch):
+    """Each hash of adapter files that builds nothing (a read-back checking the spill file's copy)."""
+    from loramux.adapters import store as store_module
+
+    taken, real = [], store_module.digest_adapter
+    monkeypatch.setattr(store_module, "digest_adapter", lambda *a, **k: taken.append(True) or real(*a, **k))
+    return taken
+
+
+@pytest.mark.parametrize("spill", [0, 1 << 30], ids=["files", "spill"])
+def test_a_read_back_of_files_that_look_unchanged_is_not_hashed_again(checkpoints, tmp_path, monkeypatch, spill):  # noqa: F811
+    """With the spill file on, not even parsed and built: the copy built at the load comes back from there,
+    once its files are hashed while their look cannot be trusted yet, and with no hash after that."""
     from loramux.adapters import files
 
     _, path, adapters = checkpoints["llama"]
     upd = shutil.copytree(adapters["r4"], tmp_path / "upd")
     llm = make_llm(path, {"upd": upd, "other": adapters["r8_rslora"]},
-                   lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
+                   lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64, max_spill_bytes=spill))
     store, prompt = llm.engine.adapters.store, [5, 6, 7]
-    taken = _read_back_digests(monkeypatch)
+    taken, hashed = _read_back_digests(monkeypatch), _digests_alone(monkeypatch)
     first = store.current("upd")
     llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)
-    assert taken == [True]  # written a moment ago: a change within the same clock tick could hide, so hashed
+    # written a moment ago: a change within the same clock tick could hide, so hashed
+    assert (taken, hashed) == (([], [True]) if spill else ([True], []))
     monkeypatch.setattr(files, "RACY_NS", -10**18)  # as if every file were long untouched
     llm.generate([prompt], PARAMS, adapters=["other"], use_tqdm=False)
-    del taken[:]
+    del taken[:], hashed[:]
     got = llm.generate([prompt], PARAMS, adapters=["upd"], use_tqdm=False)[0].token_ids
-    assert taken == [False] and store.current("upd") == first
+    assert (taken, hashed) == (([], []) if spill else ([False], [])) and store.current("upd") == first
     assert got == alone(path, adapters["r4"], prompt)
+    assert (store.spill.read(store.current("other")) is not None) == bool(spill)  # it has left host memory now
 
 
 def test_a_rewrite_that_keeps_size_mtime_and_inode_is_still_a_new_version(checkpoints, tmp_path, monkeypatch):  # noqa: F811
