@@ -141,6 +141,8 @@ def serve(args) -> None:
         sys.exit(f"loramux serve: {e}")
     try:
         sys.exit(supervise(engine, config, args.lora_modules, args.log_level))
+    except ValueError as e:  # --listen-fd that is no listening socket
+        sys.exit(f"loramux serve: {e}")
     except OSError as e:  # the port is taken, ...
         sys.exit(f"loramux serve: cannot listen on {args.host}:{args.port}: {e}")
 
@@ -149,6 +151,8 @@ def _serve_scaleout(args) -> None:
     """--replicas N: the same server N times behind one endpoint, on Ray Serve (server/ray/ingress.py)."""
     if args.replicas < 1:
         sys.exit(f"loramux serve: --replicas must be >= 1, got {args.replicas}")
+    if args.listen_fd is not None:
+        sys.exit("loramux serve: --listen-fd is for one server; with --replicas, Ray Serve binds --host/--port")
     try:
         from loramux.server.ray import ingress as ray_ingress
     except ImportError as e:
@@ -206,7 +210,7 @@ def _server_config(args) -> ServerConfig:
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     if args.enable_auto_tool_choice and parser is None:
         sys.exit("--enable-auto-tool-choice needs --tool-call-parser (one of: hermes)")
-    config = ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+    config = ServerConfig(host=args.host, port=args.port, listen_fd=args.listen_fd, served_model_name=args.served_model_name,
                           api_key=args.api_key, public_metrics=args.public_metrics, tenants_file=args.tenants, allowed_adapter_dirs=tuple(args.allowed_adapter_dir),
                           lora_resolver_dirs=tuple(args.lora_resolver_dir), lora_resolver_hf=args.lora_resolver_hf,
                           lora_resolvers=tuple(args.lora_resolver), tool_call_parser=parser,
@@ -229,6 +233,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     scaleout = p.add_argument_group("scale-out (Ray Serve)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                        help="serve on this inherited, already listening socket instead of binding --host/--port (for "
+                             "a parent process that opened it: no one can take the port in between)")
     access.add_argument("--api-key", default=None, help="the operator's key: every route, every adapter")
     access.add_argument("--public-metrics", action="store_true",
                         help="/metrics without a key, as /health (for scrapers that send none, such as an inference "

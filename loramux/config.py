@@ -374,6 +374,10 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    listen_fd: int | None = None
+    """An inherited, already listening socket (its file descriptor) to serve on instead of binding host:port,
+    as a parent that opened it passes it on (run-batch; a process manager's socket activation): no other
+    process can take the port between the parent's choice and the server's start."""
     served_model_name: str | None = None
     """The name clients use for the base model; None = the model path's last component."""
     api_key: str | None = None

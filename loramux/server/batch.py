@@ -89,12 +89,12 @@ def run(input_path: str, output_path: str, serve_args: list[str], concurrency: i
 
 
 def _start_server(serve_args: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "loramux", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    """The server, on a socket opened here and handed over (--listen-fd): a port picked here and bound by the
+    server seconds later could be taken by another process meanwhile."""
+    with socket.create_server(("127.0.0.1", 0), backlog=2048) as sock:
+        cmd = [sys.executable, "-m", "loramux", "serve", *serve_args, "--listen-fd", str(sock.fileno())]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, pass_fds=(sock.fileno(),))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     while proc.poll() is None:  # start-up is the server's to bound (--engine-start-timeout)
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:

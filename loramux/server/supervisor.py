@@ -23,6 +23,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 from loramux.config import EngineConfig, ServerConfig
 from loramux.server.engine import prctl
@@ -34,7 +35,8 @@ BACKOFF_S = (0.5, 10.0)  # first and longest wait before starting a new front en
 
 def supervise(engine_config: EngineConfig, config: ServerConfig, lora_modules: list[str], log_level: str) -> int:
     """Serve until stopped; the exit code."""
-    sock = socket.create_server((config.host, config.port), backlog=2048)
+    sock = listening_socket(config)
+    config = replace(config, host=sock.getsockname()[0], port=sock.getsockname()[1])  # (an inherited one's, logged)
     state_dir = tempfile.mkdtemp(prefix="loramux-state-")
     supervisor = _Supervisor(sock, (engine_config, config, list(lora_modules), log_level,
                                     os.path.join(state_dir, "registry.json")))
@@ -43,6 +45,22 @@ def supervise(engine_config: EngineConfig, config: ServerConfig, lora_modules: l
     finally:
         sock.close()
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def listening_socket(config: ServerConfig) -> socket.socket:
+    """The socket to serve on: host:port bound here, or the inherited one (config.listen_fd), which must be a
+    listening TCP socket. OSError if the port is taken; ValueError for a descriptor that is no such socket."""
+    if config.listen_fd is None:
+        return socket.create_server((config.host, config.port), backlog=2048)
+    try:
+        sock = socket.socket(fileno=config.listen_fd)
+    except OSError as e:
+        raise ValueError(f"--listen-fd {config.listen_fd}: not an open socket ({e.strerror})") from None
+    if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6) or \
+            not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+        sock.detach()
+        raise ValueError(f"--listen-fd {config.listen_fd}: not a listening TCP socket")
+    return sock
 
 
 class _Supervisor:

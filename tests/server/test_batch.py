@@ -83,3 +83,28 @@ def test_a_bad_batch_file_stops_before_anything_runs(files, tmp_path, text, word
     source.write_text(text)
     result = run_batch(files, source, tmp_path / "out.jsonl")
     assert result.returncode != 0 and words in result.stderr and not (tmp_path / "out.jsonl").exists()
+
+
+def test_an_inherited_listening_socket_is_served_on_and_anything_else_is_refused():
+    """run-batch opens its server's socket and hands it over (--listen-fd): no other process can take the port
+    in between, as one did when the server was told a port picked earlier."""
+    import os
+    import socket
+
+    from loramux.config import ServerConfig
+    from loramux.server.supervisor import listening_socket
+
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        got = listening_socket(ServerConfig(listen_fd=listening.fileno()))
+        assert got.getsockname() == listening.getsockname()
+        got.detach()  # (the fd is listening's to close)
+    with socket.socket() as unbound:
+        with pytest.raises(ValueError, match="not a listening TCP socket"):
+            listening_socket(ServerConfig(listen_fd=unbound.fileno()))
+        assert unbound.fileno() >= 0  # left open: still the caller's
+    read, write = os.pipe()
+    try:
+        with pytest.raises(ValueError, match="not an open socket"):
+            listening_socket(ServerConfig(listen_fd=read))
+    finally:
+        os.close(read), os.close(write)
