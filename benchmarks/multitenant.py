@@ -150,7 +150,8 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
     if "on demand" in run:
         cmd += ["--lora-resolver-dir", root, "--max-cpu-loras", str(max(args.host_loras, args.max_loras))]
     elif "slow store" in run or "host 16" in run:
-        env = {**os.environ, "PYTHONPATH": EXAMPLES, "ADAPTER_STORE": root, "ADAPTER_STORE_DELAY_S": str(args.store_delay_s),
+        path = os.pathsep.join(filter(None, [EXAMPLES, os.environ.get("PYTHONPATH")]))  # (the caller's loramux too)
+        env = {**os.environ, "PYTHONPATH": path, "ADAPTER_STORE": root, "ADAPTER_STORE_DELAY_S": str(args.store_delay_s),
                "ADAPTER_CACHE": tempfile.mkdtemp(prefix="cache-", dir=os.path.dirname(root))}  # cold at every start
         host = HOST16_SLOTS if "host 16" in run else max(args.host_loras, args.max_loras)
         cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras", str(host)]
