@@ -151,14 +151,13 @@ def _serve_scaleout(args) -> None:
     """--replicas N: the same server N times behind one endpoint, on Ray Serve (server/ray/ingress.py)."""
     if args.replicas < 1:
         sys.exit(f"loramux serve: --replicas must be >= 1, got {args.replicas}")
-    if args.listen_fd is not None:
-        sys.exit("loramux serve: --listen-fd is for one server; with --replicas, Ray Serve binds --host/--port")
     try:
         from loramux.server.ray import ingress as ray_ingress
     except ImportError as e:
         sys.exit(f"loramux serve --replicas needs Ray Serve: pip install 'ray[serve]' ({e})")
     try:
         engine, config = _engine_config(args, "server"), _server_config(args)
+        ray_ingress.check(config)
         for spec in args.lora_modules:
             parse_adapter_arg(spec)
     except ValueError as e:

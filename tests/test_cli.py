@@ -119,6 +119,8 @@ def test_serve_replicas_runs_the_ray_serve_app_with_its_flags(monkeypatch):
     assert (modules, replicas, address, per_replica, server.port) == (["a=/x/a"], 3, "10.0.0.1:6379", 5, 8124)
     with pytest.raises(SystemExit, match="--replicas must be >= 1"):
         main(["serve", "--replicas", "-1"])
+    with pytest.raises(SystemExit, match="--listen-fd .* is for one server"):
+        main(["serve", "--replicas", "2", "--listen-fd", "3"])  # Serve binds its own socket: not taken and ignored
 
 
 def test_prepare_builds_every_cpu_kernel_and_the_default_models_files(capsys):

@@ -536,12 +536,19 @@ def scaleout_app(engine_config: EngineConfig, server_config: ServerConfig | None
     return ingress.bind(replicas_app, registry_app, server_config)
 
 
+def check(server_config: ServerConfig) -> None:
+    """ValueError for what a server on Ray Serve cannot honour."""
+    if server_config.listen_fd is not None:
+        raise ValueError("--listen-fd (listen_fd) is for one server: with --replicas, Ray Serve binds --host/--port")
+
+
 def run(engine_config: EngineConfig, server_config: ServerConfig, lora_modules=(), replicas: int = 2,
         address: str | None = None, max_adapters_per_replica: int = 16) -> None:
     """`loramux serve --replicas N`: start (or join, with `address`) a Ray cluster, serve until SIGINT/SIGTERM.
     On a local cluster each replica gets an equal share of the CPUs (Ray's reservation and its engine's
     threads, unless --num-threads says otherwise). Where the cluster has GPUs each replica reserves one (a
     share, with fewer GPUs than replicas: then give each engine a KV-cache budget, as they share the memory)."""
+    check(server_config)
     import ray
 
     # Ray runs its workers at nice 15, below its own daemons and anything else on the machine: an engine there
