@@ -241,11 +241,18 @@ class SpillFile:
                 merged[-1] = (merged[-1][0], merged[-1][1] + size)
             else:
                 merged.append((start, size))
-        if merged and merged[-1][0] + merged[-1][1] == self._end:
+        if merged and merged[-1][0] + merged[-1][1] == self._end and self._shrink(merged[-1][0]):
             self._end = merged.pop()[0]
-            if self._file is not None:
-                self._file.truncate(self._end)
         self._free = merged
+
+    def _shrink(self, size: int) -> bool:
+        """Cut the file to `size` bytes (its free end); False if it cannot be (the end stays free, for reuse)."""
+        try:
+            if self._file is not None:
+                self._file.truncate(size)
+        except OSError:
+            return False
+        return True
 
 
 def _rebuild(buffer: torch.Tensor, entry: _Entry) -> AdapterWeights:
