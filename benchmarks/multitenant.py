@@ -22,6 +22,10 @@ among the run's. Runs:
                                  all in host memory ("loramux 64 / 1000, all in host, 16 slots"). Every request
                                  must succeed (the `failed` count), at >= 0.9x the throughput and <= 1.10x the
                                  TPOT p99 of all in host.
+  loramux 64, registered, host tier 16, 16 slots
+                                 the host tier's pressure alone: the 64 adapters registered at start (no store, no
+                                 first read during the run), 16 slots and a host tier of 16, against the same
+                                 all in host
 With --repeats N each run is done N times, the runs in the order given, then in the reverse order, and so on
 (ABBA: on a shared 2-core machine the speed drifts by 5-10% within minutes, which otherwise lands on whichever
 side ran second), and each number is the mean over a run's repeats.
@@ -68,7 +72,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 RUNS = ("loramux 8", "loramux 128", "loramux 1000", "loramux 1000, on demand", "loramux 1000, slow store",
         "loramux 1000, all in host", "vllm 8", "vllm 1000", "loramux base", "vllm base",
         "loramux 64, host 16", "loramux 64, all in host, 16 slots", "loramux 1000, host 16",
-        "loramux 1000, all in host, 16 slots")
+        "loramux 1000, all in host, 16 slots", "loramux 64, registered, host tier 16, 16 slots")
 HOST16_SLOTS = 16
 CAPACITY_SHARE = 0.9  # of the requests that must meet both SLOs at a rate within the capacity
 TRACE_SIDES = ("loramux", "vllm")
@@ -157,7 +161,8 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
         cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras", str(host)]
     else:
         host = count if count <= 128 or "all in host" in run else args.host_loras
-        cmd += ["--max-cpu-loras", str(max(host, args.max_loras)), *lora]
+        host = HOST16_SLOTS if "host tier 16" in run else host
+        cmd += ["--max-cpu-loras", str(max(host, max_loras)), *lora]
     return serve(cmd, port, timeout_s=1200, env=env)
 
 
@@ -407,6 +412,7 @@ def ratios(report: dict) -> dict:
     runs, found = report["runs"], {}
     tput = {run: r["output_throughput"] for run, r in runs.items()}
     pairs = [("loramux 64, host 16", "loramux 64, all in host, 16 slots"),
+             ("loramux 64, registered, host tier 16, 16 slots", "loramux 64, all in host, 16 slots"),
              ("loramux 1000, host 16", "loramux 1000, all in host, 16 slots"),
              ("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000, all in host"),
              ("loramux 1000, slow store", "loramux 1000, all in host"), ("loramux 8", "vllm 8"),
@@ -418,6 +424,7 @@ def ratios(report: dict) -> dict:
     for a, b in (("loramux 1000, on demand", "loramux 1000, all in host"),
                  ("loramux 1000, slow store", "loramux 1000, all in host"),
                  ("loramux 64, host 16", "loramux 64, all in host, 16 slots"),
+                 ("loramux 64, registered, host tier 16, 16 slots", "loramux 64, all in host, 16 slots"),
                  ("loramux 1000, host 16", "loramux 1000, all in host, 16 slots")):
         if a in runs and b in runs:
             found[f"{a} / {b}: TPOT p99"] = runs[a]["p99_tpot_ms"] / runs[b]["p99_tpot_ms"]

@@ -182,6 +182,10 @@ def test_the_host_16_runs_hold_16_adapters_in_host_memory_and_16_slots(tmp_path,
     baseline = module.start("loramux 64, all in host, 16 slots", args, "M", {f"t{i}": "/a" for i in range(64)},
                             str(tmp_path))
     assert (flag(baseline, "--max-loras"), flag(baseline, "--max-cpu-loras")) == ("16", "64")
+    registered = module.start("loramux 64, registered, host tier 16, 16 slots", args, "M",
+                              {f"t{i}": "/a" for i in range(64)}, str(tmp_path))
+    assert flag(registered, "--max-loras") == flag(registered, "--max-cpu-loras") == "16"
+    assert "--lora-modules" in registered and "store_resolver:StoreResolver" not in registered  # no store: pressure alone
     assert flag(module.start("loramux 8", args, "M", {"t0": "/a"}, str(tmp_path)), "--max-loras") == str(args.max_loras)
 
 
