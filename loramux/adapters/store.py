@@ -377,6 +377,7 @@ class AdapterStore:
             self._sources[ref] = source
             self._digests[ref], self._signatures[ref] = weights.digest, weights.signature
         if parked:
+            self.spill.hold(ref, weights)  # read back from there when its requests need it, not read and built again
             return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded (read into host memory when its "
                                                   "requests need it: requests in use hold the room now)")
         return LoRAResult(LoRAStatus.SUCCESS, f"adapter {ref.name!r} loaded")

@@ -71,9 +71,10 @@ def test_changed_files_that_no_longer_load_fail_their_requests_with_the_reason(c
     assert out.finish_reason == "error" and "not a safetensors file" in out.error
 
 
-def test_a_load_into_a_host_tier_full_of_adapters_in_use_waits_instead_of_failing(checkpoints):  # noqa: F811
+def test_a_load_into_a_host_tier_full_of_adapters_in_use_waits_instead_of_failing(checkpoints, monkeypatch):  # noqa: F811
     """max_cpu_loras=1 and "a" running: a runtime load of "c" used to be refused (400); now it is registered at
-    once and read into host memory when "a"'s request is done, and "c"'s request gets c's tokens."""
+    once and read into host memory when "a"'s request is done, and "c"'s request gets c's tokens. The copy
+    built at the load waits in the spill file: the files are not read and built a second time."""
     _, path, adapters = checkpoints["llama"]
     llm = make_llm(path, {"a": adapters["r4"]}, lora=LoRAConfig(max_loras=1, max_cpu_loras=1, max_lora_rank=64))
     engine = llm.engine
@@ -85,8 +86,10 @@ def test_a_load_into_a_host_tier_full_of_adapters_in_use_waits_instead_of_failin
         engine.core.loader.wait(0.01)
     assert loaded.result().status is LoRAStatus.SUCCESS, loaded.result()
     assert "requests in use hold the room" in loaded.result().message
+    taken = _read_back_digests(monkeypatch)
     c = engine.add_request([9, 8, 7], PARAMS, "c")
     done = run_until_done(engine, {running, c})
+    assert taken == []  # c's read-back took the parked copy
     assert done[c].finish_reason == "length" and done[c].token_ids == alone(path, adapters["r16_patterns"], [9, 8, 7])
     assert done[running].token_ids == alone(path, adapters["r4"], [5, 6, 7], LONG)
 
