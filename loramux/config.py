@@ -78,6 +78,11 @@ GPU_STEP_TOKENS = {"offline": (8192, 16384), "server": (2048, 8192)}
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def cache_dir() -> str:
+    """loramux's cache directory: $XDG_CACHE_HOME/loramux, or ~/.cache/loramux."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loramux")
+
+
 def _check_positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -97,8 +102,8 @@ class LoRAConfig:
     fits. Sizes differ by orders of magnitude (q/v LoRA against every MoE expert and a saved head)."""
     max_spill_bytes: int = 4 << 30
     """Disk for the host copies of adapters that left host memory, as they were built (adapters/spill.py): one
-    that comes back while its files look unchanged is read from there in one read instead of being parsed,
-    checked and built again from its files (about a tenth of the CPU). Least recently read leave first; 0 = off
+    that comes back while its files still hold what was loaded is read from there in one read instead of being
+    parsed, checked and built again from its files (about a tenth of the CPU). Least recently read leave first; 0 = off
     (every read-back reads the adapter's own files)."""
     spill_dir: str | None = None
     """Where that disk is: an anonymous file (gone with the process) is made in this directory. None: loramux's
@@ -166,8 +171,7 @@ class LoRAConfig:
 
     @property
     def spill_directory(self) -> str:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        return self.spill_dir or os.path.join(cache, "loramux", "spill")
+        return self.spill_dir or os.path.join(cache_dir(), "spill")
 
 
 @dataclass(frozen=True)

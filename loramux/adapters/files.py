@@ -45,7 +45,7 @@ def read_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str,
     """A PEFT adapter directory, or a lone `.safetensors` file (read_adapter_file; lora_alpha is for it).
     digest False: no digest ("", a quarter of a read's CPU), for a read whose files are known unchanged."""
     seen = hashlib.sha256() if digest else None  # (with SHA extensions ~2x blake2b's speed: ~5 ms for 10 MB)
-    if isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path):
+    if _lone_file(path):
         config, tensors = read_adapter_file(path, lora_alpha, allowed_dirs, max_weight_bytes, seen)
     elif lora_alpha is not None:
         raise InvalidAdapterError(f"lora_alpha is for a lone .safetensors file; the adapter directory {path!r} "
@@ -98,16 +98,27 @@ def unchanged(now: Signature, then: Signature | None) -> bool:
     return all(stat is None or stat[2] < then.taken_ns - RACY_NS for stat in then.stats)
 
 
+def _lone_file(path) -> bool:
+    """Whether `path` names a lone .safetensors file of LoRA pairs (read_adapter_file), not a directory."""
+    return isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path)
+
+
+def _sidecar(path: str) -> str:
+    """A lone file's PEFT config, where there is one: x.json beside x.safetensors, or the directory's
+    adapter_config.json beside an adapter_model.safetensors."""
+    if path.endswith(SAFETENSORS_FILE):
+        return os.path.join(os.path.dirname(path), CONFIG_FILE)
+    return path.removesuffix(".safetensors") + ".json"
+
+
 def digest_adapter(path: str, allow_pickle: bool = False, allowed_dirs: tuple[str, ...] = (),
                    max_weight_bytes: int | None = None) -> str:
     """read_adapter's digest of the adapter at `path`, from the same files read the same way, but nothing parsed
     or built (about a third of a read's CPU): whether the files still hold what an earlier read saw."""
     seen = hashlib.sha256()
-    if isinstance(path, str) and path.endswith(".safetensors") and os.path.isfile(path):
+    if _lone_file(path):
         read_bytes(path, allowed_dirs, max_weight_bytes, seen)
-        stem = path.removesuffix(".safetensors")
-        sidecar = os.path.join(os.path.dirname(path), CONFIG_FILE) if path.endswith(SAFETENSORS_FILE) else stem + ".json"
-        if os.path.lexists(sidecar):
+        if os.path.lexists(sidecar := _sidecar(path)):
             read_bytes(sidecar, allowed_dirs, MAX_CONFIG_BYTES, seen)
         return seen.hexdigest()
     _check_dir(path)
@@ -142,8 +153,7 @@ def read_adapter_file(path: str, lora_alpha: float | None = None, allowed_dirs: 
     the shapes, targets from the names, lora_alpha from the caller). A caller's lora_alpha that differs from
     a sidecar's is refused: which one holds is not clear."""
     tensors = _read_safetensors(path, allowed_dirs, max_weight_bytes, seen)
-    stem = path.removesuffix(".safetensors")
-    sidecar = os.path.join(os.path.dirname(path), CONFIG_FILE) if path.endswith(SAFETENSORS_FILE) else stem + ".json"
+    sidecar = _sidecar(path)
     if not os.path.lexists(sidecar):
         return config_from_tensors(tensors, lora_alpha, path), tensors
     config = _read_config(sidecar, path, allowed_dirs, seen)

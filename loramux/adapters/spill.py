@@ -4,9 +4,10 @@ skips the build.
 Reading an adapter back from its own files means parsing them and building its host copy again (casts,
 scaling folded into B, value checks, rank-major B's): ~10-14 ms of CPU for a rank-8 adapter of a 135M model,
 and on a CPU that runs on the cores the steps compute on, slowing them by about twice as much. An identity's
-built tensors never change, so the first time it leaves host memory they are written to one anonymous file
-(gone with the process), and a read-back whose files look unchanged (files.unchanged) reads them from there:
-one read and a view per tensor (~1 ms). Files that look changed are read and hashed as before.
+built tensors never change, so the first time it leaves host memory (or is parked by a load that found no
+room) they are written to one anonymous file (gone with the process), and a read-back whose files still hold
+what was loaded (AdapterStore._still_loaded) reads them from there: one read and a view per tensor (~1 ms).
+Files that hold something else are read as before.
 
 The file holds at most max_bytes; the entries read least recently leave first (their identities are read
 from their own files again). Extents are reused first fit. Threads: the step loop hands copies over and

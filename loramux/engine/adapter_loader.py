@@ -6,8 +6,8 @@ waiting requests' adapters: a read ahead of the head of the queue only where it 
 requests do not want, AdapterCache.room_ahead), and a new load (a runtime load from the admin route). Reads
 run one at a time on the loader thread and touch nothing of the store's; what they produced is installed by
 the step loop between steps (`install_ready`), where the cache and the store change. The same thread writes
-the host copies that leave host memory to the store's spill file (adapters/spill.py), which reads back of
-files that look unchanged read instead. Meanwhile every running stream keeps stepping, and a request waits in
+the host copies that leave host memory to the store's spill file (adapters/spill.py), which a read-back
+takes instead of the files while they still hold what was loaded. Meanwhile every running stream keeps stepping, and a request waits in
 the queue until its adapter is in host memory.
 
 Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays

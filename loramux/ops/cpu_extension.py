@@ -20,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
+from loramux.config import cache_dir
+
 logger = logging.getLogger(__name__)
 CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
@@ -66,8 +68,7 @@ def load_extension(name: str):
         with open(path, "rb") as f:
             digest.update(f.read())
     digest = digest.hexdigest()[:12]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    build_dir = os.path.join(root, "loramux", "torch_extensions", f"{name}_{digest}")
+    build_dir = os.path.join(cache_dir(), "torch_extensions", f"{name}_{digest}")
     try:
         return _build(f"loramux_{name}_{digest}", source, build_dir, cflags)
     except Exception as e:  # no compiler, no ninja, ...: the torch path still works
