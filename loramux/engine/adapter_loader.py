@@ -155,6 +155,12 @@ class AdapterLoader:
         """The reads started and not installed yet (done or not)."""
         return [*self._reading.values(), *(load.read for load in self._loads if load.read is not None)]
 
+    @property
+    def writing(self) -> list[Future]:
+        """The spill file's writes under way (one flush at most): what a caller that needs the loader idle waits
+        for besides `pending`."""
+        return [self._flush] if self._flush is not None and not self._flush.done() else []
+
     def wait(self, timeout_s: float) -> None:
         """Block until a read finishes, or for timeout_s (an idle step loop must not spin, also while what was
         read waits for room)."""

@@ -173,12 +173,13 @@ class Lifecycle(RuleBasedStateMachine):
                 self.admitted[rid] = seq.adapter_ref
 
     def _settle_reads(self):
-        """Every adapter read the engine started has finished before the next step. Reads run on the loader
-        thread; which step installs one must not depend on its timing, or an example would not run the same way
-        twice (hypothesis replays examples' prefixes and expects the same draws)."""
+        """Every adapter read the engine started, and the spill file's writes, have finished before the next step.
+        Both run on the loader thread; which step installs a read, or whether a read-back finds the spilled copy
+        written, must not depend on timing, or an example would not run the same way twice (hypothesis replays
+        examples' prefixes and expects the same draws)."""
         loader = self.engine.core.loader
         if loader is not None:
-            concurrent.futures.wait(loader.pending)
+            concurrent.futures.wait([*loader.pending, *loader.writing])
 
     def _check_finished(self, out):
         if not out.finished:

@@ -172,10 +172,10 @@ class Pressure(RuleBasedStateMachine):
                 assert self.version_of[rid] in self.history[self.requests[rid][0]]
 
     def _settle_reads(self):
-        """Every read the loader started has finished before the next rule (as in test_adapter_lifecycle):
-        which step installs a read must not depend on its timing, for hypothesis to replay an example."""
+        """Every read the loader started, and the spill file's writes, have finished before the next rule (as in
+        test_adapter_lifecycle): no step may depend on their timing, for hypothesis to replay an example."""
         loader = self.engine.core.loader
-        concurrent.futures.wait(loader.pending)
+        concurrent.futures.wait([*loader.pending, *loader.writing])
 
     def _answered(self):
         for name, future in list(self.loads.items()):
