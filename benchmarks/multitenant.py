@@ -22,6 +22,8 @@ among the run's. Runs:
                                  all in host memory ("loramux 64 / 1000, all in host, 16 slots"). Every request
                                  must succeed (the `failed` count), at >= 0.9x the throughput and <= 1.10x the
                                  TPOT p99 of all in host.
+  loramux 64, host 64, 16 slots  the same store and 16 slots as "loramux 64, host 16", with a host tier holding all 64:
+                                 what the host tier's pressure costs the on-demand run, with the same first reads
   loramux 64, registered, host tier 16, 16 slots
                                  the host tier's pressure alone: the 64 adapters registered at start (no store, no
                                  first read during the run), 16 slots and a host tier of 16, against the same
@@ -55,6 +57,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import statistics
 import threading
 import sys
@@ -72,8 +75,11 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 RUNS = ("loramux 8", "loramux 128", "loramux 1000", "loramux 1000, on demand", "loramux 1000, slow store",
         "loramux 1000, all in host", "vllm 8", "vllm 1000", "loramux base", "vllm base",
         "loramux 64, host 16", "loramux 64, all in host, 16 slots", "loramux 1000, host 16",
-        "loramux 1000, all in host, 16 slots", "loramux 64, registered, host tier 16, 16 slots")
+        "loramux 1000, all in host, 16 slots", "loramux 64, registered, host tier 16, 16 slots",
+        "loramux 64, host 64, 16 slots")
 HOST16_SLOTS = 16
+HOST_TIER = re.compile(r"\bhost (\d+)\b")
+"""In a run's name, the host tier of a run whose adapters come through the slow store on their first request."""
 CAPACITY_SHARE = 0.9  # of the requests that must meet both SLOs at a rate within the capacity
 TRACE_SIDES = ("loramux", "vllm")
 WORDS = "the a ship sails north over calm grey water while gulls circle and the crew sings of home".split()
@@ -153,11 +159,12 @@ def start(run: str, args, model: str, adapters: dict[str, str], root: str):
     env = None
     if "on demand" in run:
         cmd += ["--lora-resolver-dir", root, "--max-cpu-loras", str(max(args.host_loras, args.max_loras))]
-    elif "slow store" in run or "host 16" in run:
+    elif "slow store" in run or HOST_TIER.search(run):
         path = os.pathsep.join(filter(None, [EXAMPLES, os.environ.get("PYTHONPATH")]))  # (the caller's loramux too)
         env = {**os.environ, "PYTHONPATH": path, "ADAPTER_STORE": root, "ADAPTER_STORE_DELAY_S": str(args.store_delay_s),
                "ADAPTER_CACHE": tempfile.mkdtemp(prefix="cache-", dir=os.path.dirname(root))}  # cold at every start
-        host = HOST16_SLOTS if "host 16" in run else max(args.host_loras, args.max_loras)
+        tier = HOST_TIER.search(run)
+        host = int(tier.group(1)) if tier else max(args.host_loras, args.max_loras)
         cmd += ["--lora-resolver", "store_resolver:StoreResolver", "--max-cpu-loras", str(host)]
     else:
         host = count if count <= 128 or "all in host" in run else args.host_loras
@@ -412,6 +419,7 @@ def ratios(report: dict) -> dict:
     runs, found = report["runs"], {}
     tput = {run: r["output_throughput"] for run, r in runs.items()}
     pairs = [("loramux 64, host 16", "loramux 64, all in host, 16 slots"),
+             ("loramux 64, host 16", "loramux 64, host 64, 16 slots"),
              ("loramux 64, registered, host tier 16, 16 slots", "loramux 64, all in host, 16 slots"),
              ("loramux 1000, host 16", "loramux 1000, all in host, 16 slots"),
              ("loramux 1000", "loramux 8"), ("loramux 1000, on demand", "loramux 1000, all in host"),
@@ -424,6 +432,7 @@ def ratios(report: dict) -> dict:
     for a, b in (("loramux 1000, on demand", "loramux 1000, all in host"),
                  ("loramux 1000, slow store", "loramux 1000, all in host"),
                  ("loramux 64, host 16", "loramux 64, all in host, 16 slots"),
+                 ("loramux 64, host 16", "loramux 64, host 64, 16 slots"),
                  ("loramux 64, registered, host tier 16, 16 slots", "loramux 64, all in host, 16 slots"),
                  ("loramux 1000, host 16", "loramux 1000, all in host, 16 slots")):
         if a in runs and b in runs:

@@ -186,6 +186,10 @@ def test_the_host_16_runs_hold_16_adapters_in_host_memory_and_16_slots(tmp_path,
                               {f"t{i}": "/a" for i in range(64)}, str(tmp_path))
     assert flag(registered, "--max-loras") == flag(registered, "--max-cpu-loras") == "16"
     assert "--lora-modules" in registered and "store_resolver:StoreResolver" not in registered  # no store: pressure alone
+    same_store = module.start("loramux 64, host 64, 16 slots", args, "M", {f"t{i}": "/a" for i in range(64)},
+                              str(tmp_path))
+    assert (flag(same_store, "--max-loras"), flag(same_store, "--max-cpu-loras")) == ("16", "64")
+    assert "--lora-modules" not in same_store and "store_resolver:StoreResolver" in same_store  # the same first reads
     assert flag(module.start("loramux 8", args, "M", {"t0": "/a"}, str(tmp_path)), "--max-loras") == str(args.max_loras)
 
 
