@@ -62,6 +62,7 @@ def run_engine(config: EngineConfig, adapters: list[AdapterRecord], ipc_dir: str
         outbox.close(linger=2000)  # let the message reach the front end before the process ends
         raise SystemExit(1) from e
     messages = Inbox(inbox, loop.read_ahead)
+    prctl.freeze_startup_heap("engine")  # the model and the start-up adapters are in
     try:
         while True:
             for msg in messages.take(loop.poll_ms):

@@ -33,6 +33,7 @@ from loramux.server.http.adapter_admin import AGAIN, REPLACE, Upload, load_kind
 from loramux.server.http.admission import Admission, Ticket
 from loramux.server.http.aliases import Alias, Aliases, make_alias, target_name
 from loramux.server.http.errors import HTTPError, combination_part
+from loramux.server.engine import prctl
 from loramux.server.engine.engine_client import ControlError, EngineClient, EngineDeadError, Supervision
 from loramux.server.http.choices import Choice, new_choices, run_choices
 from loramux.server.http.grammar_checker import GrammarChecker, GrammarSource
@@ -224,6 +225,7 @@ class APIServer:
             self.model_root, self.max_model_len = ready.model_name, ready.max_model_len
             self.model_name = self.config.served_model_name or os.path.basename(ready.model_name.rstrip("/"))
             self.grammars = GrammarChecker(self._grammar_source(ready), self.grammar_limits, workers=2)
+            prctl.freeze_startup_heap("front end")  # its start-up is done
         for seconds in ready.load_seconds.values():
             self.metrics.load_seconds.labels("registered").observe(seconds)
         for name, why in ready.failed_adapters.items():
