@@ -1,9 +1,10 @@
 """Faults against a running `loramux serve`: the engine killed, frozen or orphaned, the server told to stop,
 clients that go away, and more work than the server admits. Each ends in a clear error for the requests
 it touches and a server that serves again."""
+import contextlib
 import glob
-import re
 import os
+import re
 import signal
 import threading
 import time
@@ -212,29 +213,39 @@ def test_sigterm_lets_a_running_request_finish_within_the_grace_period(files):
     client = openai_client(url)
     pid = engine_pid(proc.pid)
     os.kill(pid, signal.SIGSTOP)
-    chunks = []
+    chunks, errors = [], []
 
     def ask():
-        chunks.extend(client.completions.create(model="s1", prompt="x", max_tokens=30, temperature=0, stream=True,
-                                                extra_body={"ignore_eos": True}))
+        try:
+            chunks.extend(client.completions.create(model="s1", prompt="x", max_tokens=30, temperature=0, stream=True,
+                                                    extra_body={"ignore_eos": True}))
+        except Exception as e:
+            errors.append(e)
 
     asking = threading.Thread(target=ask)
     asking.start()
-    wait_until(lambda: metric(url, "loramux:pending_requests") == 1, 10, "the request in flight")
-    proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: health(url) != 200, 10, "the server stops taking work")
-    with pytest.raises(httpx.HTTPError):  # a new request is not served (connection refused, or 503 on a kept one)
-        response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
-        response.raise_for_status()
     try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pytest.fail(f"the frozen engine (pid {pid}) was gone before SIGCONT; its log:\n{server_log(proc)[-6000:]}")
-    asking.join(60)
-    assert not asking.is_alive() and chunks[-1].choices[0].finish_reason == "length"
-    text = "".join(c.choices[0].text for c in chunks)
-    assert text == complete_offline(files, "s1", "x", 30)  # every token, as if no signal had come
-    assert proc.wait(20) == 0
+        wait_until(lambda: metric(url, "loramux:pending_requests") == 1, 10, "the request in flight")
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: health(url) != 200, 10, "the server stops taking work")
+        with pytest.raises(httpx.HTTPError):  # a new request is not served (connection refused, or 503 on a kept one)
+            response = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+            response.raise_for_status()
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pytest.fail(f"the frozen engine (pid {pid}) was gone before SIGCONT; its log:\n{server_log(proc)[-6000:]}")
+        asking.join(60)
+        assert not asking.is_alive() and not errors, errors
+        assert chunks[-1].choices[0].finish_reason == "length"
+        text = "".join(c.choices[0].text for c in chunks)
+        assert text == complete_offline(files, "s1", "x", 30)  # every token, as if no signal had come
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:  # (a failure above: the frozen engine must not outlive the test)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            proc.kill()
 
 
 def complete_offline(files, adapter: str, prompt: str, max_tokens: int) -> str:
