@@ -7,8 +7,8 @@ requests do not want, AdapterCache.room_ahead), and a new load (a runtime load f
 run one at a time on the loader thread and touch nothing of the store's; what they produced is installed by
 the step loop between steps (`install_ready`), where the cache and the store change. The same thread writes
 the host copies that leave host memory to the store's spill file (adapters/spill.py), which a read-back
-takes instead of the files while they still hold what was loaded. Meanwhile every running stream keeps stepping, and a request waits in
-the queue until its adapter is in host memory.
+takes instead of the files while they still hold what was loaded. Meanwhile every running stream keeps
+stepping, and a request waits in the queue until its adapter is in host memory.
 
 Pressure waits: a read whose adapter finds no room in host memory because requests in use hold it stays
 read and is installed as soon as they finish (the scheduler stops admitting new work for it when the head of
